@@ -1,0 +1,5 @@
+import sys
+
+from stagedspec.cli import main
+
+sys.exit(main())

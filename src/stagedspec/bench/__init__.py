@@ -1,0 +1,1 @@
+"""Benchmarks: methods measured side by side in one run, reported as ratios."""

@@ -1,0 +1,1 @@
+"""Drafters: everything that proposes token trees for a stage above it."""

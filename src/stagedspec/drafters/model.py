@@ -1,0 +1,115 @@
+"""A small transformer as the drafter (one speculation stage).
+
+The draft keeps its own static KV cache holding the committed context.  Each
+proposal first runs the context tokens it has not seen (the last step's
+accepted path and bonus token, usually 1-5 tokens, in one pass), then grows a
+tree with `grow_tree`, one draft forward per round of expansions.  Tree nodes
+are cached temporarily, each seeing only its ancestors through a full-width
+mask, and dropped afterwards; the accepted ones come back as context next
+time, which costs nothing extra because that pass is needed anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.transformer import Transformer
+from stagedspec.sampling import SamplingParams
+from stagedspec.tree import TokenTree, grow_tree
+
+
+class ModelDrafter:
+    """Proposes trees ("tree", best-first) or chains ("chain") from a draft model."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        method: str = "tree",
+        budget: int = 16,
+        max_depth: int = 6,
+        branching: int = 4,
+        chain_length: int = 4,
+        width: int | None = None,
+        name: str = "draft",
+        max_len: int | None = None,
+    ) -> None:
+        if method not in ("tree", "chain"):
+            raise StagedSpecError(f"unknown draft method {method!r}: use 'tree' or 'chain'")
+        for label, value in (("tree budget", budget), ("tree depth", max_depth), ("draft-k", chain_length),
+                             ("branching", branching)):
+            if value < 1:
+                raise StagedSpecError(f"{label} must be >= 1, got {value}")
+        self.model = model
+        self.method = method
+        self.budget, self.max_depth, self.branching = budget, max_depth, branching
+        self.chain_length, self.width, self.name = chain_length, width, name
+        self.max_len = max_len or model.config.max_position
+        self.cache = model.new_cache(self.max_len + self.max_nodes + 1)
+        self.device = model.embed.weight.device
+        self.forward_passes = 0
+
+    @property
+    def max_nodes(self) -> int:
+        return self.chain_length if self.method == "chain" else self.budget
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.cache.reset()
+
+    def _run(self, tokens: list[int], positions: Tensor, mask: Tensor | None, rows: slice | None) -> Tensor:
+        self.forward_passes += 1
+        toks = torch.tensor([tokens], device=self.device)
+        logits = self.model(toks, positions, self.cache, tree_mask=mask, logits_rows=rows)[0]
+        self.cache.commit()
+        return logits
+
+    def propose(
+        self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
+    ) -> TokenTree:
+        # 1. Catch up with the committed context (its last token is the root).
+        seen = self.cache.length
+        if seen >= len(context):  # never happens in the loop; keeps the root's logits honest
+            self.cache.truncate(len(context) - 1)
+            seen = self.cache.length
+        new = list(context[seen:])
+        root_logits = self._run(new, torch.arange(seen, len(context), device=self.device), None, slice(-1, None))
+        base = self.cache.length  # == len(context); the root sits at slot base - 1
+        slot = {0: base - 1}
+        depth_of = {0: 0}
+
+        def expand(tree: TokenTree, nodes: list[int]) -> Tensor:
+            if nodes == [0]:
+                return root_logits
+            start = self.cache.length
+            n = len(nodes)
+            mask = torch.zeros(n, start + n, dtype=torch.bool)
+            mask[:, :base] = True
+            for r, node in enumerate(nodes):
+                slot[node] = start + r
+                depth_of[node] = depth_of[tree.parents[node]] + 1
+                a = node
+                while a > 0:
+                    mask[r, slot[a]] = True
+                    a = tree.parents[a]
+            positions = torch.tensor([base - 1 + depth_of[x] for x in nodes], device=self.device)
+            return self._run([tree.tokens[x] for x in nodes], positions, mask, None)
+
+        depth = max(1, min(self.max_depth if self.method == "tree" else self.chain_length, max_tokens))
+        if self.method == "chain":
+            k = min(self.chain_length, depth)
+            if sampling.greedy:
+                tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="topk",
+                                 budget=k, max_depth=k, branching=1, width=1, proposer=self.name)
+            else:
+                tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="sampled",
+                                 budget=k, max_depth=k, branching=[1] * k, proposer=self.name)
+        else:
+            tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="topk",
+                             budget=self.budget, max_depth=depth, branching=self.branching, width=self.width,
+                             proposer=self.name)
+        self.cache.truncate(base)
+        return tree

@@ -1,0 +1,9 @@
+"""One exception type for every problem a user can cause.
+
+The CLI turns a `StagedSpecError` into a one-line message and a non-zero exit
+code; anything else is a bug and keeps its traceback.
+"""
+
+
+class StagedSpecError(Exception):
+    """A problem with the user's input (path, file, parameter), stated in one line."""

@@ -1,0 +1,257 @@
+"""The decoding loop: one loop for autoregressive and speculative decoding.
+
+Every step, a drafter proposes a `TokenTree` rooted at the last committed
+token; the oracle scores all its nodes in one forward pass; `verify` picks
+the accepted path and the oracle's own next token; the oracle keeps the KV
+entries of the root and the accepted path.  Autoregressive decoding is the
+same loop with a drafter that proposes nothing (a root-only tree), so the
+baseline and every speculative method share their stopping, sampling and
+bookkeeping code — which is what makes "identical to `ar`" a meaningful test.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.transformer import Transformer
+from stagedspec.sampling import SamplingParams
+from stagedspec.tree import TokenTree
+
+
+class Oracle(Protocol):
+    """The model whose output must be reproduced exactly."""
+
+    forward_passes: int
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def score(self, tree: TokenTree) -> Tensor:
+        """Logits [N, V]: row i is the next-token distribution after the path to node i."""
+        ...
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        """Keep the root and the `accepted` nodes (in order) of the last scored tree."""
+        ...
+
+
+class Drafter(Protocol):
+    """Anything that proposes token trees: a draft model, an n-gram, a stage chain."""
+
+    forward_passes: int
+
+    def begin(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(
+        self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
+    ) -> TokenTree:
+        """A tree rooted at `context[-1]`; paths longer than `max_tokens` are wasted work."""
+        ...
+
+
+class ModelOracle:
+    """Runs a `Transformer` with its own static KV cache as the oracle of the loop."""
+
+    def __init__(self, model: Transformer, max_len: int) -> None:
+        self.model = model
+        self.cache = model.new_cache(max_len)
+        self.forward_passes = 0
+        self.device = model.embed.weight.device
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        """Cache every prompt token but the last (the first step's root)."""
+        self.cache.reset()
+        head = list(prompt_ids[:-1])
+        if head:
+            toks = torch.tensor([head], device=self.device)
+            self.model(toks, torch.arange(len(head), device=self.device), self.cache, logits_rows=slice(-1, None))
+            self.cache.commit()
+
+    def score(self, tree: TokenTree) -> Tensor:
+        toks = torch.tensor([tree.tokens], device=self.device)
+        pos = tree.positions(self.cache.length, self.device)
+        mask = None if len(tree) == 1 else tree.attention_mask(self.device)
+        self.forward_passes += 1
+        return self.model(toks, pos, self.cache, tree_mask=mask)[0]
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        self.cache.commit([0, *accepted])
+
+
+class NoDrafter:
+    """Proposes nothing: the loop then decodes autoregressively."""
+
+    forward_passes = 0
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        pass
+
+    def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+        return TokenTree([context[-1]], [-1])
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    oracle_forward_passes: int = 0
+    draft_forward_passes: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per oracle step
+    tree_sizes: list[int] = field(default_factory=list)  # proposed nodes (root excluded) per step
+    token_origins: list[str] = field(default_factory=list)  # who proposed each emitted token
+    finish_reason: str = "length"
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per oracle step (accepted draft tokens + the oracle's own token)."""
+        steps = len(self.accepted_lengths)
+        return (sum(self.accepted_lengths) + steps) / steps if steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["mean_accepted_length"] = self.mean_accepted_length
+        d["mean_tree_size"] = sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
+        return d
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: GenerationStats
+    text: str = ""
+
+
+Verifier = Callable[..., Any]
+
+
+def _default_verifier() -> Verifier:
+    from stagedspec.verification import verify
+
+    return verify
+
+
+def iter_steps(
+    oracle: Oracle,
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    seed: int | None = None,
+    stop_token_ids: Iterable[int] = (),
+    verifier: Verifier | None = None,
+    stats: GenerationStats | None = None,
+) -> Iterator[list[int]]:
+    """Yield the tokens emitted by each oracle step (at least one per step).
+
+    Stops after `max_new_tokens` tokens or right after a stop token; tokens a
+    step accepted beyond either limit are not emitted, so the output is a
+    prefix-exact match of autoregressive decoding.
+    """
+    if max_new_tokens < 1:
+        raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not prompt_ids:
+        raise StagedSpecError("the prompt is empty: give at least one token")
+    verifier = verifier or _default_verifier()
+    stats = stats if stats is not None else GenerationStats()
+    stops = set(stop_token_ids)
+    generator = None
+    if not sampling.greedy:
+        generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+    context = list(prompt_ids)
+    t0 = time.perf_counter()
+    oracle.prefill(context)
+    drafter.begin(context)
+    stats.prefill_seconds = time.perf_counter() - t0
+    emitted = 0
+    while emitted < max_new_tokens:
+        remaining = max_new_tokens - emitted
+        tree = drafter.propose(context, sampling, generator, remaining)
+        result = verifier(tree, oracle.score(tree), sampling, generator)
+        oracle.commit(result.accepted)
+        stats.accepted_lengths.append(len(result.accepted))
+        stats.tree_sizes.append(len(tree) - 1)
+        step = [tree.tokens[i] for i in result.accepted] + [result.next_token]
+        origins = [tree.proposer[i] for i in result.accepted] + ["oracle"]
+        step, origins = step[:remaining], origins[:remaining]
+        for j, tok in enumerate(step):
+            if tok in stops:
+                step, origins = step[: j + 1], origins[: j + 1]
+                stats.finish_reason = "stop"
+                break
+        context.extend(step)
+        emitted += len(step)
+        stats.token_origins.extend(origins)
+        yield step
+        if stats.finish_reason == "stop":
+            return
+
+
+def speculative_generate(
+    oracle: Oracle,
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    seed: int | None = None,
+    stop_token_ids: Iterable[int] = (),
+    verifier: Verifier | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+) -> GenerationResult:
+    """Run the loop to the end; `on_tokens` sees each step's tokens and may return True to stop early."""
+    stats = GenerationStats()
+    out: list[int] = []
+    t0 = time.perf_counter()
+    steps = iter_steps(
+        oracle, drafter, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+        stop_token_ids=stop_token_ids, verifier=verifier, stats=stats,
+    )
+    with torch.inference_mode():
+        for step in steps:
+            out.extend(step)
+            if on_tokens is not None and on_tokens(step):
+                stats.finish_reason = "stop"
+                break
+    stats.seconds = time.perf_counter() - t0
+    stats.new_tokens = len(out)
+    stats.tokens_per_second = len(out) / stats.seconds if stats.seconds > 0 else 0.0
+    stats.oracle_forward_passes = getattr(oracle, "forward_passes", 0)
+    stats.draft_forward_passes = getattr(drafter, "forward_passes", 0)
+    return GenerationResult(out, stats)
+
+
+def generate_ar(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    seed: int | None = None,
+    stop_token_ids: Iterable[int] = (),
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+) -> GenerationResult:
+    """Plain autoregressive decoding with our engine (the baseline every method must reproduce)."""
+    oracle = ModelOracle(model, context_budget(model, len(prompt_ids), max_new_tokens, 0))
+    return speculative_generate(
+        oracle, NoDrafter(), prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+        stop_token_ids=stop_token_ids, on_tokens=on_tokens,
+    )
+
+
+def context_budget(model: Transformer, prompt_len: int, max_new_tokens: int, tree_nodes: int) -> int:
+    """Cache slots needed, after checking the request fits the model's context window."""
+    limit = model.config.max_position
+    if prompt_len + max_new_tokens > limit:
+        raise StagedSpecError(
+            f"prompt ({prompt_len} tokens) + max-new-tokens ({max_new_tokens}) exceed the model's "
+            f"context of {limit} tokens"
+        )
+    return prompt_len + max_new_tokens + tree_nodes + 1

@@ -1,0 +1,242 @@
+"""One decoder-only transformer covering the Llama family and GPT-2.
+
+Written for small-batch decoding speed (few, fused matmuls: one QKV and one
+gate/up projection per layer) and for speculation: every forward pass takes
+explicit positions and an optional tree mask, and writes its keys/values into
+a `KVCache` as *pending* entries the caller later keeps or drops.
+
+Parameter names are our own; `stagedspec.models.loading` maps HF and GGUF
+checkpoints onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stagedspec.cache import KVCache
+from stagedspec.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 like the reference implementation, so bf16 and
+        # fp32 runs differ only by the storage precision of activations.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_position, head_dim] in the rotate-half layout used by HF checkpoints."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, H, T, D] by the angles of its positions (cos/sin broadcast as [B or 1, 1, T, D])."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias or cfg.arch == "gpt2")
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.arch == "gpt2")
+        self.use_rope = cfg.arch == "llama"
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        start: int,
+        mask: Tensor | None,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x)
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)
+        k = k.view(B, T, Hkv, D).transpose(1, 2)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        if self.use_rope and rope is not None:
+            cos, sin = rope
+            q = apply_rope(q, cos, sin).to(x.dtype)
+            k = apply_rope(k, cos, sin).to(x.dtype)
+        end = start + T
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v
+        keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        if Hkv != H:
+            keys = keys.repeat_interleave(H // Hkv, dim=1)
+            values = values.repeat_interleave(H // Hkv, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * D))
+
+
+class MLP(nn.Module):
+    """SwiGLU for Llama (fused gate/up), GELU for GPT-2."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gated = cfg.arch == "llama"
+        bias = cfg.arch == "gpt2"
+        up_out = 2 * cfg.intermediate_size if self.gated else cfg.intermediate_size
+        self.w_up = nn.Linear(cfg.hidden_size, up_out, bias=bias)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.w_up(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.w_down(F.silu(gate) * up)
+        return self.w_down(F.gelu(h, approximate="tanh"))
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch == "llama":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = _norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, k_cache, v_cache, start, mask):  # noqa: ANN001 - hot path
+        x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM.  `forward` is the only entry point; see its docstring."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.arch not in ("llama", "gpt2"):
+            raise ValueError(f"unsupported architecture {cfg.arch!r}")
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embed = nn.Embedding(cfg.max_position, cfg.hidden_size) if cfg.arch == "gpt2" else None
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = _norm(cfg)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.arch == "llama":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def head_weight(self) -> Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
+        cfg = self.config
+        p = self.embed.weight
+        return KVCache(
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.max_position,
+            batch=batch, dtype=p.dtype, device=p.device,
+        )
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        tree_mask: Tensor | None = None,
+        logits_rows: Tensor | slice | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Run `tokens` [B, T] at `positions` [T] (or [B, T]) on top of the committed cache.
+
+        - Attention: every new token sees the whole committed prefix; among the
+          new tokens it sees those allowed by `tree_mask` [T, T] (bool,
+          True = may attend; must include the diagonal), or the causal
+          pattern when `tree_mask` is None.  A `tree_mask` of shape
+          [T, cached + T] is used as the complete mask (a drafter growing a
+          tree over several passes hides its earlier branches this way).
+        - The new keys/values become the cache's pending entries; the caller
+          must `cache.commit(...)` the ones to keep.
+        - Returns logits [B, T', V] for the rows selected by `logits_rows`
+          (all rows by default; a prefill passes `slice(-1, None)` to skip
+          the vocabulary head for the prompt).  With `return_hidden`, also
+          the final normalised hidden states of those rows.
+        """
+        B, T = tokens.shape
+        start = cache.reserve(T)
+        x = self.embed(tokens)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:
+            cos = self.rope_cos[positions].to(x.dtype)
+            sin = self.rope_sin[positions].to(x.dtype)
+            if cos.dim() == 2:  # [T, D] -> [1, 1, T, D]
+                cos, sin = cos[None, None], sin[None, None]
+            else:  # [B, T, D] -> [B, 1, T, D]
+                cos, sin = cos[:, None], sin[:, None]
+            rope = (cos, sin)
+        mask = self._attention_mask(T, start, tree_mask, x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache.k[i], cache.v[i], start, mask)
+        if logits_rows is not None:
+            x = x[:, logits_rows]
+        h = self.norm(x)
+        logits = F.linear(h, self.head_weight)
+        return (logits, h) if return_hidden else logits
+
+    @staticmethod
+    def _attention_mask(T: int, start: int, tree_mask: Tensor | None, device: torch.device) -> Tensor | None:
+        if tree_mask is None and T == 1:
+            return None  # one new token sees everything: no mask needed
+        if tree_mask is not None and tree_mask.shape[-1] == start + T:
+            return tree_mask.to(device=device, dtype=torch.bool)  # caller gave the full mask
+        new = tree_mask.to(device=device, dtype=torch.bool) if tree_mask is not None else torch.ones(
+            T, T, dtype=torch.bool, device=device
+        ).tril_()
+        if start == 0:
+            return new
+        return torch.cat([torch.ones(T, start, dtype=torch.bool, device=device), new], dim=1)
+
+    def num_bytes(self) -> int:
+        """Bytes of weights streamed per decoding step (what bandwidth figures are based on)."""
+        n = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.pos_embed is not None:
+            n -= self.pos_embed.weight.numel() * self.pos_embed.weight.element_size()
+        # The embedding table is gathered (one row per token), not streamed,
+        # unless it doubles as the output head.
+        if self.lm_head is not None:
+            n -= self.embed.weight.numel() * self.embed.weight.element_size()
+        return n
+
+
+def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
+    """Deterministic random weights for tests and tiny demo models."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias") or name.endswith("norm.bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

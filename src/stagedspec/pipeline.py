@@ -1,0 +1,223 @@
+"""From user-level specs (paths, method names, text) to a configured decoding loop.
+
+The CLI, the benchmark and the server all go through `Pipeline`, so a method
+means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.generation import (
+    Drafter,
+    GenerationResult,
+    ModelOracle,
+    NoDrafter,
+    context_budget,
+    speculative_generate,
+)
+from stagedspec.models.transformer import Transformer
+from stagedspec.sampling import SamplingParams
+
+METHODS = ("ar", "chain", "tree")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise StagedSpecError(f"unknown dtype {name!r}: use bf16 or fp32") from None
+
+
+def check_device(device: str) -> str:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise StagedSpecError(f"device {device!r} requested but no CUDA GPU is available")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise StagedSpecError(f"unknown device {device!r}: use cpu or cuda")
+    return device
+
+
+@dataclass
+class SpeculationConfig:
+    """How drafts are proposed.  Defaults were picked from the tree-cost benchmark."""
+
+    method: str = "ar"
+    tree_budget: int = 16
+    tree_depth: int = 6
+    branching: int = 4
+    draft_k: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise StagedSpecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
+        for label, value in (("--tree-budget", self.tree_budget), ("--tree-depth", self.tree_depth),
+                             ("--branching", self.branching), ("--draft-k", self.draft_k)):
+            if value < 1:
+                raise StagedSpecError(f"{label} must be >= 1, got {value}")
+
+
+def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
+    """The oracle's first `n_layers` layers with its embeddings, final norm and head (shared, not copied).
+
+    A weak but always-available draft that shares the vocabulary by construction.
+    """
+    if not 1 <= n_layers < oracle.config.n_layers:
+        raise StagedSpecError(
+            f"a truncated draft needs 1..{oracle.config.n_layers - 1} layers, got {n_layers}"
+        )
+    cfg = copy.copy(oracle.config)
+    cfg.n_layers = n_layers
+    draft = Transformer.__new__(Transformer)
+    torch.nn.Module.__init__(draft)
+    draft.config = cfg
+    draft.embed, draft.pos_embed, draft.norm, draft.lm_head = oracle.embed, oracle.pos_embed, oracle.norm, oracle.lm_head
+    draft.layers = torch.nn.ModuleList(list(oracle.layers)[:n_layers])
+    if hasattr(oracle, "rope_cos"):
+        draft.register_buffer("rope_cos", oracle.rope_cos, persistent=False)
+        draft.register_buffer("rope_sin", oracle.rope_sin, persistent=False)
+    return draft
+
+
+def tokenizer_fingerprint(tokenizer) -> str:  # noqa: ANN001 - any stagedspec Tokenizer
+    import hashlib
+
+    vocab = tokenizer.inner.get_vocab() if hasattr(tokenizer, "inner") else tokenizer.get_vocab()
+    h = hashlib.sha256()
+    for tok, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{tok}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str) -> Transformer:  # noqa: ANN001
+    """Resolve a --draft SPEC: `layers:N`, a distilled draft folder, an HF folder or a .gguf."""
+    if spec.startswith("layers:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise StagedSpecError(f"bad draft spec {spec!r}: expected layers:N with an integer N") from None
+        return truncated_copy(oracle, n)
+    if spec == "default":
+        from stagedspec.models.draft import default_draft_dir
+
+        spec = str(default_draft_dir())
+    path = Path(spec)
+    if (path / "draft_config.json").exists():
+        from stagedspec.models.draft import load_draft
+
+        return load_draft(path, oracle, expected_fingerprint=tokenizer_fingerprint(oracle_tokenizer),
+                          dtype=dtype, device=device)
+    from stagedspec.models.loading import load_model
+
+    draft, draft_tok = load_model(spec, dtype=dtype, device=device)
+    if draft.config.vocab_size != oracle.config.vocab_size or tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(
+        oracle_tokenizer
+    ):
+        raise StagedSpecError(
+            f"draft {spec} has a different vocabulary ({draft.config.vocab_size} tokens) from the oracle's "
+            f"({oracle.config.vocab_size} tokens): speculation needs a shared tokenizer"
+        )
+    return draft
+
+
+class Pipeline:
+    """An oracle, its tokenizer and (optionally) a draft, ready to generate."""
+
+    def __init__(
+        self,
+        oracle: str = "default",
+        draft: str | None = None,
+        *,
+        speculation: SpeculationConfig | None = None,
+        dtype: str = "bf16",
+        device: str = "cpu",
+    ) -> None:
+        from stagedspec.models.loading import load_model
+
+        self.speculation = speculation or SpeculationConfig()
+        self.device = check_device(device)
+        self.dtype = parse_dtype(dtype)
+        self.model, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device)
+        self.draft_model: Transformer | None = None
+        if self.speculation.method != "ar":
+            if draft is None:
+                raise StagedSpecError(f"method {self.speculation.method!r} needs a draft: pass --draft SPEC")
+            self.draft_model = load_draft_model(draft, self.model, self.tokenizer, self.dtype, self.device)
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise StagedSpecError("the prompt is empty after tokenisation")
+        return ids
+
+    def drafter(self, max_len: int) -> Drafter:
+        s = self.speculation
+        if s.method == "ar" or self.draft_model is None:
+            return NoDrafter()
+        from stagedspec.drafters.model import ModelDrafter
+
+        return ModelDrafter(self.draft_model, method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
+                            branching=s.branching, chain_length=s.draft_k, max_len=max_len)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        chat: bool = False,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        seed: int | None = None,
+        stop_strings: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """Generate from text (or token ids); `on_text` receives text pieces as they are decided."""
+        from stagedspec.tokenizer import StreamDecoder
+
+        if max_new_tokens < 1:
+            raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
+        nodes = max(self.speculation.tree_budget, self.speculation.draft_k)
+        max_len = context_budget(self.model, len(ids), max_new_tokens, nodes)
+        oracle = ModelOracle(self.model, max_len)
+        drafter = self.drafter(max_len)
+        stream = StreamDecoder(self.tokenizer)
+        text_parts: list[str] = []
+        held = ""  # decoded text held back while it could still begin a stop string
+        hit_stop = False
+
+        def emit(text: str) -> None:
+            if text:
+                text_parts.append(text)
+                if on_text is not None:
+                    on_text(text)
+
+        def on_tokens(step: list[int]) -> bool:
+            nonlocal held, hit_stop
+            held += "".join(stream.push(t) for t in step)
+            for s in stop_strings:
+                cut = held.find(s)
+                if cut >= 0:
+                    emit(held[:cut])
+                    held, hit_stop = "", True
+                    return True
+            keep = max((len(s) - 1 for s in stop_strings), default=0)
+            emit(held[: len(held) - keep])
+            held = held[len(held) - keep:]
+            return False
+
+        result = speculative_generate(
+            oracle, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+            stop_token_ids=self.tokenizer.eos_token_ids, on_tokens=on_tokens,
+        )
+        if not hit_stop:
+            emit(held + stream.flush())
+        result.text = "".join(text_parts)
+        return result

@@ -1,0 +1,60 @@
+"""Turning logits into the distribution a token is drawn from.
+
+The same function shapes the oracle's p and every draft's q (temperature,
+then top-k, then top-p), because speculative sampling is only exact when both
+sides are processed identically.  Temperature 0 means greedy: the
+distribution is one-hot on the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from stagedspec.errors import StagedSpecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0  # 1 disables
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise StagedSpecError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise StagedSpecError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise StagedSpecError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Distribution [..., V] (float32) that a token is drawn from under `params`."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+        drop_sorted = before >= params.top_p  # the smallest prefix reaching top_p is kept
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from a 1-D distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())

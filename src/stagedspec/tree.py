@@ -1,0 +1,297 @@
+"""Token trees: the speculative batch the oracle verifies in one forward pass.
+
+Node 0 is the root: the last committed token, which the oracle has not run
+yet.  Every other node is a proposed token whose parent has a smaller index.
+A node's position is the root's position plus its depth, and it attends only
+to its ancestors (and itself).
+
+`grow_tree` builds a tree from any draft distribution, in rounds of batched
+draft forward passes: deterministically (best-first by cumulative draft
+probability, the staged-speculation tree) or by sampling without replacement
+(the only kind of multi-branch tree that keeps *sampled* decoding exact with
+min(1, p/q) acceptance).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.sampling import SamplingParams, probs_from_logits
+
+
+@dataclass
+class TokenTree:
+    """A tree of proposed tokens and the draft distributions they came from.
+
+    - `tokens[i]`, `parents[i]` (`parents[0] == -1`, `parents[i] < i`).
+    - `sampled=False`: children are deterministic proposals (e.g. the draft's
+      top-k); for verification each is a one-hot q.
+    - `sampled=True`: the children of node u are successive draws *without
+      replacement* from `child_q[u]` (float32 [V]), in increasing node index.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    sampled: bool = False
+    child_q: dict[int, Tensor] = field(default_factory=dict)
+    proposer: list[str] = field(default_factory=list)  # which stage proposed each node (telemetry)
+    draft_passes: int = 0  # `expand` calls `grow_tree` made to build it (telemetry)
+
+    def __post_init__(self) -> None:
+        if not self.proposer:
+            self.proposer = ["root"] + ["draft"] * (len(self.tokens) - 1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, root: int, tokens: list[int], **kw) -> "TokenTree":  # noqa: ANN003
+        return cls([root, *tokens], list(range(-1, len(tokens))), **kw)
+
+    def add(self, parent: int, token: int, proposer: str = "draft") -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.proposer.append(proposer)
+        return len(self.tokens) - 1
+
+    @property
+    def depths(self) -> list[int]:
+        d = [0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    @property
+    def depth(self) -> int:
+        """Length of the longest root-to-leaf path (0 for a root-only tree)."""
+        return max(self.depths)
+
+    def children(self, node: int) -> list[int]:
+        return [i for i in range(node + 1, len(self.tokens)) if self.parents[i] == node]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's first child down to `node` (root excluded)."""
+        path = []
+        while node > 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def attention_mask(self, device: torch.device | str = "cpu") -> Tensor:
+        """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i."""
+        n = len(self.tokens)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, i] = True
+            p = self.parents[i]
+            if p >= 0:
+                mask[i] |= mask[p]
+        return mask.to(device)
+
+    def positions(self, root_position: int, device: torch.device | str = "cpu") -> Tensor:
+        return torch.tensor(self.depths, dtype=torch.long, device=device) + root_position
+
+
+# --------------------------------------------------------------------------
+# Growing trees from a draft model
+# --------------------------------------------------------------------------
+
+Expand = Callable[[TokenTree, list[int]], Tensor]
+"""`expand(tree, nodes)` -> draft logits [len(nodes), V]: the distribution of each node's children.
+
+One call is one draft forward pass over the listed nodes (all already in
+`tree`), so `grow_tree` batches every node it wants expanded in a round.
+"""
+
+
+def grow_tree(
+    root_token: int,
+    expand: Expand,
+    *,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    mode: str = "topk",
+    budget: int = 16,
+    max_depth: int = 6,
+    branching: int | list[int] = 4,
+    width: int | None = None,
+    proposer: str = "draft",
+) -> TokenTree:
+    """Grow a token tree rooted at `root_token` by calling the draft `expand` in rounds.
+
+    `budget` counts proposed nodes (the root excluded); `max_depth` bounds
+    path length; `branching` is the number of children a node may get (an int,
+    or a list indexed by the parent's depth; depths past its end get none).
+
+    mode="topk" (deterministic; greedy or sampling): best-first by cumulative
+        draft probability (the product of draft probabilities along the path),
+        a node's candidate children being its top-`branching` draft tokens.
+        Each round admits the `width` best candidates of the frontier and
+        expands (in one `expand` call) those that may still get children.
+        `width=1` is exact best-first (the `budget` highest-scoring nodes); a
+        larger width trades a little of that for fewer draft passes (default
+        ceil(budget / max_depth): about one pass per level of a full-depth
+        path).  Scores use the draft softmax at temperature 1 when greedy, else
+        `probs_from_logits(logits, sampling)`.  Verification treats every child
+        as a one-hot proposal, so any deterministic rule is exact.
+    mode="sampled" (sampling only): see `_grow_sampled`; the children of a node
+        are draws without replacement from its draft distribution, and how
+        many there are is fixed in advance by (`branching`, `max_depth`,
+        `budget`) alone.
+    """
+    if mode not in ("topk", "sampled"):
+        raise StagedSpecError(f"unknown tree mode {mode!r}: expected 'topk' or 'sampled'")
+    if budget < 0 or max_depth < 0:
+        raise StagedSpecError(f"tree budget and depth must be >= 0, got {budget} and {max_depth}")
+    if isinstance(branching, int):
+        branching = [branching] * max_depth
+    branching = list(branching)[:max_depth]
+    if any(b < 0 for b in branching):
+        raise StagedSpecError(f"branching must be >= 0, got {branching}")
+    if width is not None and width < 1:
+        raise StagedSpecError(f"tree width must be >= 1, got {width}")
+    tree = TokenTree([root_token], [-1])
+    if mode == "sampled":
+        if sampling.greedy:
+            raise StagedSpecError("sampled trees need temperature > 0; use mode='topk' for greedy decoding")
+        return _grow_sampled(tree, expand, sampling, generator, budget, branching, proposer)
+    width = width or max(1, math.ceil(budget / max(1, max_depth)))
+    return _grow_topk(tree, expand, sampling, budget, branching, width, proposer)
+
+
+def _expand_checked(tree: TokenTree, expand: Expand, nodes: list[int]) -> Tensor:
+    logits = expand(tree, nodes)
+    tree.draft_passes += 1
+    if logits.dim() != 2 or logits.shape[0] != len(nodes):
+        raise ValueError(f"expand returned logits of shape {tuple(logits.shape)} for {len(nodes)} nodes")
+    return logits
+
+
+def _grow_topk(
+    tree: TokenTree,
+    expand: Expand,
+    sampling: SamplingParams,
+    budget: int,
+    branching: list[int],
+    width: int,
+    proposer: str,
+) -> TokenTree:
+    """Best-first growth in rounds of `width` admissions (see `grow_tree`)."""
+    depth = [0]
+    score = [1.0]  # cumulative draft probability of each node
+    # Candidates: (-score, depth, arrival, parent, token); ties favour shallow, then early.
+    frontier: list[tuple[float, int, int, int, int]] = []
+    arrivals = 0
+
+    def can_have_children(node: int) -> bool:
+        return depth[node] < len(branching) and branching[depth[node]] > 0
+
+    to_expand = [0] if budget > 0 and can_have_children(0) else []
+    while to_expand or frontier:
+        if to_expand:
+            logits = _expand_checked(tree, expand, to_expand)
+            if sampling.greedy:
+                probs = logits.float().softmax(-1)
+            else:
+                probs = probs_from_logits(logits, sampling)
+            for node, row in zip(to_expand, probs):
+                values, tokens = row.topk(min(branching[depth[node]], row.shape[-1]))
+                for q, tok in zip(values.tolist(), tokens.tolist()):
+                    if q > 0:  # a token the draft cannot produce is never worth a slot
+                        heapq.heappush(frontier, (-score[node] * q, depth[node] + 1, arrivals, node, tok))
+                        arrivals += 1
+        quota = min(width, budget - (len(tree) - 1))
+        if quota <= 0:
+            break
+        admitted = []
+        while frontier and len(admitted) < quota:
+            neg_score, d, _, parent, tok = heapq.heappop(frontier)
+            admitted.append(tree.add(parent, tok, proposer))
+            depth.append(d)
+            score.append(-neg_score)
+        budget_left = budget - (len(tree) - 1) > 0
+        to_expand = [n for n in admitted if can_have_children(n)] if budget_left else []
+    return tree
+
+
+def _grow_sampled(
+    tree: TokenTree,
+    expand: Expand,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    budget: int,
+    branching: list[int],
+    proposer: str,
+) -> TokenTree:
+    """Level by level: each node's children are Gumbel-top-k draws from q = probs_from_logits(draft).
+
+    Why the shape must not depend on the draws.  The verifier accepts the
+    i-th child x of u with probability min(1, p(x)/q_i(x)), where q_i is q_u
+    with the i-1 earlier siblings removed; this reproduces p exactly *because*
+    x really is a draw from q_i.  That holds when the number of children is
+    decided before they are drawn.  A rule that looks at the drawn values —
+    keep drawing while the draws are likely, keep the candidates with the
+    highest cumulative probability under a node budget, give a likely first
+    child a second sibling — selects the draws, and the kept children are no
+    longer distributed as q_i: e.g. "a second child only if the first draw was
+    token a" makes the first child of a two-child node always a, and the
+    acceptance rule then over- or under-emits a.  So the shape here is a fixed
+    template computed from (`branching`, max depth, `budget`) alone, filled
+    breadth-first, parents in node order; the only deviation is that a node
+    whose q has fewer nonzero tokens than its planned children gets only those
+    (which depends on the path to it, never on the children drawn).
+
+    `child_q[u]` keeps q_u, which the verifier needs.  Gumbel-top-k (the
+    indices of the k largest log q + Gumbel noise, in decreasing order) yields
+    k successive draws without replacement, in draw order, in one pass.
+    """
+    tree.sampled = True
+    template = _sampled_template(budget, branching)  # planned child counts per template node
+    level = [(0, 0)]  # (tree node, template node) pairs of the current depth
+    while level:
+        parents = [(node, t) for node, t in level if template[t]]
+        if not parents:
+            break
+        logits = _expand_checked(tree, expand, [node for node, _ in parents])
+        q = probs_from_logits(logits, sampling)
+        noise = torch.rand(q.shape, generator=generator).clamp_min(torch.finfo(torch.float32).tiny)
+        keys = q.log() - (-noise.log()).log()  # log q + Gumbel(0, 1); -inf where q == 0
+        next_level = []
+        for (node, t), q_u, keys_u in zip(parents, q, keys):
+            planned = template[t]
+            n_draws = min(len(planned), int((q_u > 0).sum()))
+            draws = keys_u.topk(n_draws).indices.tolist()
+            tree.child_q[node] = q_u.clone()
+            for tok, child_t in zip(draws, planned):
+                next_level.append((tree.add(node, tok, proposer), child_t))
+        level = next_level
+    return tree
+
+
+def _sampled_template(budget: int, branching: list[int]) -> list[list[int]]:
+    """The planned tree: `template[t]` lists template node t's children (breadth-first indices).
+
+    Nodes at depth d get `branching[d]` children each, in order, until the
+    budget runs out; it depends on nothing else.
+    """
+    template: list[list[int]] = [[]]
+    level, left = [0], budget
+    for b in branching:
+        next_level = []
+        for t in level:
+            for _ in range(min(b, left)):
+                template.append([])
+                template[t].append(len(template) - 1)
+                next_level.append(len(template) - 1)
+                left -= 1
+        level = next_level
+        if not level or left == 0:
+            break
+    return template

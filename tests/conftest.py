@@ -1,0 +1,26 @@
+"""Shared test configuration.
+
+Real-model tests (marked `real_model`) use the embedded default model and run
+by default (CI included); `-m "not real_model"` skips them for a quick loop.
+Tests marked `slow` run only with `--run-slow`.
+"""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: pass --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

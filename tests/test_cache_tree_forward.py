@@ -1,0 +1,92 @@
+"""The KV cache and tree-masked forward: the engine features speculation relies on."""
+
+import pytest
+import torch
+
+from stagedspec.models import ModelConfig, Transformer
+from stagedspec.models.transformer import init_random
+from stagedspec.tree import TokenTree
+
+ATOL = 1e-5  # fp32: tree and sequential runs differ only by summation order
+
+
+def tiny(arch: str) -> Transformer:
+    cfg = ModelConfig(arch=arch, vocab_size=97, hidden_size=48, n_layers=3, n_heads=4,
+                      n_kv_heads=2 if arch == "llama" else 4, intermediate_size=96, max_position=128)
+    return init_random(Transformer(cfg), seed=1, std=0.2).eval()
+
+
+def sequential_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
+    """Logits of the last token when `ids` is run one token at a time on a fresh cache."""
+    cache = model.new_cache(64)
+    for i, t in enumerate(ids):
+        out = model(torch.tensor([[t]]), torch.tensor([i]), cache)
+        cache.commit()
+    return out[0, -1]
+
+
+# A tree under root: two branches of depth 3 and 2, and a sibling leaf.
+#   0 -> 1 -> 2 -> 3
+#   0 -> 4 -> 5
+#   0 -> 6
+TREE = TokenTree([11, 21, 22, 23, 31, 32, 41], [-1, 0, 1, 2, 0, 4, 0])
+PREFIX = [5, 9, 13, 2, 7]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_tree_forward_matches_sequential_paths(arch: str) -> None:
+    model = tiny(arch)
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache)
+        cache.commit()
+        logits = model(torch.tensor([TREE.tokens]), TREE.positions(cache.length), cache,
+                       tree_mask=TREE.attention_mask())[0]
+        for node in range(len(TREE)):
+            path = [0, *TREE.path_to(node)]
+            ref = sequential_logits(model, PREFIX + [TREE.tokens[i] for i in path])
+            torch.testing.assert_close(logits[node], ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("keep", [[0, 4, 5], [0, 1, 2, 3], [0, 6], [0]])
+def test_commit_keeps_only_the_accepted_path(arch: str, keep: list[int]) -> None:
+    model = tiny(arch)
+    nxt = 17
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache)
+        cache.commit()
+        model(torch.tensor([TREE.tokens]), TREE.positions(cache.length), cache, tree_mask=TREE.attention_mask())
+        cache.commit(keep)
+        assert cache.length == len(PREFIX) + len(keep)
+        out = model(torch.tensor([[nxt]]), torch.tensor([cache.length]), cache)[0, -1]
+        ref = sequential_logits(model, PREFIX + [TREE.tokens[i] for i in keep] + [nxt])
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_prefill_causal_matches_sequential() -> None:
+    model = tiny("llama")
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        out = model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache)[0]
+        for i in range(len(PREFIX)):
+            torch.testing.assert_close(out[i], sequential_logits(model, PREFIX[: i + 1]), atol=ATOL, rtol=0)
+
+
+def test_cache_overflow_is_a_clear_error() -> None:
+    from stagedspec.errors import StagedSpecError
+
+    model = tiny("llama")
+    cache = model.new_cache(4)
+    with pytest.raises(StagedSpecError, match="context is full"):
+        model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache)
+
+
+def test_tree_helpers() -> None:
+    assert TREE.depths == [0, 1, 2, 3, 1, 2, 1]
+    assert TREE.path_to(5) == [4, 5]
+    m = TREE.attention_mask()
+    assert m[3].tolist() == [True, True, True, True, False, False, False]
+    assert m[6].tolist() == [True, False, False, False, False, False, True]
+    assert TREE.positions(10).tolist() == [10, 11, 12, 13, 11, 12, 11]
