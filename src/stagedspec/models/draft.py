@@ -1,0 +1,422 @@
+"""Distilled draft models: a few oracle-width layers on top of the oracle's own embedding.
+
+A draft is only useful if it is much cheaper than the oracle and agrees with
+it often.  Giving it the oracle's width, heads and vocabulary lets it start
+from copies of oracle layers (which already read the oracle's residual-stream
+features) and share the oracle's token embedding: the embedding is by far the
+largest tensor of a small model and the draft never trains it, so it is
+neither duplicated in memory nor stored in the draft file.
+
+The output head is either the oracle's (shared, frozen) or the draft's own
+head over the V' most frequent tokens.  A restricted head is the cheap option:
+for SmolLM2-135M the full head (49152 x 576) weighs about four times as much
+as two layers.  Tokens outside the subset get logit -inf, i.e. probability 0, so the
+tree builder never proposes them; exactness does not suffer because the
+oracle verifies every token and emits its own choice when the draft missed.
+
+On disk a draft is a folder:
+
+    draft_config.json   format/version, ModelConfig, oracle layers used for
+                        initialisation, vocab size, head layout, fingerprint
+                        of the oracle/tokenizer it was trained for, training
+                        metadata
+    draft.safetensors   the draft's own weights only (layers, final norm,
+                        restricted head and its token ids), bf16 by default
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stagedspec.cache import KVCache
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.config import ModelConfig
+from stagedspec.models.transformer import Attention, Transformer, apply_rope
+
+FORMAT = "stagedspec-draft"
+FORMAT_VERSION = 1
+CONFIG_NAME = "draft_config.json"
+WEIGHTS_NAME = "draft.safetensors"
+DEFAULT_DRAFT_NAME = "draft-smollm2-135m"
+
+# Parameters taken from the oracle when the draft is built; never trained, never saved.
+_SHARED_PREFIXES = ("embed.", "pos_embed.", "shared_head")
+
+
+def default_draft_dir() -> Path:
+    """The draft bundled with the package for the default oracle (SmolLM2-135M-Instruct)."""
+    folder = Path(__file__).resolve().parent.parent / "assets" / DEFAULT_DRAFT_NAME
+    if not (folder / CONFIG_NAME).is_file():
+        raise StagedSpecError(
+            f"no default draft is bundled (expected {folder}); train one with distillation "
+            "or pass --draft FOLDER / layers:N"
+        )
+    return folder
+
+
+def spread_layers(n_oracle: int, n_draft: int) -> list[int]:
+    """Evenly strided oracle layers starting at the first: [0, n/k, 2n/k, ...].
+
+    The first layer is always kept because it turns raw embeddings into the
+    residual-stream features every later layer expects.  The last one is
+    deliberately not forced in: measured on SmolLM2-135M (30 layers),
+    an untrained [0, 29] draft has a held-out KL to the oracle of 49 nats,
+    [0, 15] about 15 and [0, 1] about 14 (top-1 agreement 0%, 7%, 4%): the
+    last layer misreads a residual stream that skipped the middle.
+    """
+    if not 1 <= n_draft <= n_oracle:
+        raise StagedSpecError(f"a draft needs 1..{n_oracle} layers, got {n_draft}")
+    return [(i * n_oracle) // n_draft for i in range(n_draft)]
+
+
+def _frozen(t: Tensor, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """A non-trainable parameter holding `t` (sharing its storage when no cast or move is needed).
+
+    An oracle loaded under `torch.inference_mode` has inference tensors,
+    which autograd refuses to save for backward (the shared head is a factor
+    of the student's logits), so those are copied.
+    """
+    t = t.detach().to(device=device, dtype=dtype)
+    return nn.Parameter(t.clone() if t.is_inference() else t, requires_grad=False)
+
+
+def _make_trainable(p: nn.Parameter) -> None:
+    """Own (copied) weights train even if the oracle's were frozen or inference tensors."""
+    if p.is_inference():
+        p.data = p.data.clone()
+    p.requires_grad_(True)
+
+
+class DraftModel(Transformer):
+    """A `Transformer` whose forward returns full-vocabulary logits, so `ModelDrafter` takes it as is.
+
+    Built from an oracle: `oracle_layers` are copied (trainable), the final
+    norm is copied (trainable), the token/position embeddings are shared
+    (frozen).  With `head_tokens` (ascending token ids) the draft owns a head
+    over just those tokens, initialised from the oracle's head rows; without
+    it, it uses the oracle's head (frozen, shared).
+    """
+
+    def __init__(
+        self,
+        oracle: Transformer,
+        layers: int | Sequence[int] = 2,
+        head_tokens: Tensor | Sequence[int] | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        ocfg = oracle.config
+        picked = spread_layers(ocfg.n_layers, layers) if isinstance(layers, int) else [int(i) for i in layers]
+        if not picked or any(not 0 <= i < ocfg.n_layers for i in picked):
+            raise StagedSpecError(f"draft layers {picked} must be oracle layers in 0..{ocfg.n_layers - 1}")
+        cfg = copy.deepcopy(ocfg)
+        cfg.n_layers = len(picked)
+        # Build the Transformer skeleton without allocating the (large, shared) embedding.
+        with torch.device("meta"):
+            super().__init__(cfg)
+        src = oracle.embed.weight
+        dtype = dtype or src.dtype
+        device = torch.device(device) if device is not None else src.device
+        self.oracle_layers = picked
+        self.embed = nn.Embedding(ocfg.vocab_size, ocfg.hidden_size, _weight=_frozen(src, dtype, device),
+                                  _freeze=True)
+        if oracle.pos_embed is not None:
+            self.pos_embed = nn.Embedding(ocfg.max_position, ocfg.hidden_size,
+                                          _weight=_frozen(oracle.pos_embed.weight, dtype, device), _freeze=True)
+        self.layers = nn.ModuleList(copy.deepcopy(oracle.layers[i]).to(device=device, dtype=dtype) for i in picked)
+        self.norm = copy.deepcopy(oracle.norm).to(device=device, dtype=dtype)
+        self.lm_head = None
+        if hasattr(oracle, "rope_cos"):
+            self.rope_cos = oracle.rope_cos.to(device)
+            self.rope_sin = oracle.rope_sin.to(device)
+        for p in [*self.layers.parameters(), *self.norm.parameters()]:
+            _make_trainable(p)
+        self.training_meta: dict[str, Any] = {}
+        self.fingerprint: str | None = None
+
+        oracle_head = oracle.head_weight
+        self.shared_head: nn.Parameter | None = None
+        self.head: nn.Linear | None = None
+        if head_tokens is None:
+            self.register_buffer("head_tokens", None)
+            if oracle.lm_head is not None:  # untied oracle: share its separate head
+                self.shared_head = _frozen(oracle_head, dtype, device)
+        else:
+            ids = _check_head_tokens(torch.as_tensor(head_tokens, dtype=torch.long), ocfg.vocab_size)
+            self.register_buffer("head_tokens", ids.to(device))
+            self.head = nn.Linear(ocfg.hidden_size, ids.numel(), bias=False, device=device, dtype=dtype)
+            with torch.no_grad():
+                self.head.weight.copy_(oracle_head.detach()[ids.to(oracle_head.device)].to(device, dtype))
+        leftover = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        assert not leftover, f"draft skeleton left on the meta device: {leftover}"
+
+    # ------------------------------------------------------------------ head
+    @property
+    def head_weight(self) -> Tensor:
+        """Weight of the head actually computed: [V', H] when restricted, else the oracle's [V, H]."""
+        if self.head is not None:
+            return self.head.weight
+        return self.embed.weight if self.shared_head is None else self.shared_head
+
+    @property
+    def support(self) -> Tensor:
+        """Token ids the draft can propose, in the order of `support_logits` columns."""
+        if self.head_tokens is not None:
+            return self.head_tokens
+        return torch.arange(self.config.vocab_size, device=self.embed.weight.device)
+
+    def support_logits(self, h: Tensor) -> Tensor:
+        """Logits over `support` only (no -inf padding): what training and ranking need."""
+        return F.linear(h, self.head_weight)
+
+    def expand_logits(self, logits: Tensor) -> Tensor:
+        """Scatter support logits [..., V'] into full-vocabulary logits [..., V], -inf elsewhere."""
+        if self.head_tokens is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.head_tokens, logits)
+
+    # ------------------------------------------------------------------ inference
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        tree_mask: Tensor | None = None,
+        logits_rows: Tensor | slice | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Same contract as `Transformer.forward`; logits always cover the full vocabulary."""
+        out = super().forward(tokens, positions, cache, tree_mask, logits_rows, return_hidden)
+        if self.head_tokens is None:
+            return out
+        if return_hidden:
+            logits, h = out
+            return self.expand_logits(logits), h
+        return self.expand_logits(out)
+
+    # ------------------------------------------------------------------ training
+    def hidden_train(self, tokens: Tensor) -> Tensor:
+        """Final normalised hidden states [B, T, H] of a causal pass at positions 0..T-1, with autograd.
+
+        Training cannot go through the KV cache: every layer writes into one
+        shared buffer in place, which breaks the tensors autograd saved for
+        the earlier layers.  Without a cache the pass is also cheaper.
+        """
+        B, T = tokens.shape
+        if T > self.config.max_position:
+            raise StagedSpecError(f"training sequences of {T} tokens exceed the context of {self.config.max_position}")
+        positions = torch.arange(T, device=tokens.device)
+        x = self.embed(tokens)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:
+            rope = (self.rope_cos[positions].to(x.dtype)[None, None], self.rope_sin[positions].to(x.dtype)[None, None])
+        for layer in self.layers:
+            x = x + _causal_attention(layer.attn, layer.attn_norm(x), rope)
+            x = x + layer.mlp(layer.mlp_norm(x))
+        return self.norm(x)
+
+    def forward_train(self, tokens: Tensor) -> Tensor:
+        """Full-vocabulary logits [B, T, V] of a causal pass over `tokens`, differentiable."""
+        return self.expand_logits(self.support_logits(self.hidden_train(tokens)))
+
+    # ------------------------------------------------------------------ bookkeeping
+    def own_state_dict(self) -> dict[str, Tensor]:
+        """The draft's own tensors (what is trained and saved); shared oracle weights excluded."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(_SHARED_PREFIXES)}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def num_bytes(self) -> int:
+        """Bytes streamed per decoding step: layers, final norm and the head that is computed."""
+        own = sum(p.numel() * p.element_size() for p in [*self.layers.parameters(), *self.norm.parameters()])
+        w = self.head_weight
+        return own + w.numel() * w.element_size()
+
+
+def _causal_attention(attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    """`Attention.forward` for a fresh causal sequence, without a cache (for training)."""
+    B, T, _ = x.shape
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q, k, v = attn.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q = q.view(B, T, H, D).transpose(1, 2)
+    k = k.view(B, T, Hkv, D).transpose(1, 2)
+    v = v.view(B, T, Hkv, D).transpose(1, 2)
+    if attn.use_rope and rope is not None:
+        q = apply_rope(q, *rope).to(x.dtype)
+        k = apply_rope(k, *rope).to(x.dtype)
+    if Hkv != H:
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return attn.wo(out.transpose(1, 2).reshape(B, T, H * D))
+
+
+def _check_head_tokens(ids: Tensor, vocab_size: int) -> Tensor:
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise StagedSpecError("head tokens must be a non-empty 1-D list of token ids")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise StagedSpecError(f"head tokens must lie in 0..{vocab_size - 1}")
+    ids = ids.sort().values
+    if bool((ids[1:] == ids[:-1]).any()):
+        raise StagedSpecError("head tokens contain duplicates")
+    return ids
+
+
+# ---------------------------------------------------------------------- save / load
+def save_draft(
+    model: DraftModel,
+    folder: str | Path,
+    fingerprint: str,
+    meta: Mapping[str, Any] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write `draft_config.json` + `draft.safetensors` (own weights only, floats cast to `dtype`).
+
+    Each file is written to a temporary name and renamed, so an interrupted
+    save never leaves a half-written draft that would load as corrupt.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).cpu().contiguous()
+        for k, v in model.own_state_dict().items()
+    }
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_config": model.config.to_dict(),
+        "oracle_layers": list(model.oracle_layers),
+        "vocab_size": model.config.vocab_size,
+        "hidden_size": model.config.hidden_size,
+        "head": "restricted" if model.head_tokens is not None else "shared",
+        "head_size": int(model.head_weight.shape[0]),
+        "fingerprint": fingerprint,
+        "dtype": str(dtype).removeprefix("torch."),
+        "training": dict(meta or {}),
+    }
+    tmp = folder / (WEIGHTS_NAME + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    os.replace(tmp, folder / WEIGHTS_NAME)
+    tmp = folder / (CONFIG_NAME + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / CONFIG_NAME)
+    return folder
+
+
+def read_draft_config(folder: str | Path) -> dict[str, Any]:
+    """Parse and sanity-check `draft_config.json` (StagedSpecError on any problem)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise StagedSpecError(f"no draft folder at {folder}")
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise StagedSpecError(f"{folder} is not a draft: {CONFIG_NAME} is missing")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StagedSpecError(f"corrupt draft config {path}: {exc}") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
+        raise StagedSpecError(f"{path} is not a stagedspec draft config")
+    version = cfg.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise StagedSpecError(
+            f"draft {folder} has format version {version}; this stagedspec reads up to {FORMAT_VERSION} (upgrade it)"
+        )
+    for key in ("model_config", "oracle_layers", "vocab_size", "hidden_size", "fingerprint"):
+        if key not in cfg:
+            raise StagedSpecError(f"corrupt draft config {path}: no {key!r}")
+    return cfg
+
+
+def load_draft(
+    folder: str | Path,
+    oracle: Transformer,
+    expected_fingerprint: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> DraftModel:
+    """Rebuild a saved draft on top of `oracle` (whose embedding it shares).
+
+    `dtype`/`device` default to the oracle's.  Every way a draft can be
+    unusable for this oracle is a StagedSpecError with the reason.
+    """
+    folder = Path(folder)
+    cfg = read_draft_config(folder)
+    if expected_fingerprint is not None and cfg["fingerprint"] != expected_fingerprint:
+        raise StagedSpecError(
+            f"draft {folder} was trained for another oracle/tokenizer "
+            f"(fingerprint {cfg['fingerprint']!r}, this oracle has {expected_fingerprint!r})"
+        )
+    ocfg = oracle.config
+    if cfg["vocab_size"] != ocfg.vocab_size:
+        raise StagedSpecError(
+            f"draft {folder} has a vocabulary of {cfg['vocab_size']} tokens, the oracle {ocfg.vocab_size}"
+        )
+    if cfg["hidden_size"] != ocfg.hidden_size:
+        raise StagedSpecError(
+            f"draft {folder} has width {cfg['hidden_size']}, the oracle {ocfg.hidden_size}: "
+            "a draft shares the oracle's embedding, so the widths must match"
+        )
+    try:
+        dcfg = ModelConfig.from_dict(cfg["model_config"])
+    except (TypeError, ValueError) as exc:
+        raise StagedSpecError(f"corrupt draft config in {folder}: {exc}") from None
+    for field in ("arch", "n_heads", "n_kv_heads", "head_dim", "intermediate_size"):
+        if getattr(dcfg, field) != getattr(ocfg, field):
+            raise StagedSpecError(
+                f"draft {folder} does not match the oracle's architecture "
+                f"({field}: draft {getattr(dcfg, field)}, oracle {getattr(ocfg, field)})"
+            )
+    layers = cfg["oracle_layers"]
+    if not isinstance(layers, list) or len(layers) != dcfg.n_layers or any(
+        not isinstance(i, int) or not 0 <= i < ocfg.n_layers for i in layers
+    ):
+        raise StagedSpecError(f"draft {folder} was initialised from layers {layers}, which this oracle lacks")
+
+    tensors = _read_weights(folder / WEIGHTS_NAME)
+    head_tokens = tensors.get("head_tokens")
+    try:
+        model = DraftModel(oracle, layers, head_tokens, dtype=dtype, device=device)
+    except StagedSpecError as exc:
+        raise StagedSpecError(f"corrupt draft {folder}: {exc}") from None
+    own = model.own_state_dict()
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    bad_shape = [k for k in own if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or bad_shape:
+        raise StagedSpecError(
+            f"corrupt draft {folder / WEIGHTS_NAME}: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+            f"wrong shape {bad_shape[:3]}"
+        )
+    p = model.embed.weight
+    model.load_state_dict({k: v.to(device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype)
+                           for k, v in tensors.items()}, strict=False)
+    model.training_meta = cfg.get("training", {})
+    model.fingerprint = cfg["fingerprint"]
+    return model.eval()
+
+
+def _read_weights(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise StagedSpecError(f"draft weights {path} are missing")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own (Rust) error types for malformed files
+        text = str(exc).strip().splitlines()
+        raise StagedSpecError(f"corrupt draft weights {path}: {text[0] if text else type(exc).__name__}") from None

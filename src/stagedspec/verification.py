@@ -1,0 +1,202 @@
+"""Verifying a token tree against the oracle: which proposals survive, and the oracle's next token.
+
+The oracle scored every node of the tree in one pass: row u of its logits is
+its next-token distribution after the path to u.  Verification walks from the
+root, at each node deciding among its children with one oracle decision, and
+emits the accepted path plus one token of the oracle's own (the correction
+when everything at a node is rejected, the bonus token at a leaf).
+
+Greedy (temperature 0).  At u the oracle's token is t = argmax(row u).  If a
+child carries t we move there, else t is emitted and we stop.  The output is
+token for token the oracle's own greedy continuation.
+
+Sampling.  We must emit tokens distributed exactly as the oracle's
+p = probs_from_logits(row, sampling), step by step.  At node u, with children
+x_1, x_2, ... tried in order (recursive rejection sampling, as in SpecInfer
+and multi-draft speculative sampling):
+
+- Deterministic tree (`sampled=False`; e.g. the draft's top-k): a child is a
+  fixed proposal, a one-hot q on x.  Accept x with probability p(x); on
+  rejection the event "the output is not x" has left p conditioned on it,
+  p <- p with x zeroed, renormalised.  Trying x_1..x_k and finally drawing
+  from what is left is the chain rule of p, so the emitted token is ~ p.
+- Sampled tree (`sampled=True`): x_i was drawn from q_i, the draft's child_q[u]
+  with x_1..x_{i-1} removed and renormalised (siblings are drawn without
+  replacement).  Accept with probability min(1, p(x)/q_i(x)); on rejection
+  p <- normalise(max(p - q_i, 0)) (the residual) and q_{i+1} = q_i with x
+  zeroed, renormalised.  This is the speculative-sampling step of Leviathan
+  et al. / Chen et al.: its output is ~ p for any q_i when x ~ q_i, and
+  applying it to each sibling in turn, with the residual as the next target,
+  keeps that true because each sibling is a fresh draw from q_{i+1} given the
+  rejections so far.
+- On acceptance we move to the child and use *its* oracle row: one decision
+  per node, shared by every branch through it, so a path is accepted with
+  exactly the oracle's probability of emitting its tokens.  If every child is
+  rejected (or u is a leaf) the next token is drawn from the current p.
+
+In a deterministic tree a token the oracle cannot emit (p(x) = 0, e.g.
+outside its top-k) is rejected without a draw and leaves p unchanged.  Every
+random draw uses the caller's torch.Generator (draws happen on its device),
+so a seeded run is reproducible.
+
+Why the sampled tree's shape must not depend on the draws: see
+`stagedspec.tree._grow_sampled`.  Why a deterministic tree cannot use the
+min(1, p/q) rule with the draft's softmax as q: its children are not draws
+from q (the top-k token is proposed with probability 1, not q(x)), so the
+acceptance probabilities no longer add up to p; the negative controls in
+tests/test_distribution_exactness.py show this and three other classic
+mistakes being caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.sampling import SamplingParams, probs_from_logits
+from stagedspec.tree import TokenTree
+
+# Residual mass below which a rejection is treated as (numerically) impossible.
+_RESIDUAL_EPS = 1e-9
+
+
+@dataclass
+class VerifyResult:
+    accepted: list[int]  # node indices along the accepted path, root excluded, in order
+    next_token: int  # the oracle's own token after the accepted path (correction or bonus)
+
+
+# A node rule: (p, child tokens, child_q or None, generator) -> (index of the accepted
+# child or None, distribution to draw the next token from when None).
+NodeRule = Callable[[Tensor, list[int], Tensor | None, torch.Generator | None], tuple[int | None, Tensor]]
+
+
+def verify(
+    tree: TokenTree, oracle_logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> VerifyResult:
+    """The accepted path of `tree` and the next token, exact for the oracle's distribution."""
+    if oracle_logits.dim() != 2 or oracle_logits.shape[0] != len(tree):
+        raise ValueError(f"oracle logits of shape {tuple(oracle_logits.shape)} for a tree of {len(tree)} nodes")
+    if sampling.greedy:
+        return verify_greedy(tree, oracle_logits)
+    rule = sampled_node_rule if tree.sampled else deterministic_node_rule
+    return walk_tree(tree, oracle_logits, sampling, generator, rule)
+
+
+def verify_greedy(tree: TokenTree, oracle_logits: Tensor) -> VerifyResult:
+    """Follow the oracle's argmax through the tree (one argmax over all rows, no softmax)."""
+    best = oracle_logits.argmax(-1).tolist()
+    kids = _children_lists(tree)
+    node, accepted = 0, []
+    while True:
+        t = best[node]
+        nxt = next((c for c in kids[node] if tree.tokens[c] == t), None)
+        if nxt is None:
+            return VerifyResult(accepted, t)
+        node = nxt
+        accepted.append(node)
+
+
+def walk_tree(
+    tree: TokenTree,
+    oracle_logits: Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    rule: NodeRule,
+) -> VerifyResult:
+    """Descend from the root, letting `rule` decide at each node with that node's oracle p.
+
+    Rows are converted to probabilities lazily: only the nodes on the walked
+    path are ever needed.
+    """
+    kids = _children_lists(tree)
+    node, accepted = 0, []
+    while True:
+        p = probs_from_logits(oracle_logits[node], sampling).double()
+        children = kids[node]
+        q = tree.child_q.get(node) if tree.sampled else None
+        if tree.sampled and children and q is None:
+            raise StagedSpecError(f"sampled tree: node {node} has children but no child_q")
+        choice, leftover = rule(p, [tree.tokens[c] for c in children], q, generator) if children else (None, p)
+        if choice is None:
+            return VerifyResult(accepted, _draw(leftover, generator))
+        node = children[choice]
+        accepted.append(node)
+
+
+def deterministic_node_rule(
+    p: Tensor, tokens: list[int], q: Tensor | None, generator: torch.Generator | None
+) -> tuple[int | None, Tensor]:
+    """Fixed proposals (one-hot q): accept x w.p. p(x); on rejection condition p on "not x"."""
+    for i, x in enumerate(tokens):
+        px = float(p[x])
+        if px > 0 and _uniform(generator) < px:
+            return i, p
+        if px > 0:
+            rest = p.clone()
+            rest[x] = 0.0
+            mass = float(rest.sum())
+            # mass ~ 0 means p(x) ~ 1, so this rejection had probability ~ 0.
+            p = rest / mass if mass > _RESIDUAL_EPS else p
+    return None, p
+
+
+def sampled_node_rule(
+    p: Tensor, tokens: list[int], q: Tensor | None, generator: torch.Generator | None
+) -> tuple[int | None, Tensor]:
+    """Siblings drawn without replacement from q: min(1, p/q) acceptance, residual max(p - q, 0)."""
+    assert q is not None
+    q = q.to(p.device, torch.float64)
+    q = q / q.sum()
+    for i, x in enumerate(tokens):
+        qx, px = float(q[x]), float(p[x])
+        if qx <= 0:
+            raise StagedSpecError(f"sampled tree: token {x} has zero draft probability at its parent")
+        if _uniform(generator) < min(1.0, px / qx):
+            return i, p
+        p = residual(p, q)
+        q = q.clone()
+        q[x] = 0.0
+        q_mass = float(q.sum())
+        if q_mass <= 0:  # every token q could produce was drawn: no further sibling can exist
+            break
+        q = q / q_mass
+    return None, p
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """normalise(max(p - q, 0)), the oracle's distribution given that a draw from q was rejected.
+
+    Its mass equals the probability of that rejection, sum_x q(x)(1 - min(1, p/q)),
+    i.e. TV(p, q).  A mass of ~0 therefore means p ~ q, where a rejection happens
+    with probability ~0 (exactly 0 when p == q: then p/q >= 1 wherever q > 0 and
+    u < 1 always accepts); we keep p then rather than divide 0 by 0.  The
+    distribution used on an event of probability <= eps moves the output
+    distribution by at most eps in total variation, so this is exact up to
+    floating-point rounding, like every other step.
+    """
+    r = (p - q).clamp_min(0.0)
+    mass = float(r.sum())
+    return r / mass if mass > _RESIDUAL_EPS else p
+
+
+def _children_lists(tree: TokenTree) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in range(len(tree))]
+    for i in range(1, len(tree)):
+        kids[tree.parents[i]].append(i)
+    return kids
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    device = generator.device if generator is not None else None
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
+
+
+def _draw(probs: Tensor, generator: torch.Generator | None) -> int:
+    if generator is not None:  # the draw happens where the generator lives (CPU in the loop)
+        probs = probs.to(generator.device)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,274 @@
+"""Distilled drafts: training lowers the KL, files round-trip, resume is exact, restricted heads stay exact.
+
+Everything runs on a tiny random oracle in a few seconds.  Its weights use a
+larger init scale than `init_random`'s default so that its next-token
+distributions are peaked (entropy ~2.7 nats of 4.2): with a near-uniform
+teacher there would be little to distil and greedy paths would hinge on
+near-ties.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagedspec.distill import (
+    DistillConfig,
+    bucket_kl,
+    check_no_human_eval,
+    corpus_streams_from_files,
+    default_corpus_files,
+    distill,
+    eval_draft,
+    oracle_continuation,
+    oracle_samples,
+    teacher_topk,
+)
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.config import ModelConfig
+from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, DraftModel, load_draft, save_draft
+from stagedspec.models.transformer import Transformer, init_random
+from stagedspec.sampling import SamplingParams
+
+VOCAB = 64
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    base = dict(arch="llama", vocab_size=VOCAB, hidden_size=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                intermediate_size=64, max_position=128)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls are dominated by thread wake-ups on a busy machine: one thread is 20x faster here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Transformer:
+    return init_random(Transformer(tiny_config()), seed=0, std=0.3).eval()
+
+
+@pytest.fixture(scope="module")
+def corpus(oracle: Transformer) -> list[list[int]]:
+    """Text the oracle itself would write (sampled at temperature 1): in-distribution for distillation."""
+    g = torch.Generator().manual_seed(1)
+    return [[i] + oracle_continuation(oracle, [i], 100, SamplingParams(temperature=1.0), g) for i in range(16)]
+
+
+def small_cfg(out: Path, **overrides: object) -> DistillConfig:
+    base = dict(layers=2, tokens=40 * 64, seq_len=16, batch_size=4, lr=3e-3, teacher_top_k=16, eval_every=10,
+                eval_windows=8, heldout_fraction=0.1, checkpoint_every=10, out=str(out), fingerprint="tiny-fp")
+    base.update(overrides)
+    return DistillConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def distilled(oracle: Transformer, corpus: list[list[int]], tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("distilled")
+    draft = distill(oracle, None, corpus, small_cfg(out), progress=False)
+    return draft, out
+
+
+def test_distillation_lowers_heldout_kl(distilled) -> None:
+    draft, out = distilled
+    history = json.loads((out / "metrics.json").read_text())
+    assert history[0]["step"] == 0 and history[-1]["step"] == 40
+    assert history[-1]["heldout_kl"] < 0.9 * history[0]["heldout_kl"], history
+    assert (out / CONFIG_NAME).is_file() and (out / WEIGHTS_NAME).is_file()
+    assert draft.training_meta["heldout_kl"] == history[-1]["heldout_kl"]
+
+
+def test_saved_draft_loads_back_with_shared_embedding_and_same_logits(distilled, oracle, tmp_path) -> None:
+    draft, out = distilled
+    tokens = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(20)
+
+    save_draft(draft, tmp_path / "fp32", "tiny-fp", {"note": "x"}, dtype=torch.float32)
+    loaded = load_draft(tmp_path / "fp32", oracle, expected_fingerprint="tiny-fp", dtype=torch.float32)
+    assert loaded.embed.weight.data_ptr() == oracle.embed.weight.data_ptr()  # shared, not copied
+    assert loaded.oracle_layers == draft.oracle_layers == [0, 2]
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens, pos, loaded.new_cache(20)), draft(tokens, pos, draft.new_cache(20)))
+
+    # The default bf16 file holds only the draft's own weights and loads as the bf16-rounded draft.
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(out / WEIGHTS_NAME)))
+    assert not any(n.startswith(("embed", "pos_embed")) for n in names)
+    bf16 = load_draft(out, oracle, dtype=torch.float32)
+    for name, value in draft.own_state_dict().items():
+        assert torch.equal(bf16.own_state_dict()[name], value.to(torch.bfloat16).float()), name
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["fingerprint"] == "tiny-fp" and cfg["vocab_size"] == VOCAB and cfg["oracle_layers"] == [0, 2]
+    assert cfg["training"]["config"]["tokens"] == 40 * 64
+
+
+def test_forward_train_matches_cached_forward(oracle) -> None:
+    """The cache-free training pass must compute what decoding computes (llama and GPT-2, both heads)."""
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    gpt2 = init_random(Transformer(tiny_config(arch="gpt2", n_kv_heads=4, tie_embeddings=False)), std=0.3)
+    for model, head in [(oracle, None), (oracle, list(range(0, VOCAB, 3))), (gpt2, None), (gpt2, [2, 9, 40])]:
+        draft = DraftModel(model, 2, head)
+        with torch.no_grad():
+            cached = draft(tokens, torch.arange(24), draft.new_cache(24, batch=2))
+            train = draft.forward_train(tokens)
+        assert torch.equal(cached.isinf(), train.isinf())
+        finite = cached.isfinite()
+        assert torch.allclose(cached[finite], train[finite], atol=1e-5)
+
+
+def test_resume_gives_the_same_weights(oracle, corpus, tmp_path) -> None:
+    steps = 12
+    cfg_a = small_cfg(tmp_path / "a", tokens=steps * 64, checkpoint_every=4, eval_every=5)
+    cfg_b = small_cfg(tmp_path / "b", tokens=steps * 64, checkpoint_every=4, eval_every=5)
+    straight = distill(oracle, None, corpus, cfg_a, progress=False)
+
+    distill(oracle, None, corpus, cfg_b, progress=False, stop_after_steps=steps // 2)
+    assert (tmp_path / "b" / "checkpoint.pt").is_file()
+    assert not (tmp_path / "b" / WEIGHTS_NAME).exists()  # unfinished runs do not publish a draft
+    resumed = distill(oracle, None, corpus, cfg_b, resume=True, progress=False)
+
+    for name, value in straight.own_state_dict().items():
+        assert torch.equal(resumed.own_state_dict()[name], value), name
+    history_a = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    history_b = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert history_a == history_b
+
+    with pytest.raises(StagedSpecError, match="settings changed"):
+        distill(oracle, None, corpus, small_cfg(tmp_path / "b", tokens=steps * 64, lr=1e-2), resume=True,
+                progress=False)
+    with pytest.raises(StagedSpecError, match="nothing to resume"):
+        distill(oracle, None, corpus, small_cfg(tmp_path / "c"), resume=True, progress=False)
+
+
+def test_restricted_head_gives_minus_inf_outside_its_tokens(oracle, corpus, tmp_path) -> None:
+    subset = [1, 5, 7, 30, 63]
+    draft = DraftModel(oracle, [1, 2], subset)
+    with torch.no_grad():
+        logits = draft(torch.tensor([[3, 4, 5]]), torch.arange(3), draft.new_cache(8))
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[subset] = False
+    assert torch.isneginf(logits[..., outside]).all()
+    assert torch.isfinite(logits[..., ~outside]).all()
+    assert torch.equal(draft.head.weight, oracle.head_weight[subset])  # initialised from the oracle's rows
+
+    trained = distill(oracle, None, corpus, small_cfg(tmp_path, tokens=4 * 64, vocab_top=12), progress=False)
+    assert trained.head_tokens.numel() == 12
+    with torch.no_grad():
+        logits = trained(torch.tensor([[3]]), torch.tensor([0]), trained.new_cache(4))[0, 0]
+    assert int(logits.isfinite().sum()) == 12
+    assert load_draft(tmp_path, oracle).head_tokens.tolist() == trained.head_tokens.tolist()
+
+
+def test_restricted_draft_missing_oracle_tokens_keeps_greedy_output_exact(oracle) -> None:
+    from stagedspec.drafters.model import ModelDrafter
+    from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+
+    prompt = [3, 17, 42, 8]
+    reference = generate_ar(oracle, prompt, max_new_tokens=24).token_ids
+    # Drop the oracle's most used tokens from the draft's head: it can never propose them.
+    counts = torch.bincount(torch.tensor(reference), minlength=VOCAB)
+    banned = counts.argsort(descending=True)[:3]
+    keep = [t for t in range(VOCAB) if t not in set(banned.tolist())]
+    draft = DraftModel(oracle, [0, 3], keep)
+
+    drafter = ModelDrafter(draft, method="tree", budget=8, max_depth=4)
+    result = speculative_generate(ModelOracle(oracle, len(prompt) + 24 + 8 + 1), drafter, prompt, max_new_tokens=24)
+    assert result.token_ids == reference
+    assert "draft" in result.stats.token_origins  # some proposals were accepted, some tokens were not proposable
+    emitted_banned = [o for t, o in zip(result.token_ids, result.stats.token_origins) if t in set(banned.tolist())]
+    assert emitted_banned and all(o == "oracle" for o in emitted_banned)
+
+
+def test_load_draft_rejects_unusable_folders(distilled, oracle, tmp_path) -> None:
+    draft, out = distilled
+    with pytest.raises(StagedSpecError, match="no draft folder"):
+        load_draft(tmp_path / "nope", oracle)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StagedSpecError, match="is missing"):
+        load_draft(tmp_path / "empty", oracle)
+    with pytest.raises(StagedSpecError, match="another oracle/tokenizer"):
+        load_draft(out, oracle, expected_fingerprint="other-fp")
+
+    bad = tmp_path / "bad"
+    save_draft(draft, bad, "tiny-fp")
+    (bad / WEIGHTS_NAME).write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(StagedSpecError, match="corrupt draft weights"):
+        load_draft(bad, oracle)
+    (bad / WEIGHTS_NAME).unlink()
+    with pytest.raises(StagedSpecError, match="weights .* are missing"):
+        load_draft(bad, oracle)
+    (bad / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(StagedSpecError, match="corrupt draft config"):
+        load_draft(bad, oracle)
+
+    other_vocab = init_random(Transformer(tiny_config(vocab_size=80)))
+    with pytest.raises(StagedSpecError, match="vocabulary of 64 tokens"):
+        load_draft(out, other_vocab)
+    other_width = init_random(Transformer(tiny_config(hidden_size=48, n_heads=4, n_kv_heads=2)))
+    with pytest.raises(StagedSpecError, match="width 32"):
+        load_draft(out, other_width)
+
+
+def test_bucket_kl_is_zero_for_the_teacher_and_finite_for_a_restricted_student(oracle) -> None:
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    logp, ids = teacher_topk(oracle, tokens, 8)
+    with torch.no_grad():
+        logits = oracle(tokens, torch.arange(12), oracle.new_cache(12))[0]
+    assert bucket_kl(logits, logp[0], ids[0]).abs().max() < 1e-5
+    assert (bucket_kl(torch.zeros_like(logits), logp[0], ids[0]) > 0.01).all()
+    # A student whose 4-token support lies inside the teacher's top-8: the loss stays finite.
+    cols = torch.where(ids[0] < 4, ids[0], torch.full_like(ids[0], -1))
+    assert torch.isfinite(bucket_kl(torch.zeros(12, 4, requires_grad=True), logp[0], cols)).all()
+
+
+def test_eval_draft_reports_agreement_and_cost(oracle, distilled) -> None:
+    draft, _ = distilled
+    prompts = [[3, 17, 42], [9, 9, 1, 2]]
+    self_eval = eval_draft(oracle, oracle, prompts, 12, timing_dtype=None, timing_steps=2)
+    assert self_eval["top1"] == 1.0 and self_eval["positions"] > 0
+    report = eval_draft(oracle, draft, prompts, 12, timing_dtype=torch.bfloat16, timing_steps=2)
+    assert 0.0 <= report["top1"] <= report["top2"] <= report["top4"] <= report["top8"] <= 1.0
+    assert report["draft_ms_per_token"] > 0 and report["oracle_ms_per_token"] > 0
+
+
+def test_training_corpus_never_contains_human_eval(tmp_path) -> None:
+    files = default_corpus_files()
+    assert files and all(f.suffix in (".py", ".txt", ".rst", ".md") for f in files)
+    assert not any({"test", "tests", "site-packages"} & set(f.parts) for f in files)
+    check_no_human_eval(files)
+    leaked = tmp_path / "human_eval" / "data.py"
+    leaked.parent.mkdir()
+    leaked.write_text("x = 1\n")
+    with pytest.raises(StagedSpecError, match="HumanEval"):
+        corpus_streams_from_files([leaked], tokenizer=None)
+
+
+class _CharTokenizer:
+    """Just enough of `stagedspec.tokenizer.Tokenizer` for `oracle_samples`: ids are char codes mod 60."""
+
+    eos_token_ids = [63]
+
+    def apply_chat_template(self, prompt: str) -> str:
+        return f"<u>{prompt}<a>"
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 60 for c in text]
+
+
+def test_oracle_samples_are_chat_prompt_plus_the_oracles_continuation(oracle) -> None:
+    tok = _CharTokenizer()
+    streams = oracle_samples(oracle, tok, ["Write a Python function `f(x)`. Add one."], 10, progress=False)
+    prompt_ids = tok.encode("<u>Write a Python function `f(x)`. Add one.<a>")
+    assert streams[0][: len(prompt_ids)] == prompt_ids
+    reply = streams[0][len(prompt_ids):]
+    assert reply == oracle_continuation(oracle, prompt_ids, 10, stop_token_ids=[63]) and 1 <= len(reply) <= 10
