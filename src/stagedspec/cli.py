@@ -33,9 +33,21 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="SPEC",
                    help="draft model: a distilled draft folder, an HF folder, a .gguf, or layers:N "
                         "(the oracle's first N layers)")
-    p.add_argument("--method", default=None, choices=["ar", "chain", "tree"],
-                   help="ar (plain decoding), chain (k draft tokens), tree (best-first token tree); "
-                        "default: tree when --draft is given, else ar")
+    p.add_argument("--method", default=None, choices=["ar", "chain", "tree", "lookup", "staged"],
+                   help="ar (plain decoding), chain (k draft tokens), tree (best-first token tree), "
+                        "lookup (prompt lookup / n-gram drafts, no draft model), staged (oracle <- draft <- "
+                        "lookup); default: staged with --stages, tree with --draft, else ar")
+    p.add_argument("--ngram", default=None, metavar="SPEC",
+                   help="n-gram for lookup/staged: 'default' (built once from the Python stdlib) or a file")
+    p.add_argument("--stages", default=None, metavar="LIST",
+                   help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
+                        "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
+    p.add_argument("--no-context", action="store_true", help="no prompt lookup at the bottom stage")
+    p.add_argument("--lookup-k", type=_positive_int, default=6, metavar="K", help="tokens per lookup chain")
+    p.add_argument("--stage-k", type=_positive_int, default=6, metavar="K",
+                   help="tokens each model stage decodes per proposal (staged)")
+    p.add_argument("--stage-branching", type=_positive_int, default=2, metavar="B",
+                   help="alternatives per position in a stage's proposal, spine included (staged)")
     p.add_argument("--tree-budget", type=_positive_int, default=16, metavar="N", help="tree nodes per step")
     p.add_argument("--tree-depth", type=_positive_int, default=6, metavar="D", help="maximum tree depth")
     p.add_argument("--branching", type=_positive_int, default=4, metavar="B", help="children considered per node")
@@ -62,7 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--show-stages", action="store_true",
+                     help="after generating, show the text coloured by the stage that proposed each token")
     gen.set_defaults(func=cmd_generate)
+
+    ngram = sub.add_parser("ngram", help="n-gram drafters: build")
+    ngram_sub = ngram.add_subparsers(dest="ngram_command", required=True)
+    build = ngram_sub.add_parser("build", help="build a Katz-backoff n-gram file for a tokenizer")
+    build.add_argument("--tokenizer", default="default", metavar="SPEC",
+                       help="model whose tokenizer the n-gram is for (default, HF folder or .gguf)")
+    src = build.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-text", nargs="+", metavar="FILE", help="corpus text files")
+    src.add_argument("--from-stdlib", action="store_true", help="the CPython stdlib sources on this machine")
+    src.add_argument("--from-samples", metavar="SPEC",
+                     help="text sampled from this model (a draft or oracle spec; the paper's recipe)")
+    build.add_argument("--tokens", type=_positive_int, default=200_000, help="tokens to sample with --from-samples")
+    build.add_argument("--temperature", type=float, default=1.5, help="sampling temperature for --from-samples")
+    build.add_argument("--order", type=_positive_int, default=3, help="n-gram order (2..5)")
+    build.add_argument("--out", required=True, metavar="FILE")
+    build.set_defaults(func=cmd_ngram_build)
 
     bench = sub.add_parser("bench-engine", help="autoregressive speed vs transformers and the bandwidth roofline")
     _add_model_args(bench)
@@ -80,35 +110,126 @@ def _sampling_from(args: argparse.Namespace):  # noqa: ANN202
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
+def speculation_from(args: argparse.Namespace):  # noqa: ANN201
+    """(oracle spec, draft specs, SpeculationConfig) from the shared speculation flags."""
+    from stagedspec.pipeline import SpeculationConfig, parse_stages
+
+    oracle, drafts, ngram, context = args.oracle, [args.draft] if args.draft else [], args.ngram, not args.no_context
+    if args.stages:
+        oracle, drafts, stage_ngram, stage_context = parse_stages(args.stages.split(","))
+        ngram, context = stage_ngram or ngram, stage_context and context
+        method = args.method or "staged"
+    else:
+        method = args.method or ("tree" if args.draft else "ar")
+        if method in ("lookup", "staged") and ngram is None and not args.no_context and method == "staged":
+            ngram = "default"
+    spec = SpeculationConfig(method=method, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
+                             branching=args.branching, draft_k=args.draft_k, ngram=ngram, context=context,
+                             lookup_k=args.lookup_k, stage_k=args.stage_k, stage_branching=args.stage_branching)
+    return oracle, drafts, spec
+
+
+ORIGIN_COLOURS = {"oracle": "", "draft": "\033[32m", "draft1": "\033[32m", "draft2": "\033[36m",
+                  "ngram": "\033[34m", "context": "\033[33m"}
+
+
+def show_stages(tokenizer, token_ids: list[int], origins: list[str]) -> str:  # noqa: ANN001
+    """The generated text with each token coloured by the stage that proposed it (ANSI colours)."""
+    reset, other = "\033[0m", "\033[35m"
+
+    def paint(text: str, origin: str) -> str:
+        colour = ORIGIN_COLOURS.get(origin, other)
+        return f"{colour}{text}{reset}" if colour else text
+
+    body = "".join(paint(tokenizer.decode([t], skip_special_tokens=True), o) for t, o in zip(token_ids, origins))
+    legend = " ".join(paint(o, o) for o in dict.fromkeys(origins))
+    return body + f"\n[proposed by: {legend}]"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from stagedspec.pipeline import Pipeline, SpeculationConfig
+    from stagedspec.pipeline import Pipeline
 
     if args.max_new_tokens < 1:
         raise StagedSpecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = _sampling_from(args)
-    method = args.method or ("tree" if args.draft else "ar")
-    spec = SpeculationConfig(method=method, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
-                             branching=args.branching, draft_k=args.draft_k)
+    oracle, drafts, spec = speculation_from(args)
+    method = spec.method
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    pipe = Pipeline(args.oracle, args.draft, speculation=spec, dtype=args.dtype, device=args.device)
+    pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device)
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    quiet = args.json or args.show_stages
     result = pipe.generate(prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                           seed=args.seed, stop_strings=args.stop, on_text=None if args.json else stream)
+                           seed=args.seed, stop_strings=args.stop, on_text=None if quiet else stream)
     st = result.stats
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "method": method,
                           "stats": st.to_dict()}))
-    else:
-        sys.stdout.write("\n")
-        line = f"[{st.new_tokens} tokens in {st.seconds:.2f} s: {st.tokens_per_second:.1f} tokens/s, method {method}"
-        if method != "ar":
-            line += f", mean accepted length {st.mean_accepted_length:.2f}"
-        print(line + "]", file=sys.stderr)
+        return 0
+    if args.show_stages:
+        sys.stdout.write(show_stages(pipe.tokenizer, result.token_ids, st.token_origins))
+    sys.stdout.write("\n")
+    line = f"[{st.new_tokens} tokens in {st.seconds:.2f} s: {st.tokens_per_second:.1f} tokens/s, method {method}"
+    if method != "ar":
+        line += f", mean accepted length {st.mean_accepted_length:.2f}"
+    print(line + "]", file=sys.stderr)
     return 0
+
+
+def cmd_ngram_build(args: argparse.Namespace) -> int:
+    import time
+
+    from stagedspec.drafters.ngram_files import build_ngram, stdlib_source_files, token_streams_from_files
+    from stagedspec.models.loading import load_model
+
+    model, tok = load_model(args.tokenizer)
+    t0 = time.perf_counter()
+    if args.from_samples:
+        streams = sample_streams(args.from_samples, model, tok, args.tokens, args.temperature)
+    else:
+        files = stdlib_source_files() if args.from_stdlib else args.from_text
+        streams = token_streams_from_files(files, tok)
+    ngram = build_ngram(streams, tok, order=args.order)
+    ngram.save(args.out)
+    print(f"{ngram.summary()}; built from {sum(len(s) for s in streams):,} tokens in "
+          f"{time.perf_counter() - t0:.1f} s -> {args.out}")
+    return 0
+
+
+def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: float) -> list[list[int]]:  # noqa: ANN001
+    """Token streams sampled from a model (the paper built its trigram from draft samples at T=1.5).
+
+    Each stream starts from a chat-formatted prompt derived offline from the stdlib.
+    """
+    from tqdm import tqdm
+
+    from stagedspec.generation import generate_ar
+    from stagedspec.pipeline import load_draft_model
+    from stagedspec.sampling import SamplingParams
+
+    model = oracle if spec == "oracle" else load_draft_model(spec, oracle, tokenizer, oracle.embed.weight.dtype,
+                                                             str(oracle.embed.weight.device))
+    try:
+        from stagedspec.distill import stdlib_prompts
+
+        prompts = stdlib_prompts(256, seed=0)
+    except Exception:  # noqa: BLE001 - any failure: fall back to a generic prompt
+        prompts = ["Write a Python function."]
+    streams, total, i = [], 0, 0
+    bar = tqdm(total=n_tokens, desc="sampling", unit="tok")
+    while total < n_tokens:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(prompts[i % len(prompts)]))
+        out = generate_ar(model, ids, max_new_tokens=min(256, n_tokens - total),
+                          sampling=SamplingParams(temperature=temperature), seed=i).token_ids
+        streams.append(out)
+        total += len(out)
+        bar.update(len(out))
+        i += 1
+    bar.close()
+    return streams
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:

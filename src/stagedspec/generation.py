@@ -55,32 +55,62 @@ class Drafter(Protocol):
 
 
 class ModelOracle:
-    """Runs a `Transformer` with its own static KV cache as the oracle of the loop."""
+    """Runs a `Transformer` with its own static KV cache as the oracle of the loop.
+
+    The cache survives across calls: `prefill` keeps the longest cached prefix
+    of the new context and runs only the rest, which is what lets a model be
+    a stage that is re-entered every step of the loop above it.
+    """
 
     def __init__(self, model: Transformer, max_len: int) -> None:
         self.model = model
         self.cache = model.new_cache(max_len)
         self.forward_passes = 0
         self.device = model.embed.weight.device
+        self.cached_tokens: list[int] = []  # tokens whose KV entries are committed, in order
+        self._catch_up: list[int] = []  # context tokens to run in front of the next tree
+        self._tree: TokenTree | None = None
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
-        """Cache every prompt token but the last (the first step's root)."""
-        self.cache.reset()
-        head = list(prompt_ids[:-1])
-        if head:
-            toks = torch.tensor([head], device=self.device)
-            self.model(toks, torch.arange(len(head), device=self.device), self.cache, logits_rows=slice(-1, None))
-            self.cache.commit()
+        """Make every context token but the last (the first step's root) part of the cache.
+
+        Tokens not cached yet are run lazily, in front of the next scored
+        tree, so catching up costs no forward pass of its own.
+        """
+        target = list(prompt_ids[:-1])
+        keep = 0
+        for a, b in zip(self.cached_tokens, target):
+            if a != b:
+                break
+            keep += 1
+        self.cache.truncate(keep)
+        self.cached_tokens = target[:keep]
+        self._catch_up = target[keep:]
 
     def score(self, tree: TokenTree) -> Tensor:
-        toks = torch.tensor([tree.tokens], device=self.device)
-        pos = tree.positions(self.cache.length, self.device)
-        mask = None if len(tree) == 1 else tree.attention_mask(self.device)
+        lead = self._catch_up
+        P, N = len(lead), len(tree)
+        toks = torch.tensor([[*lead, *tree.tokens]], device=self.device)
+        start = self.cache.length
+        pos = torch.cat([torch.arange(start, start + P), tree.positions(start + P)]).to(self.device)
+        if P == 0:
+            mask = None if N == 1 else tree.attention_mask(self.device)
+        else:
+            mask = torch.ones(P + N, P + N, dtype=torch.bool).tril_()
+            mask[P:, P:] = tree.attention_mask()
+            mask = mask.to(self.device)
         self.forward_passes += 1
-        return self.model(toks, pos, self.cache, tree_mask=mask)[0]
+        self._tree = tree
+        return self.model(toks, pos, self.cache, tree_mask=mask, logits_rows=slice(P, None))[0]
 
     def commit(self, accepted: Sequence[int]) -> None:
-        self.cache.commit([0, *accepted])
+        P = len(self._catch_up)
+        self.cache.commit([*range(P), *(P + i for i in (0, *accepted))])
+        tree = self._tree
+        assert tree is not None
+        self.cached_tokens.extend(self._catch_up)
+        self.cached_tokens.extend(tree.tokens[i] for i in (0, *accepted))
+        self._catch_up = []
 
 
 class NoDrafter:
@@ -106,6 +136,8 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per oracle step
     tree_sizes: list[int] = field(default_factory=list)  # proposed nodes (root excluded) per step
     token_origins: list[str] = field(default_factory=list)  # who proposed each emitted token
+    draft_seconds: float = 0.0  # time spent in the drafter's proposals
+    stages: list[dict] = field(default_factory=list)  # per-stage passes and seconds (filled by the pipeline)
     finish_reason: str = "length"
 
     @property
@@ -148,12 +180,15 @@ def iter_steps(
     stop_token_ids: Iterable[int] = (),
     verifier: Verifier | None = None,
     stats: GenerationStats | None = None,
+    generator: torch.Generator | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens emitted by each oracle step (at least one per step).
 
     Stops after `max_new_tokens` tokens or right after a stop token; tokens a
     step accepted beyond either limit are not emitted, so the output is a
-    prefix-exact match of autoregressive decoding.
+    prefix-exact match of autoregressive decoding.  A caller that nests
+    loops (a stage drafting for the stage above) passes its own `generator`
+    so one seed drives every random draw.
     """
     if max_new_tokens < 1:
         raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -162,8 +197,7 @@ def iter_steps(
     verifier = verifier or _default_verifier()
     stats = stats if stats is not None else GenerationStats()
     stops = set(stop_token_ids)
-    generator = None
-    if not sampling.greedy:
+    if generator is None and not sampling.greedy:
         generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
     context = list(prompt_ids)
     t0 = time.perf_counter()
@@ -173,7 +207,9 @@ def iter_steps(
     emitted = 0
     while emitted < max_new_tokens:
         remaining = max_new_tokens - emitted
+        t_draft = time.perf_counter()
         tree = drafter.propose(context, sampling, generator, remaining)
+        stats.draft_seconds += time.perf_counter() - t_draft
         result = verifier(tree, oracle.score(tree), sampling, generator)
         oracle.commit(result.accepted)
         stats.accepted_lengths.append(len(result.accepted))

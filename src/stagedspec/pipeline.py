@@ -25,7 +25,7 @@ from stagedspec.generation import (
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 
-METHODS = ("ar", "chain", "tree")
+METHODS = ("ar", "chain", "tree", "lookup", "staged")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -47,21 +47,67 @@ def check_device(device: str) -> str:
 
 @dataclass
 class SpeculationConfig:
-    """How drafts are proposed.  Defaults were picked from the tree-cost benchmark."""
+    """How drafts are proposed.  Defaults were picked with the tree-cost benchmark.
+
+    - chain / tree: one draft model proposes for the oracle;
+    - lookup: model-free drafts (prompt lookup and/or an n-gram) for the oracle;
+    - staged: oracle <- draft model(s) <- lookup; each model stage decodes
+      `stage_k` tokens per proposal speculatively against the stage below.
+    """
 
     method: str = "ar"
     tree_budget: int = 16
     tree_depth: int = 6
     branching: int = 4
     draft_k: int = 4
+    ngram: str | None = None  # n-gram spec for lookup/staged: "default" or a file
+    context: bool = True  # prompt lookup at the bottom of lookup/staged
+    lookup_k: int = 6  # tokens per lookup chain
+    stage_k: int = 6  # tokens each model stage decodes per proposal
+    stage_branching: int = 2  # spine token + (b - 1) alternatives per position
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise StagedSpecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
         for label, value in (("--tree-budget", self.tree_budget), ("--tree-depth", self.tree_depth),
-                             ("--branching", self.branching), ("--draft-k", self.draft_k)):
+                             ("--branching", self.branching), ("--draft-k", self.draft_k),
+                             ("--lookup-k", self.lookup_k), ("--stage-k", self.stage_k),
+                             ("--stage-branching", self.stage_branching)):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
+
+    @property
+    def max_nodes(self) -> int:
+        """Most tree nodes the oracle may be asked to verify in one step."""
+        return max(self.tree_budget, self.draft_k, self.stage_k * self.stage_branching,
+                   self.lookup_k * 3)
+
+
+def parse_stages(specs: Sequence[str]) -> tuple[str, list[str], str | None, bool]:
+    """`--stages ORACLE,DRAFT...,BOTTOM` -> (oracle, drafts, ngram spec or None, use prompt lookup).
+
+    BOTTOM is `ngram`, `ngram:FILE`, `context`, or a `+`-joined mix such as
+    `context+ngram`; it may be omitted (then `context+ngram`).
+    """
+    specs = [s.strip() for s in specs if s.strip()]
+    if len(specs) < 2:
+        raise StagedSpecError("--stages needs at least an oracle and one more stage, e.g. default,DRAFT,ngram")
+
+    def is_bottom(spec: str) -> bool:
+        return all(part == "context" or part == "ngram" or part.startswith("ngram:") for part in spec.split("+"))
+
+    bottom = specs[-1] if is_bottom(specs[-1]) else "context+ngram"
+    middle = specs[1:-1] if is_bottom(specs[-1]) else specs[1:]
+    for spec in middle:
+        if is_bottom(spec):
+            raise StagedSpecError(f"stage {spec!r} is model-free and can only be the last stage")
+    ngram, context = None, False
+    for part in bottom.split("+"):
+        if part == "context":
+            context = True
+        else:
+            ngram = part.split(":", 1)[1] if ":" in part else "default"
+    return specs[0], middle, ngram, context
 
 
 def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
@@ -133,23 +179,38 @@ class Pipeline:
     def __init__(
         self,
         oracle: str = "default",
-        draft: str | None = None,
+        draft: str | Sequence[str] | None = None,
         *,
         speculation: SpeculationConfig | None = None,
         dtype: str = "bf16",
         device: str = "cpu",
     ) -> None:
+        """`draft` is one spec, or for `staged` a list from the stage below the oracle downwards."""
         from stagedspec.models.loading import load_model
 
-        self.speculation = speculation or SpeculationConfig()
+        self.speculation = s = speculation or SpeculationConfig()
         self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
         self.model, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device)
-        self.draft_model: Transformer | None = None
-        if self.speculation.method != "ar":
-            if draft is None:
-                raise StagedSpecError(f"method {self.speculation.method!r} needs a draft: pass --draft SPEC")
-            self.draft_model = load_draft_model(draft, self.model, self.tokenizer, self.dtype, self.device)
+        drafts = [draft] if isinstance(draft, str) else list(draft or [])
+        if s.method in ("chain", "tree") and len(drafts) != 1:
+            raise StagedSpecError(f"method {s.method!r} needs exactly one draft: pass --draft SPEC")
+        if s.method == "ar":
+            drafts = []
+        if s.method == "staged" and not drafts:
+            raise StagedSpecError("method 'staged' needs at least one draft model stage (--draft or --stages); "
+                                  "for model-free drafting use --method lookup")
+        if s.method == "lookup":
+            drafts = []
+        self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device) for d in drafts]
+        self.draft_model = self.draft_models[0] if self.draft_models else None
+        self.ngram = None
+        if s.method in ("lookup", "staged") and s.ngram is not None:
+            from stagedspec.drafters.ngram_files import load_ngram
+
+            self.ngram = load_ngram(s.ngram, self.tokenizer)
+        if s.method in ("lookup", "staged") and self.ngram is None and not s.context:
+            raise StagedSpecError(f"method {s.method!r} needs a bottom stage: an n-gram (--ngram) or prompt lookup")
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
@@ -160,12 +221,25 @@ class Pipeline:
 
     def drafter(self, max_len: int) -> Drafter:
         s = self.speculation
-        if s.method == "ar" or self.draft_model is None:
+        if s.method == "ar":
             return NoDrafter()
-        from stagedspec.drafters.model import ModelDrafter
+        if s.method in ("chain", "tree"):
+            from stagedspec.drafters.model import ModelDrafter
 
-        return ModelDrafter(self.draft_model, method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
-                            branching=s.branching, chain_length=s.draft_k, max_len=max_len)
+            return ModelDrafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
+                                branching=s.branching, chain_length=s.draft_k, max_len=max_len)
+        from stagedspec.drafters.lookup import LookupDrafter
+        from stagedspec.stages import StageDrafter
+
+        below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_k)
+        if s.method == "lookup":
+            return below
+        n = len(self.draft_models)
+        for i in reversed(range(n)):
+            name = "draft" if n == 1 else f"draft{i + 1}"
+            below = StageDrafter(ModelOracle(self.draft_models[i], max_len + s.max_nodes + 1), below, name=name,
+                                 chain_length=s.stage_k, branching=s.stage_branching)
+        return below
 
     def generate(
         self,
@@ -184,8 +258,7 @@ class Pipeline:
         if max_new_tokens < 1:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
-        nodes = max(self.speculation.tree_budget, self.speculation.draft_k)
-        max_len = context_budget(self.model, len(ids), max_new_tokens, nodes)
+        max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
         oracle = ModelOracle(self.model, max_len)
         drafter = self.drafter(max_len)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
@@ -219,5 +292,21 @@ class Pipeline:
         )
         if not hit_stop:
             emit(held + stream.flush())
+        result.stats.stages = stage_report(result.stats, drafter)
         result.text = "".join(text_parts)
         return result
+
+
+def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - GenerationStats
+    """Forward passes and seconds per stage, oracle first (the oracle gets the time not spent drafting)."""
+    rows = []
+    if hasattr(drafter, "stage_telemetry"):
+        rows = [{"stage": t.name, "forward_passes": t.forward_passes, "seconds": t.seconds}
+                for t in drafter.stage_telemetry()]
+    elif not isinstance(drafter, NoDrafter):
+        rows = [{"stage": getattr(drafter, "name", "draft"), "forward_passes": drafter.forward_passes,
+                 "seconds": stats.draft_seconds}]
+    drafting = sum(r["seconds"] for r in rows)
+    oracle = {"stage": "oracle", "forward_passes": stats.oracle_forward_passes,
+              "seconds": max(0.0, stats.seconds - drafting)}
+    return [oracle, *rows]

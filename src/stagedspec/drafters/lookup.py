@@ -1,0 +1,92 @@
+"""Model-free drafters for the bottom of a stage chain: n-gram and prompt lookup.
+
+Both cost microseconds per proposed token, so they can speculate for a draft
+model (or directly for the oracle) at no measurable cost.  Proposals are
+deterministic, so verification treats each node as a one-hot q and stays
+exact under any sampling settings.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from stagedspec.drafters.context import ContextDrafter
+from stagedspec.drafters.ngram import NgramModel
+from stagedspec.errors import StagedSpecError
+from stagedspec.sampling import SamplingParams
+from stagedspec.tree import TokenTree
+
+
+def _add_path(tree: TokenTree, tokens: Sequence[int], proposer: str) -> None:
+    """Add a chain under the root, reusing nodes an earlier path already created."""
+    node = 0
+    for tok in tokens:
+        child = next((c for c in range(node + 1, len(tree)) if tree.parents[c] == node and tree.tokens[c] == tok),
+                     None)
+        node = child if child is not None else tree.add(node, tok, proposer)
+
+
+class LookupDrafter:
+    """Chains from prompt lookup ("context") and/or an n-gram ("ngram"), merged into one tree.
+
+    - context: the continuation of the most recent earlier occurrence of the
+      current suffix (prompt + everything generated so far);
+    - ngram: the n-gram's `branching` most likely next tokens, each continued
+      greedily, so the tree hedges where the n-gram is unsure.
+    """
+
+    def __init__(
+        self,
+        ngram: NgramModel | None = None,
+        context: bool = True,
+        *,
+        chain_length: int = 6,
+        branching: int = 2,
+    ) -> None:
+        if ngram is None and not context:
+            raise StagedSpecError("a lookup drafter needs an n-gram model, prompt lookup, or both")
+        if chain_length < 1 or branching < 1:
+            raise StagedSpecError(f"lookup chain length and branching must be >= 1, got {chain_length}, {branching}")
+        self.ngram = ngram
+        self.context = ContextDrafter() if context else None
+        self.chain_length, self.branching = chain_length, branching
+        self.forward_passes = 0  # a lookup is not a forward pass
+        self._known: list[int] = []
+
+    @property
+    def name(self) -> str:
+        return "+".join(n for n, on in (("context", self.context is not None), ("ngram", self.ngram is not None)) if on)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self._sync(prompt_ids)
+
+    def _sync(self, context: Sequence[int]) -> None:
+        """Follow the context incrementally; restart only when it is not an extension of what we saw."""
+        if self.context is None:
+            return
+        n = len(self._known)
+        if len(context) >= n and list(context[:n]) == self._known:
+            self.context.update(context[n:])
+        else:
+            self.context.reset(context)
+        self._known = list(context)
+
+    def propose(
+        self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
+    ) -> TokenTree:
+        self._sync(context)
+        n = max(0, min(self.chain_length, max_tokens))
+        tree = TokenTree([context[-1]], [-1])
+        if n == 0:
+            return tree
+        if self.context is not None:
+            _add_path(tree, [t for t, _ in self.context.propose_chain(n)], "context")
+        if self.ngram is not None:
+            order = self.ngram.order
+            tail = list(context[-(order - 1):])
+            for tok, _ in self.ngram.top_k(tail, self.branching):
+                rest = self.ngram.propose_chain((tail + [tok])[-(order - 1):], n - 1) if n > 1 else []
+                _add_path(tree, [tok] + [t for t, _ in rest], "ngram")
+        return tree
