@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     bench.set_defaults(func=cmd_bench_engine)
+
+    from stagedspec.bench.run import add_bench_command
+    from stagedspec.cli_distill import add_commands as add_distill_commands
+
+    add_bench_command(sub)
+    add_distill_commands(sub)
     return parser
 
 

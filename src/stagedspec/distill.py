@@ -287,6 +287,7 @@ def distill(
     resume: bool = False,
     progress: bool = True,
     stop_after_steps: int | None = None,
+    max_seconds: float | None = None,
 ) -> DraftModel:
     """Train a draft for `oracle` on `corpus_token_streams`; save it (and checkpoints) under `cfg.out`.
 
@@ -294,6 +295,9 @@ def distill(
     same weights as an uninterrupted run.  `stop_after_steps` ends this call
     after that many steps in total (checkpointed), for time-boxed runs that
     are resumed later; the final draft is written only when all steps are done.
+    `max_seconds` is a wall-clock time box for this call's training loop: the
+    step that crosses it is the last one, and it is checkpointed (resume goes on
+    from there with unchanged weights and schedule).
     Returns the (float32) student.
     """
     out = Path(cfg.out)
@@ -325,6 +329,8 @@ def distill(
     bar = _progress_bar(progress, total * cfg.tokens_per_step, step * cfg.tokens_per_step)
     loss_ema: float | None = None
     t_start, tokens_done = time.perf_counter(), 0
+    deadline = None if max_seconds is None else t_start + max_seconds
+    timed_out = False
     try:
         while step < end:
             tokens = data.batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)
@@ -338,8 +344,10 @@ def distill(
             opt.step()
             step += 1
             tokens_done += cfg.tokens_per_step
+            if deadline is not None and step < end and time.perf_counter() >= deadline:
+                end, timed_out = step, True  # time box reached: evaluate and checkpoint below, then stop
             loss_ema = loss if loss_ema is None else 0.9 * loss_ema + 0.1 * loss
-            if step % cfg.eval_every == 0 or step == total:
+            if step % cfg.eval_every == 0 or step == total or timed_out:
                 metrics = _heldout_metrics(student, windows, h_logp, h_ids, h_cols)
                 history.append({"step": step, "tokens": step * cfg.tokens_per_step, "train_kl": loss, **metrics})
                 _write_json(out / METRICS_NAME, history)

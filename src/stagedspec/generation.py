@@ -135,6 +135,7 @@ class GenerationStats:
     draft_forward_passes: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per oracle step
     tree_sizes: list[int] = field(default_factory=list)  # proposed nodes (root excluded) per step
+    tree_depths: list[int] = field(default_factory=list)  # longest proposed path per step
     token_origins: list[str] = field(default_factory=list)  # who proposed each emitted token
     draft_seconds: float = 0.0  # time spent in the drafter's proposals
     stages: list[dict] = field(default_factory=list)  # per-stage passes and seconds (filled by the pipeline)
@@ -214,6 +215,7 @@ def iter_steps(
         oracle.commit(result.accepted)
         stats.accepted_lengths.append(len(result.accepted))
         stats.tree_sizes.append(len(tree) - 1)
+        stats.tree_depths.append(tree.depth)
         step = [tree.tokens[i] for i in result.accepted] + [result.next_token]
         origins = [tree.proposer[i] for i in result.accepted] + ["oracle"]
         step, origins = step[:remaining], origins[:remaining]

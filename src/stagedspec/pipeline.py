@@ -212,6 +212,25 @@ class Pipeline:
         if s.method in ("lookup", "staged") and self.ngram is None and not s.context:
             raise StagedSpecError(f"method {s.method!r} needs a bottom stage: an n-gram (--ngram) or prompt lookup")
 
+    @classmethod
+    def from_loaded(
+        cls,
+        model: Transformer,
+        tokenizer,  # noqa: ANN001 - stagedspec Tokenizer
+        draft_models: Sequence[Transformer] = (),
+        speculation: SpeculationConfig | None = None,
+        ngram=None,  # noqa: ANN001 - NgramModel
+    ) -> "Pipeline":
+        """A pipeline over models already in memory (benchmarks and tests run many methods on one load)."""
+        self = cls.__new__(cls)
+        self.speculation = speculation or SpeculationConfig()
+        self.model, self.tokenizer = model, tokenizer
+        self.device, self.dtype = str(model.embed.weight.device), model.embed.weight.dtype
+        self.draft_models = list(draft_models)
+        self.draft_model = self.draft_models[0] if self.draft_models else None
+        self.ngram = ngram
+        return self
+
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
         ids = self.tokenizer.encode(text)
@@ -301,12 +320,15 @@ def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - Gener
     """Forward passes and seconds per stage, oracle first (the oracle gets the time not spent drafting)."""
     rows = []
     if hasattr(drafter, "stage_telemetry"):
-        rows = [{"stage": t.name, "forward_passes": t.forward_passes, "seconds": t.seconds}
+        rows = [{"stage": t.name, "forward_passes": t.forward_passes, "seconds": t.seconds,
+                 # tokens this stage emitted per inner step (accepted from the stage below + its own)
+                 "mean_accepted_length": (sum(t.accepted_lengths) + len(t.accepted_lengths))
+                 / len(t.accepted_lengths) if t.accepted_lengths else None}
                 for t in drafter.stage_telemetry()]
     elif not isinstance(drafter, NoDrafter):
         rows = [{"stage": getattr(drafter, "name", "draft"), "forward_passes": drafter.forward_passes,
                  "seconds": stats.draft_seconds}]
     drafting = sum(r["seconds"] for r in rows)
     oracle = {"stage": "oracle", "forward_passes": stats.oracle_forward_passes,
-              "seconds": max(0.0, stats.seconds - drafting)}
+              "seconds": max(0.0, stats.seconds - drafting), "mean_accepted_length": stats.mean_accepted_length}
     return [oracle, *rows]

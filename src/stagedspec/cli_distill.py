@@ -1,0 +1,404 @@
+"""`stagedspec distill` and `stagedspec eval-draft`: train a draft for an oracle, and measure it.
+
+`add_commands(subparsers)` registers both subcommands on the main parser
+(called from `stagedspec.cli.build_parser`).
+
+Training text (all offline, never HumanEval):
+
+* plain files: `--corpus FILES...`, by default CPython's stdlib sources and
+  the installed Python docs (`stagedspec.distill.default_corpus_files`);
+* `--chat-wrap F`: for a fraction F of the Python files, every documented
+  function becomes a chat exchange in the benchmark's style, the user asking
+  to complete its signature + docstring and the assistant answering with the
+  whole function in a ```python block, wrapped in the oracle's chat template;
+* `--oracle-samples N`: the oracle's own greedy replies to N such requests
+  (the text a draft has to predict at serving time), cached in the work
+  folder and repeated `--sample-repeat` times in the training mix.
+
+The draft is trained on the oracle's next-token distributions over all of it
+(see `stagedspec.distill`).  Checkpoints, metrics and the sample cache live in
+`--work-dir` (default: the output folder), so the output folder can hold just
+the draft (`draft_config.json` + `draft.safetensors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import random
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from stagedspec.errors import StagedSpecError
+
+TARGETS = {"top1": 0.50, "top4": 0.75, "draft_cost_ratio": 1 / 6}
+SAMPLES_NAME = "oracle_samples.json"
+
+
+# ---------------------------------------------------------------------- argument types
+def _int_at_least(lo: int):  # noqa: ANN202
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):  # noqa: ANN202
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (lo < value if lo_open else lo <= value) or not value <= hi or math.isnan(value):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        return value
+
+    return parse
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register `distill` and `eval-draft` on the main parser's subparsers."""
+    d = subparsers.add_parser(
+        "distill", help="train a small draft for an oracle (same tokenizer) by distillation",
+        description="Train a draft that shares the oracle's tokenizer and embedding, on the oracle's "
+                    "next-token distributions over offline text (never HumanEval).",
+    )
+    d.add_argument("--oracle", default="default", metavar="SPEC",
+                   help="'default' (SmolLM2-135M-Instruct), an HF-format folder, or a .gguf file")
+    d.add_argument("--out", required=True, metavar="DIR", help="folder for the draft (draft_config.json + draft.safetensors)")
+    d.add_argument("--work-dir", default=None, metavar="DIR",
+                   help="folder for checkpoint.pt, metrics.json and the oracle-sample cache (default: --out)")
+    d.add_argument("--layers", type=_int_at_least(1), default=2, metavar="L", help="draft layers (copied from the oracle's)")
+    d.add_argument("--vocab-top", type=_int_at_least(0), default=8192, metavar="V",
+                   help="draft head over the V most frequent corpus tokens (0 = the oracle's full head)")
+    d.add_argument("--tokens", type=_int_at_least(1), default=2_000_000, metavar="N",
+                   help="training tokens in total (with --seq-len and --batch-size: the number of steps)")
+    d.add_argument("--corpus", nargs="+", default=None, metavar="FILE",
+                   help="training text files (default: CPython stdlib sources and installed Python docs)")
+    d.add_argument("--resume", action="store_true", help="continue from the work folder's checkpoint")
+    d.add_argument("--lr", type=_float_in(0.0, 1.0, lo_open=True), default=1e-3, help="peak learning rate")
+    d.add_argument("--min-lr-ratio", type=_float_in(0.0, 1.0), default=0.1,
+                   help="cosine decay ends at lr * this ratio on the last step")
+    d.add_argument("--seq-len", type=_int_at_least(2), default=256, metavar="T")
+    d.add_argument("--batch-size", type=_int_at_least(1), default=8, metavar="B")
+    d.add_argument("--seed", type=_int_at_least(0), default=0)
+    d.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N", help="torch CPU threads")
+    d.add_argument("--max-minutes", type=_float_in(0.0, 1e7, lo_open=True), default=None, metavar="M",
+                   help="time box for the training loop: stop after a checkpoint, save the draft so far "
+                        "(--resume continues)")
+    d.add_argument("--stop-after-steps", type=_int_at_least(1), default=None, metavar="S",
+                   help="end this call after step S (checkpointed, draft so far saved; the schedule is unchanged "
+                        "and --resume continues): the reproducible form of a time-boxed run")
+    d.add_argument("--chat-wrap", type=_float_in(0.0, 1.0), nargs="?", const=0.5, default=0.0, metavar="F",
+                   help="fraction of the Python files whose documented functions become chat exchanges "
+                        "in the oracle's chat template (bare flag: 0.5)")
+    d.add_argument("--oracle-samples", type=_int_at_least(0), default=0, metavar="N",
+                   help="add the oracle's own greedy replies to N chat coding requests built from stdlib functions")
+    d.add_argument("--sample-tokens", type=_int_at_least(1), default=160, metavar="N", help="reply length cap")
+    d.add_argument("--sample-repeat", type=_int_at_least(1), default=1, metavar="R",
+                   help="copies of each oracle sample in the training mix")
+    d.add_argument("--teacher-top-k", type=_int_at_least(1), default=64, metavar="K")
+    d.add_argument("--eval-every", type=_int_at_least(1), default=50, metavar="S", help="held-out evaluation period (steps)")
+    d.add_argument("--checkpoint-every", type=_int_at_least(1), default=100, metavar="S")
+    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="oracle (teacher) dtype; the draft trains in fp32 either way")
+    d.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype of the saved draft")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=cmd_distill)
+
+    e = subparsers.add_parser(
+        "eval-draft", help="quality report of a draft against its oracle (HumanEval prompts, chat-formatted)",
+        description="Greedy top-1/top-k agreement with the oracle's own greedy continuations of held-out "
+                    "HumanEval prompts, mean accepted length (chain and tree) and cost per token.",
+    )
+    e.add_argument("--oracle", default="default", metavar="SPEC")
+    e.add_argument("--draft", required=True, metavar="SPEC", help="'default', a draft folder, an HF folder, .gguf or layers:N")
+    e.add_argument("--prompts", default="humaneval", metavar="SOURCE",
+                   help="'humaneval' (default; never trained on) or a prompt file (.jsonl or blank-line separated)")
+    e.add_argument("--n-prompts", type=_int_at_least(1), default=20, metavar="N", help="prompts for agreement")
+    e.add_argument("--offset", type=_int_at_least(0), default=0, metavar="I", help="first prompt")
+    e.add_argument("--tokens", type=_int_at_least(1), default=128, metavar="N", help="oracle continuation length")
+    e.add_argument("--accept-prompts", type=_int_at_least(0), default=4, metavar="N",
+                   help="prompts decoded with chain and tree speculation for the mean accepted length")
+    e.add_argument("--accept-tokens", type=_int_at_least(1), default=128, metavar="N")
+    e.add_argument("--draft-k", type=_int_at_least(1), default=4, metavar="K", help="chain length")
+    e.add_argument("--tree-budget", type=_int_at_least(1), default=16, metavar="N")
+    e.add_argument("--tree-depth", type=_int_at_least(1), default=6, metavar="D")
+    e.add_argument("--branching", type=_int_at_least(1), default=4, metavar="B")
+    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    e.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=cmd_eval_draft)
+
+
+# ---------------------------------------------------------------------- corpus
+def _fraction_pick(key: str, seed: int, fraction: float) -> bool:
+    """Deterministic Bernoulli(fraction) draw keyed by a string (stable across runs and machines)."""
+    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def documented_functions(source: str) -> list[tuple[str, str]]:
+    """(request, full source) of each documented function/method: request = signature + docstring, dedented."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines(keepends=True)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        doc = node.body[0]
+        if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            continue
+        if len(node.body) < 2 or node.end_lineno is None or doc.end_lineno is None:
+            continue  # docstring-only stubs teach nothing about code
+        start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+        request = textwrap.dedent("".join(lines[start:doc.end_lineno]))
+        full = textwrap.dedent("".join(lines[start:node.end_lineno]))
+        if len(full) > 6000:
+            continue
+        found.append((request, full))
+    return found
+
+
+def chat_instruction(code: str) -> str:
+    from stagedspec.bench.prompts import chat_instruction as bench_instruction
+
+    return bench_instruction(code)
+
+
+def chat_streams(tokenizer: Any, functions: Sequence[tuple[str, str]]) -> list[list[int]]:
+    """Chat exchanges "complete this function" -> the function in a ```python block, as token streams."""
+    end = "<|im_end|>" if "<|im_end|>" in tokenizer.get_vocab() else ""
+    out = []
+    for request, full in functions:
+        text = tokenizer.apply_chat_template(chat_instruction(request))
+        out.append(tokenizer.encode(f"{text}```python\n{full.rstrip()}\n```{end}\n"))
+    return out
+
+
+def sample_requests(files: Sequence[Path], n: int, seed: int) -> list[str]:
+    """`n` chat requests in the benchmark's style built from documented stdlib functions (seeded choice)."""
+    pool: list[str] = []
+    for p in files:
+        if p.suffix != ".py":
+            continue
+        for request, full in documented_functions(p.read_text(encoding="utf-8", errors="replace")):
+            if 3 <= request.count("\n") <= 30 and not request.lstrip().startswith("@"):
+                pool.append(chat_instruction(request))
+    random.Random(seed + 7919).shuffle(pool)
+    return pool[:n]
+
+
+def cached_oracle_samples(oracle: Any, tokenizer: Any, requests: Sequence[str], n_tokens: int, cache: Path,
+                          fingerprint: str, progress: bool) -> list[list[int]]:
+    """The oracle's greedy replies to `requests` (prompt + reply streams), cached in `cache` by their inputs."""
+    from stagedspec.distill import oracle_samples
+
+    key = hashlib.sha256(json.dumps([fingerprint, n_tokens, list(requests)]).encode()).hexdigest()[:16]
+    if cache.is_file():
+        try:
+            saved = json.loads(cache.read_text(encoding="utf-8"))
+            if saved.get("key") == key:
+                return saved["streams"]
+        except (OSError, ValueError, KeyError):
+            pass
+    streams = oracle_samples(oracle, tokenizer, requests, n_tokens, progress=progress)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + ".tmp")
+    tmp.write_text(json.dumps({"key": key, "streams": streams}), encoding="utf-8")
+    tmp.replace(cache)
+    return streams
+
+
+def order_streams(unique: list[list[int]], repeats: dict[int, int], heldout_fraction: float, seed: int) -> list[list[int]]:
+    """Shuffle the streams (so the held-out tail is a mix of every source) and add repeated copies up front.
+
+    Copies of a stream are only added when the stream is not in the held-out
+    tail, so the held-out metrics never see training text.
+    """
+    order = list(range(len(unique)))
+    random.Random(seed).shuffle(order)
+    total = sum(len(s) for s in unique) + sum((r - 1) * len(unique[i]) for i, r in repeats.items())
+    tail, acc = set(), 0
+    for i in reversed(order):  # a margin over the tail TokenData will cut, so no copy can straddle it
+        if acc > 1.5 * heldout_fraction * total + 2048:
+            break
+        tail.add(i)
+        acc += len(unique[i])
+    extra = [unique[i] for i, r in sorted(repeats.items()) if i not in tail for _ in range(r - 1)]
+    return extra + [unique[i] for i in order]
+
+
+def _check_files(paths: Sequence[str]) -> list[Path]:
+    out = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.is_file():
+            raise StagedSpecError(f"corpus file not found: {raw}")
+        out.append(p)
+    return out
+
+
+# ---------------------------------------------------------------------- distill
+def cmd_distill(args: argparse.Namespace) -> int:
+    import torch
+
+    from stagedspec.distill import (
+        DistillConfig,
+        check_no_human_eval,
+        corpus_streams_from_files,
+        default_corpus_files,
+        distill,
+    )
+    from stagedspec.models.draft import save_draft
+    from stagedspec.models.loading import load_model
+    from stagedspec.pipeline import parse_dtype, tokenizer_fingerprint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    files = _check_files(args.corpus) if args.corpus is not None else default_corpus_files()
+    if not files:
+        raise StagedSpecError("no corpus files: pass --corpus FILES (no default corpus was found)")
+    check_no_human_eval(files)
+    out = Path(args.out).expanduser()
+    work = Path(args.work_dir).expanduser() if args.work_dir else out
+    if out.exists() and not out.is_dir():
+        raise StagedSpecError(f"--out {out} exists and is not a folder")
+    if args.resume and not (work / "checkpoint.pt").is_file():
+        raise StagedSpecError(f"nothing to resume: no checkpoint at {work / 'checkpoint.pt'}")
+
+    oracle, tok = load_model(args.oracle, dtype=parse_dtype(args.dtype))
+    n_layers = oracle.config.n_layers
+    if args.layers > n_layers:
+        raise StagedSpecError(f"--layers {args.layers}: the oracle has only {n_layers} layers")
+    if args.seq_len > oracle.config.max_position:
+        raise StagedSpecError(f"--seq-len {args.seq_len} exceeds the oracle's context of {oracle.config.max_position}")
+    fingerprint = tokenizer_fingerprint(tok)
+    log = (lambda *a: None) if args.no_progress else (lambda *a: print(*a, file=sys.stderr, flush=True))
+
+    t0 = time.perf_counter()
+    wrap = [p for p in files if p.suffix == ".py" and _fraction_pick(str(p.name) + str(p.parent.name), args.seed, args.chat_wrap)]
+    wrap_set = set(wrap)
+    plain = corpus_streams_from_files([p for p in files if p not in wrap_set], tok)
+    functions = []
+    for p in wrap:
+        functions += documented_functions(p.read_text(encoding="utf-8", errors="replace"))
+    chats = chat_streams(tok, functions)
+    samples: list[list[int]] = []
+    if args.oracle_samples:
+        requests = sample_requests(files, args.oracle_samples, args.seed)
+        if not requests:
+            raise StagedSpecError("--oracle-samples: the corpus has no documented Python functions to ask about")
+        samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, work / SAMPLES_NAME,
+                                        fingerprint, progress=not args.no_progress)
+    unique = plain + chats + samples
+    repeats = {len(plain) + len(chats) + i: args.sample_repeat for i in range(len(samples))}
+    cfg = DistillConfig(
+        layers=args.layers, vocab_top=args.vocab_top, tokens=args.tokens, seq_len=args.seq_len,
+        batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio, seed=args.seed,
+        teacher_top_k=args.teacher_top_k, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+        out=str(work), fingerprint=fingerprint, save_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.save_dtype],
+    )
+    streams = order_streams(unique, repeats, cfg.heldout_fraction, args.seed)
+    n_tok = [sum(map(len, s)) for s in (plain, chats, samples)]
+    log(f"corpus: {len(files)} files ({len(wrap)} chat-wrapped into {len(chats)} exchanges), "
+        f"{len(samples)} oracle samples x{args.sample_repeat}; tokens plain {n_tok[0]}, chat {n_tok[1]}, "
+        f"samples {n_tok[2]} ({time.perf_counter() - t0:.0f} s)")
+    log(f"training {cfg.total_steps} steps of {cfg.tokens_per_step} tokens"
+        + (f", time box {args.max_minutes:g} min" if args.max_minutes else ""))
+
+    student = distill(oracle, tok, streams, cfg, resume=args.resume, progress=not args.no_progress,
+                      stop_after_steps=args.stop_after_steps, max_seconds=None if args.max_minutes is None else args.max_minutes * 60)
+    meta = dict(student.training_meta)
+    meta["complete"] = meta.get("steps_done", 0) >= cfg.total_steps
+    meta["corpus"] = {"files": len(files), "chat_wrap": args.chat_wrap, "chat_exchanges": len(chats),
+                      "oracle_samples": len(samples), "sample_tokens": args.sample_tokens,
+                      "sample_repeat": args.sample_repeat, "tokens_plain": n_tok[0], "tokens_chat": n_tok[1],
+                      "tokens_samples": n_tok[2]}
+    meta["teacher_dtype"] = args.dtype
+    save_draft(student, out, fingerprint, meta, dtype=getattr(torch, cfg.save_dtype))
+    last = meta.get("history", [{}])[-1] if meta.get("history") else {}
+    state = "complete" if meta["complete"] else "stopped early; continue with --resume"
+    print(f"draft saved to {out} ({meta.get('steps_done')}/{cfg.total_steps} steps, {state}); "
+          f"held-out KL {last.get('heldout_kl', float('nan')):.4f}, top-1 {last.get('heldout_top1', float('nan')):.3f}")
+    return 0
+
+
+# ---------------------------------------------------------------------- eval-draft
+def cmd_eval_draft(args: argparse.Namespace) -> int:
+    import torch
+
+    from stagedspec.bench.prompts import load_prompts
+    from stagedspec.distill import eval_draft
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
+    from stagedspec.sampling import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, args.n_prompts, args.offset)
+    if not prompts:
+        raise StagedSpecError(f"no prompts in {args.prompts} from offset {args.offset}")
+    spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching, draft_k=args.draft_k)
+    pipe = Pipeline(args.oracle, args.draft, speculation=SpeculationConfig(method="chain", **spec), dtype=args.dtype)
+    streams = [pipe.encode(chat_instruction(p), chat=True) for p in prompts]
+    with torch.inference_mode():
+        report: dict[str, Any] = eval_draft(pipe.model, pipe.draft_model, streams, args.tokens,
+                                            timing_dtype=torch.bfloat16)
+    report.update(oracle=args.oracle, draft=args.draft, prompts=args.prompts, n_prompts=len(streams),
+                  tokens=args.tokens, offset=args.offset)
+    accept: dict[str, Any] = {}
+    for method in (("ar", "chain", "tree") if args.accept_prompts else ()):
+        pipe.speculation = SpeculationConfig(method=method, **spec)
+        steps = accepted = new = 0
+        seconds = 0.0
+        for ids in streams[: args.accept_prompts]:
+            st = pipe.generate(ids, max_new_tokens=args.accept_tokens, sampling=SamplingParams()).stats
+            steps += len(st.accepted_lengths)
+            accepted += sum(st.accepted_lengths)
+            new += st.new_tokens
+            seconds += st.seconds
+        accept[method] = {"mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
+                          "tokens_per_second": new / seconds if seconds else 0.0, "new_tokens": new}
+    if accept:
+        report["chain_mean_accepted_length"] = accept["chain"]["mean_accepted_length"]
+        report["tree_mean_accepted_length"] = accept["tree"]["mean_accepted_length"]
+        report["speed"] = {m: v["tokens_per_second"] for m, v in accept.items()}
+        report["accept_prompts"] = min(args.accept_prompts, len(streams))
+    report["targets"] = {k: {"target": v, "met": (report[k] <= v if k == "draft_cost_ratio" else report[k] >= v)}
+                         for k, v in TARGETS.items()}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    ok = lambda k: "ok" if report["targets"][k]["met"] else "below target"  # noqa: E731
+    print(f"draft {args.draft} vs oracle {args.oracle}: {report['positions']} positions, "
+          f"{'HumanEval' if args.prompts == 'humaneval' else args.prompts} prompts {args.offset}.."
+          f"{args.offset + len(streams) - 1} (chat-formatted), "
+          f"oracle greedy continuations of {args.tokens} tokens")
+    print(f"  top-1 agreement   {report['top1']:6.1%}   (target >= 50%: {ok('top1')})")
+    print(f"  top-2 coverage    {report['top2']:6.1%}")
+    print(f"  top-4 coverage    {report['top4']:6.1%}   (target >= 75%: {ok('top4')})")
+    print(f"  top-8 coverage    {report['top8']:6.1%}")
+    if accept:
+        print(f"  mean accepted length (tokens per oracle step, greedy, {report['accept_prompts']} prompts x "
+              f"{args.accept_tokens} tokens): chain k={args.draft_k} {accept['chain']['mean_accepted_length']:.2f}, "
+              f"tree budget={args.tree_budget} {accept['tree']['mean_accepted_length']:.2f}")
+        print(f"  speed (tokens/s): ar {accept['ar']['tokens_per_second']:.1f}, "
+              f"chain {accept['chain']['tokens_per_second']:.1f}, tree {accept['tree']['tokens_per_second']:.1f}")
+    print(f"  cost per token    draft {report['draft_ms_per_token']:.2f} ms / oracle {report['oracle_ms_per_token']:.2f} ms "
+          f"= {report['draft_cost_ratio']:.3f} in {report['timing_dtype']} (target <= 0.167: {ok('draft_cost_ratio')})")
+    return 0

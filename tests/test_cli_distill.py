@@ -1,0 +1,184 @@
+"""`stagedspec distill` / `stagedspec eval-draft` end to end on a tiny random oracle (a few seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _tiny_models import save_tiny_hf
+from stagedspec import cli
+from stagedspec.cli_distill import add_commands, documented_functions, order_streams
+from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, load_draft
+from stagedspec.models.loading import load_model
+
+CODE = '''
+def add(a, b):
+    """Return the sum of a and b."""
+    return a + b
+
+
+def scale(values, factor=2):
+    """Multiply every value by factor."""
+    out = []
+    for v in values:
+        out.append(v * factor)
+    return out
+
+
+def clamp(x, lo, hi):
+    """Clamp x into [lo, hi].
+
+    >>> clamp(5, 0, 3)
+    3
+    """
+    return max(lo, min(x, hi))
+
+
+class Box:
+    def size(self):
+        """How many items the box holds."""
+        return len(self.items)
+'''
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def oracle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-oracle")
+    save_tiny_hf("llama_gqa", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    folder = tmp_path_factory.mktemp("corpus")
+    code = folder / "mod.py"
+    code.write_text(CODE * 4)
+    text = folder / "notes.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    return [str(code), str(text)]
+
+
+def run(argv: list[str]) -> int:
+    """`stagedspec.cli.main`, with the distill commands registered if cli.py does not do it (yet)."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if "distill" not in sub.choices:
+        add_commands(sub)
+    original = cli.build_parser
+    cli.build_parser = lambda: parser
+    try:
+        return cli.main(argv)
+    finally:
+        cli.build_parser = original
+
+
+def distill_args(oracle_dir: Path, corpus: list[str], out: Path, *extra: str) -> list[str]:
+    return ["distill", "--oracle", str(oracle_dir), "--out", str(out), "--corpus", *corpus, "--layers", "1",
+            "--vocab-top", "64", "--seq-len", "32", "--batch-size", "2", "--tokens", str(4 * 64),
+            "--eval-every", "2", "--checkpoint-every", "2", "--dtype", "fp32", "--no-progress", *extra]
+
+
+def test_distill_produces_loadable_draft_and_eval_reports(oracle_dir: Path, corpus: list[str], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out, work = tmp_path / "draft", tmp_path / "work"
+    rc = run(distill_args(oracle_dir, corpus, out, "--work-dir", str(work), "--chat-wrap", "1.0",
+                          "--oracle-samples", "2", "--sample-tokens", "4", "--sample-repeat", "2"))
+    assert rc == 0, capsys.readouterr().err
+    assert {p.name for p in out.iterdir()} == {CONFIG_NAME, WEIGHTS_NAME}  # checkpoints stay in --work-dir
+    assert (work / "checkpoint.pt").is_file() and (work / "metrics.json").is_file()
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["training"]["complete"] is True and cfg["training"]["steps_done"] == 4
+    assert cfg["training"]["corpus"]["chat_exchanges"] == 4 * 4 and cfg["training"]["corpus"]["oracle_samples"] == 2
+    oracle, tok = load_model(str(oracle_dir), dtype=torch.float32)
+    from stagedspec.pipeline import tokenizer_fingerprint
+
+    draft = load_draft(out, oracle, expected_fingerprint=tokenizer_fingerprint(tok))
+    assert draft.head_weight.shape[0] == 64
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n\n\ndef g(a, b):\n")
+    capsys.readouterr()
+    rc = run(["eval-draft", "--oracle", str(oracle_dir), "--draft", str(out), "--prompts", str(prompts),
+              "--tokens", "6", "--accept-prompts", "1", "--accept-tokens", "6", "--dtype", "fp32", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("top1", "top2", "top4", "top8", "draft_cost_ratio", "chain_mean_accepted_length",
+                "tree_mean_accepted_length"):
+        assert key in report
+    assert report["positions"] > 0 and 0 <= report["top1"] <= report["top4"] <= report["top8"] <= 1
+    assert report["chain_mean_accepted_length"] >= 1 and report["tree_mean_accepted_length"] >= 1
+
+    rc = run(["eval-draft", "--oracle", str(oracle_dir), "--draft", str(out), "--prompts", str(prompts),
+              "--tokens", "6", "--accept-prompts", "0", "--dtype", "fp32"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "top-1 agreement" in text and "top-4 coverage" in text and "cost per token" in text
+
+
+def test_time_box_saves_partial_draft_and_resume_finishes(oracle_dir: Path, corpus: list[str], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "draft"
+    assert run(distill_args(oracle_dir, corpus, out, "--max-minutes", "1e-9")) == 0
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["training"]["complete"] is False and cfg["training"]["steps_done"] == 1
+    assert "--resume" in capsys.readouterr().out
+    assert run(distill_args(oracle_dir, corpus, out, "--resume", "--stop-after-steps", "2")) == 0
+    assert json.loads((out / CONFIG_NAME).read_text())["training"]["steps_done"] == 2
+    assert run(distill_args(oracle_dir, corpus, out, "--resume")) == 0
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["training"]["complete"] is True and cfg["training"]["steps_done"] == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--corpus", "/nonexistent/corpus.py"], "corpus file not found"),
+        (["--layers", "3"], "the oracle has only 2 layers"),
+        (["--resume"], "nothing to resume"),
+    ],
+)
+def test_bad_inputs_are_one_line_errors(oracle_dir: Path, corpus: list[str], tmp_path: Path, extra: list[str],
+                                        message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stagedspec: error:") and message in err
+
+
+def test_argument_validation(oracle_dir: Path, corpus: list[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run(distill_args(oracle_dir, corpus, tmp_path / "d", "--layers", "0"))
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        run(distill_args(oracle_dir, corpus, tmp_path / "d", "--chat-wrap", "1.5"))
+
+
+def test_humaneval_is_refused(oracle_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "HumanEval.jsonl"
+    bad.write_text('{"prompt": "def f():"}\n')
+    assert run(distill_args(oracle_dir, [str(bad)], tmp_path / "d")) == 2
+    assert "HumanEval must never be used" in capsys.readouterr().err
+
+
+def test_documented_functions_and_stream_order() -> None:
+    found = documented_functions(CODE)
+    assert [r.splitlines()[0] for r, _ in found] == ["def add(a, b):", "def scale(values, factor=2):", "def clamp(x, lo, hi):",
+                                                  "def size(self):"]
+    request, full = found[3]
+    assert request == 'def size(self):\n    """How many items the box holds."""\n' and full.endswith("return len(self.items)\n")
+    streams = [[i] * 100 for i in range(400)]
+    repeats = {i: 3 for i in range(400)}
+    ordered = order_streams(streams, repeats, 0.02, seed=0)
+    counts = [sum(1 for s in ordered if s == streams[i]) for i in range(400)]
+    assert set(counts) == {1, 3}  # held-out (tail) streams are never repeated into training
+    assert all(counts[s[0]] == 1 for s in ordered[-30:])
