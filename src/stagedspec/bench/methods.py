@@ -1,0 +1,462 @@
+"""What `stagedspec bench` measures: each method as "run this prompt, return tokens and counters".
+
+The models are loaded once (`BenchModels`) and shared by every method of a
+run: all of ours use the same oracle `Transformer` and the same draft
+objects, and the transformers baselines use one HF copy of the oracle (and of
+the draft), so every method decodes with the same weights.
+
+Methods and their families:
+
+- ours (`Pipeline`): `ar`, `chain`, `tree`, `lookup`, `staged`, and any
+  `staged:ORACLE,DRAFT...,BOTTOM` stage configuration;
+- transformers: `hf-generate` (plain autoregressive `generate`),
+  `hf-assisted` (assisted generation with the same draft as `assistant_model`),
+  `hf-lookup` (prompt-lookup decoding, `prompt_lookup_num_tokens`);
+- llama.cpp (`llama-cpp-python`, optional): `llamacpp` (plain) and
+  `llamacpp-lookup` (its prompt-lookup drafting), on the oracle's GGUF.
+
+Every run returns an `Outcome` with the generated ids, wall-clock seconds and
+the forward passes of each model, from which the report derives tokens/s,
+accepted lengths and weight bytes read per token.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.transformer import Transformer
+from stagedspec.sampling import SamplingParams
+
+OURS = ("ar", "chain", "tree", "lookup", "staged")
+TRANSFORMERS = ("hf-generate", "hf-assisted", "hf-lookup")
+LLAMACPP = ("llamacpp", "llamacpp-lookup")
+ALL_METHODS = (*OURS, *TRANSFORMERS, *LLAMACPP)
+NEEDS_DRAFT = ("chain", "tree", "staged", "hf-assisted")
+HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
+LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
+
+
+class MethodSkipped(Exception):
+    """A method cannot run in this environment (the reason is reported, the run goes on)."""
+
+
+@dataclass
+class Outcome:
+    """One generation: ids, time, and the work done by each model."""
+
+    token_ids: list[int]
+    seconds: float
+    oracle_forward_passes: int
+    # (stage name, forward passes, weight bytes per pass) for every model below the oracle
+    draft_passes: list[tuple[str, int, int]] = field(default_factory=list)
+    accepted_lengths: list[int] | None = None  # draft tokens accepted per oracle step, when known
+    token_origins: list[str] | None = None  # who proposed each emitted token, when known
+    stage_seconds: dict[str, float] | None = None  # time per stage, when known
+    finish_reason: str = "length"
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Method:
+    """A named way of decoding one prompt."""
+
+    name: str
+    family: str  # "ours", "transformers", "llama.cpp"
+    kind: str  # "baseline", "spec", "lookup", "staged" (rows of the paper-style table)
+    description: str
+    run: Callable[[list[int], int, SamplingParams, int], Outcome]
+    settings: dict[str, Any] = field(default_factory=dict)
+    close: Callable[[], None] | None = None
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "family": self.family, "kind": self.kind, "description": self.description,
+                "settings": self.settings}
+
+
+# ====================================================================== shared models
+class BenchModels:
+    """The oracle, tokenizer, drafts and n-grams of a run, each loaded once and shared by all methods."""
+
+    def __init__(self, oracle: str, dtype: str, device: str) -> None:
+        from stagedspec.models.loading import load_model
+        from stagedspec.pipeline import check_device, parse_dtype
+
+        self.oracle_spec = oracle
+        self.device = check_device(device)
+        self.dtype_name = dtype
+        self.dtype = parse_dtype(dtype)
+        self.oracle, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device)
+        self._drafts: dict[str, Transformer] = {}
+        self._ngrams: dict[str, Any] = {}
+        self._hf_oracle: nn.Module | None = None
+        self._hf_drafts: dict[str, tuple[nn.Module, str]] = {}
+
+    def same_oracle(self, spec: str) -> bool:
+        from stagedspec.models.loading import resolve_model_path
+
+        return spec == self.oracle_spec or resolve_model_path(spec) == resolve_model_path(self.oracle_spec)
+
+    def draft(self, spec: str) -> Transformer:
+        if spec not in self._drafts:
+            from stagedspec.pipeline import load_draft_model
+
+            self._drafts[spec] = load_draft_model(spec, self.oracle, self.tokenizer, self.dtype, self.device)
+        return self._drafts[spec]
+
+    def ngram(self, spec: str) -> Any:
+        if spec not in self._ngrams:
+            from stagedspec.drafters.ngram_files import load_ngram
+
+            self._ngrams[spec] = load_ngram(spec, self.tokenizer)
+        return self._ngrams[spec]
+
+    @property
+    def ngrams(self) -> dict[str, Any]:
+        return dict(self._ngrams)
+
+    # ------------------------------------------------------------------ transformers twins
+    def hf_oracle(self) -> nn.Module:
+        if self._hf_oracle is None:
+            try:
+                import transformers
+                from transformers import AutoModelForCausalLM
+            except ImportError:
+                raise MethodSkipped("transformers is not installed (pip install 'stagedspec[bench]')") from None
+            from stagedspec.models.loading import hf_folder_for
+
+            transformers.logging.set_verbosity_error()
+            transformers.utils.logging.disable_progress_bar()
+            folder = hf_folder_for(self.oracle_spec)
+            self._hf_oracle = AutoModelForCausalLM.from_pretrained(str(folder), dtype=self.dtype).to(self.device).eval()
+        return self._hf_oracle
+
+    def hf_draft(self, spec: str) -> tuple[nn.Module, str]:
+        """The draft as a transformers model computing the same function, and a note on how it was made."""
+        if spec not in self._hf_drafts:
+            self._hf_drafts[spec] = hf_twin(self.draft(spec), self.oracle, self.hf_oracle(), spec)
+        return self._hf_drafts[spec]
+
+
+# ====================================================================== our methods
+def _pipeline(models: BenchModels, speculation: Any, drafts: Sequence[Transformer], ngram: Any) -> Any:
+    """A `Pipeline` around already-loaded models (its __init__ would load them again).
+
+    Sets exactly the attributes `Pipeline.__init__` sets, so `Pipeline.drafter`
+    and `Pipeline.generate` run unchanged: the benchmark measures the same
+    code path as `stagedspec generate`.
+    """
+    from stagedspec.pipeline import Pipeline
+
+    pipe = Pipeline.__new__(Pipeline)
+    pipe.speculation = speculation
+    pipe.device, pipe.dtype = models.device, models.dtype
+    pipe.model, pipe.tokenizer = models.oracle, models.tokenizer
+    pipe.draft_models = list(drafts)
+    pipe.draft_model = pipe.draft_models[0] if pipe.draft_models else None
+    pipe.ngram = ngram
+    return pipe
+
+
+def ours(
+    models: BenchModels, name: str, speculation: Any, draft_specs: Sequence[str], ngram_spec: str | None
+) -> Method:
+    """One of our methods (`SpeculationConfig`) with drafts given by spec, from the shared models."""
+    from dataclasses import asdict
+
+    s = speculation
+    drafts = [models.draft(d) for d in draft_specs] if s.method in ("chain", "tree", "staged") else []
+    if s.method in ("chain", "tree"):
+        drafts = drafts[:1]
+    ngram = models.ngram(ngram_spec) if s.method in ("lookup", "staged") and ngram_spec else None
+    if s.method in ("lookup", "staged") and ngram is None and not s.context:
+        raise StagedSpecError(f"method {name!r} needs a bottom stage: an n-gram or prompt lookup")
+    pipe = _pipeline(models, s, drafts, ngram)
+    oracle_bytes = models.oracle.num_bytes()
+    draft_bytes = [d.num_bytes() for d in drafts]
+
+    def run(ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int) -> Outcome:
+        t0 = time.perf_counter()
+        result = pipe.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+        seconds = time.perf_counter() - t0
+        st = result.stats
+        rows = st.stages  # oracle, then one row per model stage (top down), then the lookup stage
+        if s.method in ("chain", "tree"):
+            passes = [("draft", st.draft_forward_passes, draft_bytes[0])]
+        else:
+            passes = [(r["stage"], r["forward_passes"], draft_bytes[i] if i < len(draft_bytes) else 0)
+                      for i, r in enumerate(rows[1:])]
+        return Outcome(result.token_ids, seconds, st.oracle_forward_passes, passes,
+                       accepted_lengths=list(st.accepted_lengths), token_origins=list(st.token_origins),
+                       stage_seconds={r["stage"]: r["seconds"] for r in rows}, finish_reason=st.finish_reason)
+
+    kind = {"ar": "baseline", "chain": "spec", "tree": "spec", "lookup": "lookup", "staged": "staged"}[s.method]
+    first = draft_specs[0] if draft_specs else ""
+    desc = {
+        "ar": "our engine, plain autoregressive decoding",
+        "chain": f"our engine, chain speculation ({s.draft_k} draft tokens) with draft {first}",
+        "tree": f"our engine, tree speculation (budget {s.tree_budget}) with draft {first}",
+        "lookup": f"our engine, model-free drafts ({'prompt lookup' if s.context else ''}"
+                  f"{' + ' if s.context and ngram_spec else ''}{'n-gram ' + ngram_spec if ngram_spec else ''})",
+        "staged": "our engine, staged: oracle <- " + " <- ".join([*draft_specs, _bottom(s.context, ngram_spec)]),
+    }[s.method]
+    settings = asdict(s) | {"drafts": list(draft_specs), "oracle_bytes": oracle_bytes, "draft_bytes": draft_bytes}
+    return Method(name, "ours", kind, desc, run, settings)
+
+
+def _bottom(context: bool, ngram: str | None) -> str:
+    return "+".join(p for p, on in (("context", context), (f"ngram:{ngram}" if ngram else "", bool(ngram))) if on)
+
+
+# ====================================================================== transformers
+class _Counter:
+    """Counts forward calls of an nn.Module and the time spent in them (hooks, so nothing is wrapped)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.calls, self.seconds, self._t = 0, 0.0, 0.0
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, *_: Any) -> None:
+        self._t = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._t
+
+    def reset(self) -> None:
+        self.calls, self.seconds = 0, 0.0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def transformers_method(models: BenchModels, name: str, draft_spec: str | None = None) -> Method:
+    """`hf-generate`, `hf-assisted` (needs `draft_spec`) or `hf-lookup` on the shared HF oracle."""
+    hf = models.hf_oracle()
+    tok = models.tokenizer
+    eos = list(tok.eos_token_ids)
+    oracle_bytes = models.oracle.num_bytes()
+    extra: dict[str, Any] = {}
+    draft_bytes, note = 0, ""
+    if name == "hf-assisted":
+        if draft_spec is None:
+            raise MethodSkipped("needs a draft model")
+        assistant, note = models.hf_draft(draft_spec)
+        extra["assistant_model"] = assistant
+        draft_bytes = models.draft(draft_spec).num_bytes()
+    elif name == "hf-lookup":
+        extra["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
+    counters = [_Counter(hf)] + ([_Counter(extra["assistant_model"])] if "assistant_model" in extra else [])
+
+    def run(ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int) -> Outcome:
+        inp = torch.tensor([ids], device=models.device)
+        kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                  pad_token_id=eos[0] if eos else 0, **extra)
+        if sampling.greedy:
+            kw.update(do_sample=False)
+        else:
+            kw.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,  # 0 disables
+                      top_p=sampling.top_p)
+        torch.manual_seed(seed)
+        for c in counters:
+            c.reset()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(inp, attention_mask=torch.ones_like(inp), **kw)
+        if inp.is_cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        finish = "length"
+        for j, t in enumerate(new):
+            if t in eos:
+                new, finish = new[: j + 1], "stop"
+                break
+        passes = [("draft", counters[1].calls, draft_bytes)] if len(counters) > 1 else []
+        stage_seconds = None
+        if len(counters) > 1:
+            stage_seconds = {"oracle": seconds - counters[1].seconds, "draft": counters[1].seconds}
+        return Outcome(new, seconds, counters[0].calls, passes, stage_seconds=stage_seconds, finish_reason=finish)
+
+    desc = {
+        "hf-generate": "transformers generate, plain autoregressive (same weights)",
+        "hf-assisted": f"transformers assisted generation, assistant_model = draft {draft_spec}",
+        "hf-lookup": f"transformers prompt-lookup decoding (prompt_lookup_num_tokens={HF_LOOKUP_TOKENS})",
+    }[name]
+    kind = {"hf-generate": "baseline", "hf-assisted": "spec", "hf-lookup": "lookup"}[name]
+    settings = {"oracle_bytes": oracle_bytes, "draft_bytes": [draft_bytes] if draft_bytes else [],
+                "draft_note": note, **{k: v for k, v in extra.items() if k != "assistant_model"}}
+    import transformers
+
+    settings["transformers_version"] = transformers.__version__
+
+    def close() -> None:
+        for c in counters:
+            c.remove()
+
+    return Method(name, "transformers", kind, desc, run, settings, close)
+
+
+class _RestrictedHead(nn.Module):
+    """A vocabulary-restricted head as a full-vocabulary layer: the support's logits, -inf elsewhere.
+
+    Computes exactly what `DraftModel.forward` computes (same matmul over the
+    V' support rows, then a scatter), so the transformers twin proposes the
+    same tokens at the same cost.
+    """
+
+    def __init__(self, weight: Tensor, support: Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        self.register_buffer("support", support.detach().clone())
+        self.vocab_size = vocab_size
+
+    def forward(self, h: Tensor) -> Tensor:
+        logits = nn.functional.linear(h, self.weight)
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.support, logits)
+
+
+def hf_twin(draft: Transformer, oracle: Transformer, hf_oracle: nn.Module, spec: str) -> tuple[nn.Module, str]:
+    """A transformers model computing the same function as our `draft`, for `assistant_model`.
+
+    Works for any Llama-family draft built from our weights (a `layers:N`
+    truncation, a distilled `DraftModel`, or a standalone checkpoint): the
+    decoder layers and final norm are our tensors un-fused into transformers'
+    names (q|k|v and gate|up split back), the token embedding is the HF
+    oracle's own module (our drafts share the oracle's embedding), and the
+    head is the oracle's (shared), the draft's own, or a restricted head
+    scattered to the full vocabulary with -inf outside its support.
+    Built in memory; nothing is written to disk.
+    """
+    cfg = draft.config
+    if cfg.arch != "llama":
+        raise MethodSkipped(f"no transformers twin for a {cfg.arch!r} draft (Llama-family only)")
+    if draft.config.vocab_size != oracle.config.vocab_size:
+        raise MethodSkipped("the draft's vocabulary differs from the oracle's")
+    hcfg = copy.deepcopy(hf_oracle.config)
+    hcfg.num_hidden_layers = cfg.n_layers
+    if getattr(hcfg, "layer_types", None):
+        hcfg.layer_types = list(hcfg.layer_types)[: cfg.n_layers]
+    hcfg.tie_word_embeddings = False
+    dtype = next(hf_oracle.parameters()).dtype
+    twin = type(hf_oracle)(hcfg).to(dtype=dtype).eval()
+    H, Hkv, D, inter = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
+    state: dict[str, Tensor] = {}
+    for i, layer in enumerate(draft.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.attn.wqkv.weight.split([H * D, Hkv * D, Hkv * D])
+        state |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v}
+        if layer.attn.wqkv.bias is not None:
+            qb, kb, vb = layer.attn.wqkv.bias.split([H * D, Hkv * D, Hkv * D])
+            state |= {p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb, p + "self_attn.v_proj.bias": vb}
+        gate, up = layer.mlp.w_up.weight.split([inter, inter])
+        state |= {p + "self_attn.o_proj.weight": layer.attn.wo.weight, p + "mlp.gate_proj.weight": gate,
+                  p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": layer.mlp.w_down.weight,
+                  p + "input_layernorm.weight": layer.attn_norm.weight,
+                  p + "post_attention_layernorm.weight": layer.mlp_norm.weight}
+    state["model.norm.weight"] = draft.norm.weight
+    own = twin.state_dict()
+    missing = sorted(k for k in own if k.startswith("model.layers.") and k not in state)
+    if missing:
+        raise MethodSkipped(f"cannot map the draft onto {type(hf_oracle).__name__}: no weights for {missing[:2]}")
+    with torch.no_grad():
+        for k, t in state.items():
+            own[k].copy_(t.detach().to(dtype))
+    twin.model.embed_tokens = hf_oracle.model.embed_tokens  # shared, as in our drafts
+    head_tokens = getattr(draft, "head_tokens", None)
+    if head_tokens is not None:
+        twin.lm_head = _RestrictedHead(draft.head_weight.to(dtype), head_tokens.cpu(), cfg.vocab_size)
+        note = (f"restricted head ({head_tokens.numel()} of {cfg.vocab_size} tokens) as a module that scatters "
+                "the support's logits into -inf elsewhere: the same function and cost as our draft")
+    elif draft.head_weight.data_ptr() == oracle.head_weight.data_ptr():
+        twin.lm_head = hf_oracle.get_output_embeddings()
+        note = "the oracle's head (shared)"
+    else:
+        twin.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        with torch.no_grad():
+            twin.lm_head.weight.copy_(draft.head_weight.detach().to(dtype))
+        note = "its own full-vocabulary head"
+    twin = twin.to(next(hf_oracle.parameters()).device)
+    twin.generation_config = copy.deepcopy(hf_oracle.generation_config)
+    return twin, (f"draft {spec} rebuilt in memory as {type(hf_oracle).__name__} ({cfg.n_layers} layers, "
+                  f"oracle embedding, {note})")
+
+
+# ====================================================================== llama.cpp
+def gguf_for(oracle_spec: str) -> Path | None:
+    """The GGUF llama.cpp should run for this oracle (the embedded default model's own GGUF), if any."""
+    if oracle_spec == "default":
+        from stagedspec.models.default import default_gguf_path
+
+        return default_gguf_path()
+    path = Path(oracle_spec).expanduser()
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
+
+
+def llamacpp_method(models: BenchModels, name: str, max_context: int) -> Method:
+    """`llamacpp` / `llamacpp-lookup` through llama-cpp-python on the oracle's GGUF."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise MethodSkipped("llama-cpp-python is not installed (optional: pip install llama-cpp-python)") from None
+    if not models.device == "cpu":
+        raise MethodSkipped("llama.cpp runs are CPU-only here")
+    gguf = gguf_for(models.oracle_spec)
+    if gguf is None:
+        raise MethodSkipped("the oracle is not a GGUF, so llama.cpp has no file with the same weights")
+    kw: dict[str, Any] = {}
+    if name == "llamacpp-lookup":
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LLAMACPP_LOOKUP_TOKENS)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max_context, n_threads=torch.get_num_threads(),
+                          n_threads_batch=torch.get_num_threads(), verbose=False, **kw)
+    eos = set(models.tokenizer.eos_token_ids)
+    real_eval = llm.eval
+    calls = [0]
+
+    def counting_eval(tokens: Sequence[int]) -> None:
+        calls[0] += 1
+        return real_eval(tokens)
+
+    llm.eval = counting_eval  # type: ignore[method-assign] - counts oracle forward passes
+    oracle_bytes = models.oracle.num_bytes()
+
+    def run(ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int) -> Outcome:
+        llm.reset()
+        llm.set_seed(seed)
+        calls[0] = 0
+        greedy = sampling.greedy
+        out: list[int] = []
+        finish = "length"
+        t0 = time.perf_counter()
+        for tok in llm.generate(ids, top_k=1 if greedy else sampling.top_k, top_p=1.0 if greedy else sampling.top_p,
+                                min_p=0.0, typical_p=1.0, temp=0.0 if greedy else sampling.temperature,
+                                repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if tok in eos:
+                finish = "stop"
+                break
+            if len(out) >= max_new_tokens:
+                break
+        seconds = time.perf_counter() - t0
+        return Outcome(out, seconds, calls[0], [], finish_reason=finish)
+
+    desc = (f"llama.cpp {llama_cpp.__version__} on {gguf.name}"
+            + (f", prompt-lookup drafting ({LLAMACPP_LOOKUP_TOKENS} tokens)" if "draft_model" in kw else ", plain"))
+    settings = {"gguf": str(gguf), "llama_cpp_version": llama_cpp.__version__, "oracle_bytes": oracle_bytes,
+                "draft_bytes": [], "lookup_tokens": LLAMACPP_LOOKUP_TOKENS if "draft_model" in kw else None}
+    return Method(name, "llama.cpp", "lookup" if "draft_model" in kw else "baseline", desc, run, settings,
+                  close=llm.close if hasattr(llm, "close") else None)

