@@ -43,13 +43,7 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return ModelConfig(**base)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls are dominated by thread wake-ups on a busy machine: one thread is 20x faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 @pytest.fixture(scope="module")

@@ -74,13 +74,7 @@ Dist = dict[tuple[int, ...], float]  # probability of each continuation
 LOGIT_SCALE = 1.5  # toy logits ~ N(0, 1.5^2): peaked enough for top-p to bite, flat enough for many cells
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add barrier waits (ms each when the cores are busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 # --------------------------------------------------------------------------

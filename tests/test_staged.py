@@ -34,12 +34,7 @@ from test_distribution_exactness import (  # the shared toy models and statistic
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 class WrongQStage(StageDrafter):

@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--n-prompts", type=_positive_int, default=3)
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    bench.add_argument("--tree-cost", action="store_true",
+                       help="also print the cost of one oracle forward vs the number of tree nodes (1..64)")
     bench.set_defaults(func=cmd_bench_engine)
 
     from stagedspec.bench.run import add_bench_command
@@ -244,6 +246,15 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     run_engine_bench(oracle=args.oracle, dtypes=args.dtypes.split(","), device=args.device,
                      n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
                      with_transformers=not args.no_transformers)
+    if args.tree_cost:
+        from stagedspec.bench.tree_cost import forward_cost_curve, print_cost_curve
+        from stagedspec.models.loading import load_model
+        from stagedspec.pipeline import parse_dtype
+
+        for name in args.dtypes.split(","):
+            model, _ = load_model(args.oracle, dtype=parse_dtype(name), device=args.device)
+            print(f"\ntree verification cost, {name}:")
+            print_cost_curve(forward_cost_curve(model))
     return 0
 
 
