@@ -129,7 +129,7 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         method = args.method or "staged"
     else:
         method = args.method or ("tree" if args.draft else "ar")
-        if method in ("lookup", "staged") and ngram is None and not args.no_context and method == "staged":
+        if method == "staged" and ngram is None and not args.no_context:
             ngram = "default"
     spec = SpeculationConfig(method=method, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
                              branching=args.branching, draft_k=args.draft_k, ngram=ngram, context=context,

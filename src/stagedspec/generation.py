@@ -22,6 +22,7 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
+from stagedspec.verification import verify
 
 
 class Oracle(Protocol):
@@ -164,12 +165,6 @@ class GenerationResult:
 Verifier = Callable[..., Any]
 
 
-def _default_verifier() -> Verifier:
-    from stagedspec.verification import verify
-
-    return verify
-
-
 def iter_steps(
     oracle: Oracle,
     drafter: Drafter,
@@ -195,7 +190,7 @@ def iter_steps(
         raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt_ids:
         raise StagedSpecError("the prompt is empty: give at least one token")
-    verifier = verifier or _default_verifier()
+    verifier = verifier or verify
     stats = stats if stats is not None else GenerationStats()
     stops = set(stop_token_ids)
     if generator is None and not sampling.greedy:
