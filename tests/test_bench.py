@@ -102,7 +102,7 @@ def test_report_and_plots_from_synthetic_results(tmp_path) -> None:  # noqa: ANN
 
 def test_method_lists() -> None:
     assert expand_methods(["tree"]) == ["ar", "tree"]
-    assert expand_methods(["ours", "hf-generate"])[:5] == ["ar", "chain", "tree", "lookup", "staged"]
+    assert expand_methods(["ours", "hf-generate"])[:6] == ["ar", "chain", "tree", "tree-adaptive", "lookup", "staged"]
     with pytest.raises(StagedSpecError, match="unknown bench method"):
         expand_methods(["fast"])
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
@@ -247,3 +247,14 @@ def test_llamacpp_methods_when_installed(name) -> None:  # noqa: ANN001
             m.close()
     assert 0 < out.new_tokens <= 8 and out.oracle_forward_passes >= 1
     assert again.token_ids == out.token_ids  # the cache is reset between runs
+
+
+def test_tree_cost_curve_runs_passes_like_the_oracle() -> None:
+    from stagedspec.bench.tree_cost import forward_cost_curve
+    from stagedspec.models.config import ModelConfig
+    from stagedspec.models.transformer import Transformer, init_random
+
+    cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                      intermediate_size=32, max_position=64)
+    curve = forward_cost_curve(init_random(Transformer(cfg)).eval(), sizes=(1, 2, 5), context=8, repeats=1)
+    assert set(curve) == {1, 2, 5} and all(v > 0 for v in curve.values())

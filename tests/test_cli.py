@@ -51,7 +51,9 @@ def test_json_output_fields(capsys) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("extra", [
     ["--method", "lookup"],
     ["--method", "tree", "--draft", "layers:2", "--tree-budget", "8"],
+    ["--method", "tree", "--draft", "layers:2", "--tree-budget", "12", "--adaptive-budget"],
     ["--stages", "default,layers:2,context"],
+    ["--stages", "default,layers:2,context", "--no-oracle-lookup", "--stage-k", "4", "--stage-branching", "2"],
 ])
 def test_speculative_cli_matches_ar(extra: list[str], capsys) -> None:  # noqa: ANN001
     base = ["generate", "def add(a, b):", "--max-new-tokens", "16", "--json", "--dtype", "fp32"]

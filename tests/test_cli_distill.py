@@ -89,7 +89,8 @@ def test_distill_produces_loadable_draft_and_eval_reports(oracle_dir: Path, corp
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     out, work = tmp_path / "draft", tmp_path / "work"
     rc = run(distill_args(oracle_dir, corpus, out, "--work-dir", str(work), "--chat-wrap", "1.0",
-                          "--oracle-samples", "2", "--sample-tokens", "4", "--sample-repeat", "2"))
+                          "--oracle-samples", "2", "--sample-tokens", "4", "--sample-repeat", "2",
+                          "--sample-batch", "2"))
     assert rc == 0, capsys.readouterr().err
     assert {p.name for p in out.iterdir()} == {CONFIG_NAME, WEIGHTS_NAME}  # checkpoints stay in --work-dir
     assert (work / "checkpoint.pt").is_file() and (work / "metrics.json").is_file()
@@ -119,6 +120,17 @@ def test_distill_produces_loadable_draft_and_eval_reports(oracle_dir: Path, corp
               "--tokens", "6", "--accept-prompts", "0", "--dtype", "fp32"])
     text = capsys.readouterr().out
     assert rc == 0 and "top-1 agreement" in text and "top-4 coverage" in text and "cost per token" in text
+
+    # Continued training: a second run starts from this draft (its head and layers) on the same corpus.
+    more = tmp_path / "more"
+    rc = run(distill_args(oracle_dir, corpus, more, "--init-from", str(out), "--lr", "1e-4"))
+    assert rc == 0, capsys.readouterr().err
+    cfg2 = json.loads((more / CONFIG_NAME).read_text())
+    assert cfg2["training"]["config"]["init_from"] == str(out) and cfg2["oracle_layers"] == cfg["oracle_layers"]
+    first_kl = cfg["training"]["history"][-1]["heldout_kl"]
+    assert cfg2["training"]["history"][0]["heldout_kl"] < 0.2 * cfg["training"]["history"][0]["heldout_kl"] + first_kl
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "x", "--init-from", str(tmp_path))) == 2
+    assert "not a draft folder" in capsys.readouterr().err
 
 
 def test_time_box_saves_partial_draft_and_resume_finishes(oracle_dir: Path, corpus: list[str], tmp_path: Path,

@@ -10,6 +10,7 @@ near-ties.
 from __future__ import annotations
 
 import json
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from stagedspec.distill import (
     default_corpus_files,
     distill,
     eval_draft,
+    batched_greedy_continuations,
     oracle_continuation,
     oracle_samples,
     teacher_topk,
@@ -266,3 +268,42 @@ def test_oracle_samples_are_chat_prompt_plus_the_oracles_continuation(oracle) ->
     assert streams[0][: len(prompt_ids)] == prompt_ids
     reply = streams[0][len(prompt_ids):]
     assert reply == oracle_continuation(oracle, prompt_ids, 10, stop_token_ids=[63]) and 1 <= len(reply) <= 10
+
+
+def test_batched_greedy_replies_equal_one_prompt_at_a_time(oracle) -> None:
+    """Left-padded batches with one mask per sequence give each prompt's own greedy reply (fp32)."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6, 9, 2)]
+    stops = [7, 11]
+    batched = batched_greedy_continuations(oracle, prompts, 20, stops, batch_size=3)
+    single = [oracle_continuation(oracle, p, 20, stop_token_ids=stops) for p in prompts]
+    assert batched == single
+    assert any(len(r) < 20 for r in single) and any(len(r) == 20 for r in single)  # both stop kinds covered
+
+
+def test_oracle_samples_batched_equals_unbatched(oracle) -> None:
+    tok = _CharTokenizer()
+    prompts = ["Write f.", "Write a Python function `g(x, y)`. Add them.", "Sum a list of numbers."]
+    one = oracle_samples(oracle, tok, prompts, 12, progress=False)
+    many = oracle_samples(oracle, tok, prompts, 12, progress=False, batch_size=2)
+    assert one == many
+
+
+def test_init_from_continues_a_saved_draft(distilled, oracle, corpus, tmp_path) -> None:
+    """`init_from` starts at the saved draft's weights (not the oracle's layers) and keeps its head."""
+    _, first = distilled
+    start = load_draft(first, oracle, dtype=torch.float32)
+    cfg = small_cfg(tmp_path / "more", tokens=10 * 64, init_from=str(first), vocab_top=5)
+    history_start = distill(oracle, None, corpus, dataclasses_replace(cfg, tokens=64), progress=False,
+                            stop_after_steps=0).training_meta["history"][0]
+    first_end = json.loads((first / "metrics.json").read_text())[-1]
+    # step 0 of the continued run is where the first run ended (bf16-rounded weights)
+    assert abs(history_start["heldout_kl"] - first_end["heldout_kl"]) < 0.05 * first_end["heldout_kl"]
+    more = distill(oracle, None, corpus, cfg, progress=False)
+    assert more.oracle_layers == start.oracle_layers and more.head_tokens is None  # vocab_top ignored
+    assert any(not torch.equal(more.own_state_dict()[k], v) for k, v in start.own_state_dict().items())
+    assert load_draft(tmp_path / "more", oracle).oracle_layers == start.oracle_layers
+    with pytest.raises(StagedSpecError, match="has 2 layers"):
+        distill(oracle, None, corpus, small_cfg(tmp_path / "bad", layers=3, init_from=str(first)), progress=False)
+    with pytest.raises(StagedSpecError, match="not a draft folder"):
+        distill(oracle, None, corpus, small_cfg(tmp_path / "bad", init_from=str(tmp_path)), progress=False)

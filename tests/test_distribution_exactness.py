@@ -146,7 +146,10 @@ class ToyDrafter:
     forward_passes = 0
 
     def __init__(self, lm: TableLM, tree_kw: dict, record_q: bool = False) -> None:
-        self.lm, self.tree_kw, self.record_q = lm, tree_kw, record_q
+        self.tree_kw = dict(tree_kw)
+        self.fixed_chains = self.tree_kw.pop("fixed_chains", 0)  # deterministic paths merged in (mixed trees)
+        self.cut = self.tree_kw.pop("cut", None)  # keep only the best nodes, as the adaptive budget does
+        self.lm, self.record_q = lm, record_q
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         pass
@@ -164,7 +167,30 @@ class ToyDrafter:
         tree = grow_tree(ctx[-1], expand, sampling=sampling, generator=generator, **self.tree_kw)
         if self.record_q:
             tree.child_q = seen
+        if self.cut is not None:
+            # like `AdaptiveBudget`: how many nodes to keep depends on the draft's scores only
+            tree = tree.best_prefix(self.cut if sum(tree.scores[1:]) > 1.0 else 1)
+        if self.fixed_chains:
+            tree.merge_fixed(self._lookup_tree(ctx))
         return tree
+
+    def _lookup_tree(self, ctx: list[int]) -> TokenTree:
+        """Deterministic chains like a prompt lookup's: the draft table's greedy path, then a fixed pattern.
+
+        The greedy path often repeats a drawn child, so which fixed nodes get
+        merged depends on the draws: the case the mixed-node rule must handle.
+        """
+        extra = TokenTree([ctx[-1]], [-1])
+        node, path = 0, list(ctx)
+        for _ in range(L):
+            tok = int(self.lm.logits(tuple(path)).argmax())
+            node = extra.add(node, tok, "context")
+            path.append(tok)
+        if self.fixed_chains > 1:
+            node = 0
+            for d in range(L):
+                node = extra.add(node, (ctx[-1] * 3 + d + 1) % V, "ngram")
+        return extra
 
 
 def _path_tokens(tree: TokenTree, node: int) -> list[int]:
@@ -261,6 +287,15 @@ CONFIGS = [
            dict(mode="sampled", branching=[4, 1]), seed=8),
     Config("chain-sampled-111-T0.7-topp0.9-bad", S(0.7, top_p=0.9), "bad",
            dict(mode="sampled", branching=[1, 1, 1]), seed=9),
+    # Mixed trees: deterministic (lookup-like) chains merged into sampled and top-k trees.
+    Config("mixed-sampled-21-fixed2-T1-bad", S(1.0), "bad", dict(mode="sampled", branching=[2, 1], fixed_chains=2),
+           seed=11),
+    Config("mixed-sampled-chain-fixed1-T0.7-topk3-good", S(0.7, top_k=3), "good",
+           dict(mode="sampled", branching=[1, 1, 1], fixed_chains=1), seed=12),
+    Config("mixed-topk-fixed2-T1-topp0.9-bad", S(1.0, top_p=0.9), "bad",
+           dict(mode="topk", budget=4, branching=2, fixed_chains=2), seed=13),
+    # Best-first trees cut to their best nodes by a draft-only rule (the adaptive budget).
+    Config("topk-cut-T1-good", S(1.0), "good", dict(mode="topk", budget=8, branching=3, max_depth=3, cut=3), seed=14),
     # The autoregressive baseline (root-only trees) through the same loop.
     Config("autoregressive-T1-topk3", S(1.0, top_k=3), "good", dict(mode="topk", budget=0), seed=10),
 ]
@@ -321,6 +356,31 @@ def no_residual_rule(p: Tensor, tokens: list[int], q: Tensor | None, generator: 
     return rule(p, tokens, q, generator)[0], p
 
 
+def fixed_first_verifier(tree: TokenTree, logits: Tensor, sampling: SamplingParams, generator: Gen) -> VerifyResult:
+    """(e) A mixed node verified with its fixed children *before* its drawn ones.
+
+    Then the target of the sampled rule depends on the draws (a fixed token
+    is merged only when no drawn sibling has it), which biases the output.
+    """
+    kids: dict[int, list[int]] = {}
+    for i in range(1, len(tree)):
+        kids.setdefault(tree.parents[i], []).append(i)
+    node, accepted = 0, []
+    while True:
+        p = probs_from_logits(logits[node], sampling).double()
+        fixed = [c for c in kids.get(node, []) if c in tree.fixed]
+        drawn = [c for c in kids.get(node, []) if c not in tree.fixed]
+        choice, p = deterministic_node_rule(p, [tree.tokens[c] for c in fixed], None, generator) if fixed else (None, p)
+        if choice is not None:
+            node = fixed[choice]
+        elif drawn:
+            choice, p = sampled_node_rule(p, [tree.tokens[c] for c in drawn], tree.child_q[node], generator)
+            node = drawn[choice] if choice is not None else node
+        if choice is None:
+            return VerifyResult(accepted, int(torch.multinomial(p, 1, generator=generator)))
+        accepted.append(node)
+
+
 NEGATIVE_CONTROLS = [  # (name, verifier, record draft q in top-k trees, configuration where the bias is large)
     ("a-topk-tree-as-sampled", topk_tree_as_if_sampled, True,
      Config("neg-a", S(1.0), "bad", dict(mode="topk", budget=6, branching=2, max_depth=3), seed=21)),
@@ -332,6 +392,8 @@ NEGATIVE_CONTROLS = [  # (name, verifier, record draft q in top-k trees, configu
      Config("neg-d", S(1.0), "bad", dict(mode="sampled", branching=[1, 1, 1]), seed=24)),
     ("d-no-residual-good-draft", _with_rule(no_residual_rule), False,  # a subtler bias, TV ~ 7%
      Config("neg-d-good", S(1.0), "good", dict(mode="sampled", branching=[1, 1, 1]), seed=35)),
+    ("e-fixed-before-drawn", fixed_first_verifier, False,
+     Config("neg-e", S(1.0), "good", dict(mode="sampled", branching=[1, 1, 1], fixed_chains=1), seed=36)),
 ]
 
 

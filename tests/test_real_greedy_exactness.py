@@ -69,3 +69,58 @@ def test_greedy_tokens_identical_to_ar(setup, name: str, drafts: str, kw: dict) 
         assert out.token_ids == ref, f"{name} diverged from ar"
         accepted.append(out.stats.mean_accepted_length)
     assert min(accepted) >= 1.0
+
+
+# --- bf16: bit-identical logits for chains ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_setup():  # noqa: ANN201
+    from stagedspec.models.loading import load_model
+
+    model, tok = load_model("default", dtype=torch.bfloat16)
+    prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(3)]
+    return model, tok, prompts
+
+
+def test_bf16_chain_verification_reproduces_one_token_logits_bit_for_bit(bf16_setup) -> None:  # noqa: ANN001
+    """The oracle's fixed key width and two-row minimum make a k-token pass round like k one-token passes."""
+    from stagedspec.generation import ModelOracle, context_budget
+    from stagedspec.tree import TokenTree
+
+    model, _, prompts = bf16_setup
+    ids = prompts[0]
+    chain = [284, 1116, 28, 216, 1342, 30]  # any tokens: the check is about arithmetic, not plausibility
+    size = context_budget(model, len(ids), 16, 16)
+    with torch.inference_mode():
+        one = ModelOracle(model, size)
+        one.prefill(ids)
+        rows = []
+        for tok in [ids[-1], *chain]:
+            rows.append(one.score(TokenTree([tok], [-1]))[0])
+            one.commit([])
+        many = ModelOracle(model, size)
+        many.prefill(ids)
+        batch = many.score(TokenTree.chain(ids[-1], chain))
+    for i, row in enumerate(rows):
+        assert torch.equal(row, batch[i]), f"row {i} of the chain pass differs from one-token decoding"
+
+
+BF16_CHAINS = [
+    ("chain-k4", dict(method="chain", draft_k=4)),
+    ("lookup-context", dict(method="lookup", ngram=None)),
+    ("staged-spine-only", dict(method="staged", ngram=None, stage_k=3, stage_branching=1, oracle_lookup=False)),
+]
+
+
+@pytest.mark.parametrize("name, kw", BF16_CHAINS, ids=[m[0] for m in BF16_CHAINS])
+def test_bf16_greedy_chains_identical_to_ar(bf16_setup, name: str, kw: dict) -> None:  # noqa: ANN001
+    """Chain-shaped proposals are exact in bf16 too (branching trees are exact on their first-child path)."""
+    from stagedspec.models.draft import DraftModel
+
+    model, tok, prompts = bf16_setup
+    ar = Pipeline.from_loaded(model, tok)
+    draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
+    pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))
+    for ids in prompts:
+        assert pipe.generate(ids, max_new_tokens=48).token_ids == ar.generate(ids, max_new_tokens=48).token_ids, name

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from stagedspec.drafters.lookup import LookupDrafter
+from stagedspec.drafters.merged import MergedDrafter
 from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
 from stagedspec.models import ModelConfig, Transformer
 from stagedspec.models.transformer import init_random
@@ -60,8 +61,18 @@ def chain(levels: int, seed: int, sampling: SamplingParams, stage_cls=StageDraft
     return ToyOracle(oracle_lm), below, oracle_lm
 
 
-def sample_pvalue(levels: int, seed: int, sampling: SamplingParams, n: int, stage_cls=StageDrafter, **kw) -> float:  # noqa: ANN001
-    oracle, drafter, oracle_lm = chain(levels, seed, sampling, stage_cls, **kw)
+def merged(levels: int, seed: int, sampling: SamplingParams, stage_cls=StageDrafter, **kw):  # noqa: ANN001, ANN201
+    """`chain` with a deterministic toy drafter's tree merged into what the oracle verifies (like
+    `--method staged` merging prompt lookup): a sampled spine plus fixed nodes."""
+    oracle, below, oracle_lm = chain(levels, seed, sampling, stage_cls, **kw)
+    lookup_like = ToyDrafter(TableLM(salt=seed + 200, kind="bad", oracle=oracle_lm),
+                             dict(mode="topk", budget=3, max_depth=3, branching=1))
+    return oracle, MergedDrafter(below, lookup_like), oracle_lm
+
+
+def sample_pvalue(levels: int, seed: int, sampling: SamplingParams, n: int, stage_cls=StageDrafter,
+                  build=chain, **kw) -> float:  # noqa: ANN001
+    oracle, drafter, oracle_lm = build(levels, seed, sampling, stage_cls, **kw)
     prompt = [1]
     counts: Counter = Counter()
     for s in range(n):
@@ -82,6 +93,13 @@ STAGED_CONFIGS = [
 def test_staged_sampling_matches_the_oracle(levels: int, seed: int, sampling: SamplingParams, kw: dict) -> None:
     p = sample_pvalue(levels, seed, sampling, N_FAST, **kw)
     assert p > ALPHA, f"staged chain of {levels} levels deviates from the oracle (p = {p:.2e})"
+
+
+@pytest.mark.parametrize("levels, seed, sampling, kw", STAGED_CONFIGS[:3])
+def test_staged_with_merged_lookup_matches_the_oracle(levels: int, seed: int, sampling: SamplingParams,
+                                                      kw: dict) -> None:
+    p = sample_pvalue(levels, seed, sampling, N_FAST, build=merged, **kw)
+    assert p > ALPHA, f"staged chain of {levels} levels with merged fixed proposals deviates (p = {p:.2e})"
 
 
 @pytest.mark.slow
@@ -130,6 +148,10 @@ def test_staged_greedy_equals_ar_on_tiny_transformers(levels: int) -> None:
         assert out.token_ids == ref, f"seed {seed}, {levels} levels"
         if levels > 2:
             assert below.stage_telemetry()[0].forward_passes > 0
+            both = MergedDrafter(below, LookupDrafter(None, context=True, chain_length=5))
+            out = speculative_generate(ModelOracle(oracle, 300), both, prompt, max_new_tokens=40)
+            assert out.token_ids == ref, f"seed {seed}, {levels} levels, lookup merged"
+            assert [r.name for r in both.stage_telemetry()][-1] == "context (to oracle)"
 
 
 def test_staged_sampling_is_reproducible_with_a_seed() -> None:

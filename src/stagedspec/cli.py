@@ -30,6 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:
+    from stagedspec.pipeline import SpeculationConfig
+
+    d = SpeculationConfig()  # one source of defaults for the CLI, the bench and the library
     p.add_argument("--draft", default=None, metavar="SPEC",
                    help="draft model: a distilled draft folder, an HF folder, a .gguf, or layers:N "
                         "(the oracle's first N layers)")
@@ -43,15 +46,20 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
                         "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
     p.add_argument("--no-context", action="store_true", help="no prompt lookup at the bottom stage")
-    p.add_argument("--lookup-k", type=_positive_int, default=6, metavar="K", help="tokens per lookup chain")
-    p.add_argument("--stage-k", type=_positive_int, default=6, metavar="K",
+    p.add_argument("--lookup-k", type=_positive_int, default=d.lookup_k, metavar="K", help="tokens per lookup chain")
+    p.add_argument("--stage-k", type=_positive_int, default=d.stage_k, metavar="K",
                    help="tokens each model stage decodes per proposal (staged)")
-    p.add_argument("--stage-branching", type=_positive_int, default=2, metavar="B",
+    p.add_argument("--stage-branching", type=_positive_int, default=d.stage_branching, metavar="B",
                    help="alternatives per position in a stage's proposal, spine included (staged)")
-    p.add_argument("--tree-budget", type=_positive_int, default=16, metavar="N", help="tree nodes per step")
-    p.add_argument("--tree-depth", type=_positive_int, default=6, metavar="D", help="maximum tree depth")
-    p.add_argument("--branching", type=_positive_int, default=4, metavar="B", help="children considered per node")
-    p.add_argument("--draft-k", type=_positive_int, default=4, metavar="K", help="chain length for --method chain")
+    p.add_argument("--no-oracle-lookup", action="store_true",
+                   help="staged: do not merge the prompt-lookup chain into the oracle's tree (the paper's pure chain)")
+    p.add_argument("--adaptive-budget", action="store_true",
+                   help="tree: each step verify only the best nodes that pay for themselves, priced by a "
+                        "measured cost curve of this machine (--tree-budget is then the most)")
+    p.add_argument("--tree-budget", type=_positive_int, default=d.tree_budget, metavar="N", help="tree nodes per step")
+    p.add_argument("--tree-depth", type=_positive_int, default=d.tree_depth, metavar="D", help="maximum tree depth")
+    p.add_argument("--branching", type=_positive_int, default=d.branching, metavar="B", help="children considered per node")
+    p.add_argument("--draft-k", type=_positive_int, default=d.draft_k, metavar="K", help="chain length for --method chain")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -133,7 +141,8 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
             ngram = "default"
     spec = SpeculationConfig(method=method, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
                              branching=args.branching, draft_k=args.draft_k, ngram=ngram, context=context,
-                             lookup_k=args.lookup_k, stage_k=args.stage_k, stage_branching=args.stage_branching)
+                             lookup_k=args.lookup_k, stage_k=args.stage_k, stage_branching=args.stage_branching,
+                             oracle_lookup=not args.no_oracle_lookup, adaptive_budget=args.adaptive_budget)
     return oracle, drafts, spec
 
 

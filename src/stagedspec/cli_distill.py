@@ -109,6 +109,10 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--sample-tokens", type=_int_at_least(1), default=160, metavar="N", help="reply length cap")
     d.add_argument("--sample-repeat", type=_int_at_least(1), default=1, metavar="R",
                    help="copies of each oracle sample in the training mix")
+    d.add_argument("--sample-batch", type=_int_at_least(1), default=16, metavar="B",
+                   help="oracle replies generated B at a time (greedy, batched)")
+    d.add_argument("--init-from", default=None, metavar="DRAFT",
+                   help="continue training a saved draft ('default' or a draft folder) instead of starting from oracle layers")
     d.add_argument("--teacher-top-k", type=_int_at_least(1), default=64, metavar="K")
     d.add_argument("--eval-every", type=_int_at_least(1), default=50, metavar="S", help="held-out evaluation period (steps)")
     d.add_argument("--checkpoint-every", type=_int_at_least(1), default=100, metavar="S")
@@ -205,11 +209,12 @@ def sample_requests(files: Sequence[Path], n: int, seed: int) -> list[str]:
 
 
 def cached_oracle_samples(oracle: Any, tokenizer: Any, requests: Sequence[str], n_tokens: int, cache: Path,
-                          fingerprint: str, progress: bool) -> list[list[int]]:
+                          fingerprint: str, progress: bool, batch_size: int = 1) -> list[list[int]]:
     """The oracle's greedy replies to `requests` (prompt + reply streams), cached in `cache` by their inputs."""
     from stagedspec.distill import oracle_samples
 
-    key = hashlib.sha256(json.dumps([fingerprint, n_tokens, list(requests)]).encode()).hexdigest()[:16]
+    inputs: list[Any] = [fingerprint, n_tokens, list(requests)] + ([batch_size] if batch_size > 1 else [])
+    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     if cache.is_file():
         try:
             saved = json.loads(cache.read_text(encoding="utf-8"))
@@ -217,7 +222,7 @@ def cached_oracle_samples(oracle: Any, tokenizer: Any, requests: Sequence[str], 
                 return saved["streams"]
         except (OSError, ValueError, KeyError):
             pass
-    streams = oracle_samples(oracle, tokenizer, requests, n_tokens, progress=progress)
+    streams = oracle_samples(oracle, tokenizer, requests, n_tokens, progress=progress, batch_size=batch_size)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + ".tmp")
     tmp.write_text(json.dumps({"key": key, "streams": streams}), encoding="utf-8")
@@ -305,14 +310,14 @@ def cmd_distill(args: argparse.Namespace) -> int:
         if not requests:
             raise StagedSpecError("--oracle-samples: the corpus has no documented Python functions to ask about")
         samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, work / SAMPLES_NAME,
-                                        fingerprint, progress=not args.no_progress)
+                                        fingerprint, progress=not args.no_progress, batch_size=args.sample_batch)
     unique = plain + chats + samples
     repeats = {len(plain) + len(chats) + i: args.sample_repeat for i in range(len(samples))}
     cfg = DistillConfig(
         layers=args.layers, vocab_top=args.vocab_top, tokens=args.tokens, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio, seed=args.seed,
         teacher_top_k=args.teacher_top_k, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-        out=str(work), fingerprint=fingerprint, save_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.save_dtype],
+        out=str(work), fingerprint=fingerprint, init_from=args.init_from, save_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.save_dtype],
     )
     streams = order_streams(unique, repeats, cfg.heldout_fraction, args.seed)
     n_tok = [sum(map(len, s)) for s in (plain, chats, samples)]

@@ -47,24 +47,33 @@ def check_device(device: str) -> str:
 
 @dataclass
 class SpeculationConfig:
-    """How drafts are proposed.  Defaults were picked with the tree-cost benchmark.
+    """How drafts are proposed.
+
+    Defaults were tuned on the reference 2-core CPU with the default models
+    (README, "Tuning"): there a bf16 pass over 4 tokens costs what one token
+    costs, 8 cost 1.25x and 16 cost 1.5x (`stagedspec bench-engine
+    --tree-cost`), so small trees of likely tokens beat wide ones.
 
     - chain / tree: one draft model proposes for the oracle;
     - lookup: model-free drafts (prompt lookup and/or an n-gram) for the oracle;
     - staged: oracle <- draft model(s) <- lookup; each model stage decodes
-      `stage_k` tokens per proposal speculatively against the stage below.
+      `stage_k` tokens per proposal speculatively against the stage below;
+      with `oracle_lookup` the prompt-lookup chain is also merged into the
+      tree the oracle verifies (it catches the copies a small draft misses).
     """
 
     method: str = "ar"
-    tree_budget: int = 16
-    tree_depth: int = 6
-    branching: int = 4
+    tree_budget: int = 8
+    tree_depth: int = 4
+    branching: int = 2
     draft_k: int = 4
     ngram: str | None = None  # n-gram spec for lookup/staged: "default" or a file
     context: bool = True  # prompt lookup at the bottom of lookup/staged
-    lookup_k: int = 6  # tokens per lookup chain
-    stage_k: int = 6  # tokens each model stage decodes per proposal
-    stage_branching: int = 2  # spine token + (b - 1) alternatives per position
+    lookup_k: int = 4  # tokens per lookup chain
+    stage_k: int = 3  # tokens each model stage decodes per proposal
+    stage_branching: int = 1  # spine token + (b - 1) alternatives per position
+    oracle_lookup: bool = True  # staged: prompt-lookup chains also go straight to the oracle's tree
+    adaptive_budget: bool = False  # tree: verify only the nodes that pay for themselves (tree_budget = the most)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -79,8 +88,8 @@ class SpeculationConfig:
     @property
     def max_nodes(self) -> int:
         """Most tree nodes the oracle may be asked to verify in one step."""
-        return max(self.tree_budget, self.draft_k, self.stage_k * self.stage_branching,
-                   self.lookup_k * 3)
+        staged = self.stage_k * self.stage_branching + (self.lookup_k if self.oracle_lookup else 0)
+        return max(self.tree_budget, self.draft_k, staged, self.lookup_k * 3)
 
 
 def parse_stages(specs: Sequence[str]) -> tuple[str, list[str], str | None, bool]:
@@ -231,6 +240,22 @@ class Pipeline:
         self.ngram = ngram
         return self
 
+    def pass_seconds(self, max_rows: int) -> dict[int, float]:
+        """Seconds of one oracle pass per number of rows, measured once per pipeline (about a second).
+
+        The adaptive tree budget prices trees with it: what verification
+        costs depends on this machine's kernels, dtype and threads.
+        """
+        cached = getattr(self, "_pass_seconds", None)
+        if cached is None or max(cached) < max_rows:
+            from stagedspec.bench.tree_cost import forward_cost_curve
+
+            sizes = sorted({r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if r < max_rows} | {max_rows})
+            context = min(256, self.model.config.max_position - max_rows - 1)
+            cached = forward_cost_curve(self.model, sizes=sizes, context=max(1, context), repeats=3)
+            self._pass_seconds = cached
+        return cached
+
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
         ids = self.tokenizer.encode(text)
@@ -245,8 +270,13 @@ class Pipeline:
         if s.method in ("chain", "tree"):
             from stagedspec.drafters.model import ModelDrafter
 
+            adaptive = None
+            if s.method == "tree" and s.adaptive_budget:
+                from stagedspec.budget import AdaptiveBudget
+
+                adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
             return ModelDrafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
-                                branching=s.branching, chain_length=s.draft_k, max_len=max_len)
+                                branching=s.branching, chain_length=s.draft_k, max_len=max_len, adaptive=adaptive)
         from stagedspec.drafters.lookup import LookupDrafter
         from stagedspec.stages import StageDrafter
 
@@ -256,8 +286,14 @@ class Pipeline:
         n = len(self.draft_models)
         for i in reversed(range(n)):
             name = "draft" if n == 1 else f"draft{i + 1}"
-            below = StageDrafter(ModelOracle(self.draft_models[i], max_len + s.max_nodes + 1), below, name=name,
+            # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
+            stage = ModelOracle(self.draft_models[i], max_len + s.max_nodes + 1, fixed_width=False)
+            below = StageDrafter(stage, below, name=name,
                                  chain_length=s.stage_k, branching=s.stage_branching)
+        if s.oracle_lookup and s.context:
+            from stagedspec.drafters.merged import MergedDrafter
+
+            below = MergedDrafter(below, LookupDrafter(None, True, chain_length=s.lookup_k))
         return below
 
     def generate(

@@ -34,15 +34,21 @@ class TokenTree:
     - `sampled=False`: children are deterministic proposals (e.g. the draft's
       top-k); for verification each is a one-hot q.
     - `sampled=True`: the children of node u are successive draws *without
-      replacement* from `child_q[u]` (float32 [V]), in increasing node index.
+      replacement* from `child_q[u]` (float32 [V]), in increasing node index,
+      except the nodes listed in `fixed`: deterministic proposals (prompt
+      lookup, say) merged into a sampled tree.  The verifier tries a node's
+      drawn children first and its fixed ones after them, which keeps it
+      exact even when which fixed children exist depends on the draws.
     """
 
     tokens: list[int]
     parents: list[int]
     sampled: bool = False
     child_q: dict[int, Tensor] = field(default_factory=dict)
+    fixed: set[int] = field(default_factory=set)  # deterministic nodes of a sampled tree
     proposer: list[str] = field(default_factory=list)  # which stage proposed each node (telemetry)
     draft_passes: int = 0  # `expand` calls `grow_tree` made to build it (telemetry)
+    scores: list[float] = field(default_factory=list)  # cumulative draft probability per node (best-first trees)
 
     def __post_init__(self) -> None:
         if not self.proposer:
@@ -55,11 +61,30 @@ class TokenTree:
     def chain(cls, root: int, tokens: list[int], **kw) -> "TokenTree":  # noqa: ANN003
         return cls([root, *tokens], list(range(-1, len(tokens))), **kw)
 
-    def add(self, parent: int, token: int, proposer: str = "draft") -> int:
+    def add(self, parent: int, token: int, proposer: str = "draft", fixed: bool = False) -> int:
         self.tokens.append(token)
         self.parents.append(parent)
         self.proposer.append(proposer)
+        if self.scores:
+            self.scores.append(0.0)  # a node added to a scored tree has no draft score
+        if fixed and self.sampled:
+            self.fixed.add(len(self.tokens) - 1)
         return len(self.tokens) - 1
+
+    def merge_fixed(self, other: "TokenTree") -> None:
+        """Add `other`'s proposals (deterministic ones, same root) as fixed nodes, sharing common prefixes.
+
+        A path of `other` follows any existing node with the same token (drawn
+        or fixed), so no token appears twice among a node's children.
+        """
+        if other.sampled and not other.fixed.issuperset(range(1, len(other))):
+            raise StagedSpecError("only deterministic proposals can be merged into a tree")
+        mapped = [0]
+        for i in range(1, len(other)):
+            parent, tok = mapped[other.parents[i]], other.tokens[i]
+            twin = next((c for c in range(parent + 1, len(self.tokens))
+                         if self.parents[c] == parent and self.tokens[c] == tok), None)
+            mapped.append(twin if twin is not None else self.add(parent, tok, other.proposer[i], fixed=True))
 
     @property
     def depths(self) -> list[int]:
@@ -83,6 +108,60 @@ class TokenTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+    def depth_first(self) -> "TokenTree":
+        """The same tree re-indexed in pre-order (each node's children in their current order).
+
+        The oracle's KV slots follow node indices, and CPU attention kernels
+        round by slot: a path whose nodes sit in consecutive slots gets
+        logits bit-identical to one-token decoding.  In pre-order the first
+        child of every node is the next node, so the first-child path (the
+        draft's favourite) is such a path.  Sibling order, and so the draw
+        order of sampled children, is kept.
+        """
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            kids[self.parents[i]].append(i)
+        order, stack = [], [0]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(kids[node]))
+        new_index = {old: new for new, old in enumerate(order)}
+        return TokenTree(
+            tokens=[self.tokens[o] for o in order],
+            parents=[-1] + [new_index[self.parents[o]] for o in order[1:]],
+            sampled=self.sampled,
+            child_q={new_index[k]: v for k, v in self.child_q.items()},
+            fixed={new_index[i] for i in self.fixed},
+            proposer=[self.proposer[o] for o in order],
+            draft_passes=self.draft_passes,
+            scores=[self.scores[o] for o in order] if self.scores else [],
+        )
+
+    def best_prefix(self, n: int) -> "TokenTree":
+        """The root and the `n` highest-scoring nodes (a deterministic tree with `scores`), in pre-order.
+
+        A child's score is its parent's times a probability, so it never
+        exceeds its parent's: the kept nodes always include their ancestors
+        (ties go to the shallower node).
+        """
+        if self.sampled or len(self.scores) != len(self.tokens):
+            raise StagedSpecError("only a deterministic tree with node scores can be cut to its best nodes")
+        if n >= len(self.tokens) - 1:
+            return self
+        depth = self.depths
+        keep = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], depth[i], i))[:n]
+        kept = [0, *sorted(keep)]
+        index = {old: new for new, old in enumerate(kept)}
+        cut = TokenTree(
+            tokens=[self.tokens[i] for i in kept],
+            parents=[-1] + [index[self.parents[i]] for i in kept[1:]],
+            proposer=[self.proposer[i] for i in kept],
+            draft_passes=self.draft_passes,
+            scores=[self.scores[i] for i in kept],
+        )
+        return cut.depth_first()
 
     def attention_mask(self, device: torch.device | str = "cpu") -> Tensor:
         """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i."""
@@ -126,6 +205,7 @@ def grow_tree(
 ) -> TokenTree:
     """Grow a token tree rooted at `root_token` by calling the draft `expand` in rounds.
 
+    The tree comes back in pre-order (`TokenTree.depth_first`).
     `budget` counts proposed nodes (the root excluded); `max_depth` bounds
     path length; `branching` is the number of children a node may get (an int,
     or a list indexed by the parent's depth; depths past its end get none).
@@ -161,9 +241,9 @@ def grow_tree(
     if mode == "sampled":
         if sampling.greedy:
             raise StagedSpecError("sampled trees need temperature > 0; use mode='topk' for greedy decoding")
-        return _grow_sampled(tree, expand, sampling, generator, budget, branching, proposer)
+        return _grow_sampled(tree, expand, sampling, generator, budget, branching, proposer).depth_first()
     width = width or max(1, math.ceil(budget / max(1, max_depth)))
-    return _grow_topk(tree, expand, sampling, budget, branching, width, proposer)
+    return _grow_topk(tree, expand, sampling, budget, branching, width, proposer).depth_first()
 
 
 def _expand_checked(tree: TokenTree, expand: Expand, nodes: list[int]) -> Tensor:
@@ -220,6 +300,7 @@ def _grow_topk(
             score.append(-neg_score)
         budget_left = budget - (len(tree) - 1) > 0
         to_expand = [n for n in admitted if can_have_children(n)] if budget_left else []
+    tree.scores = score
     return tree
 
 

@@ -29,6 +29,16 @@ and multi-draft speculative sampling):
   applying it to each sibling in turn, with the residual as the next target,
   keeps that true because each sibling is a fresh draw from q_{i+1} given the
   rejections so far.
+- Mixed node (a sampled tree with `fixed` children merged in, e.g. prompt
+  lookup on top of draft samples): the drawn children are tried first with
+  the sampled rule; if all are rejected, the leftover distribution (the
+  residual) is the exact target given those rejections, and the fixed
+  children are tried against it with the deterministic rule.  The
+  deterministic rule reproduces *any* target for *any* fixed proposals, so
+  the fixed set may even depend on the draws (a fixed token equal to a drawn
+  sibling is simply not added); trying fixed children first would not
+  allow that, since the sampled rule needs a target chosen independently of
+  its draws.
 - On acceptance we move to the child and use *its* oracle row: one decision
   per node, shared by every branch through it, so a path is accepted with
   exactly the oracle's probability of emitting its tokens.  If every child is
@@ -117,14 +127,19 @@ def walk_tree(
     node, accepted = 0, []
     while True:
         p = probs_from_logits(oracle_logits[node], sampling).double()
-        children = kids[node]
+        drawn = [c for c in kids[node] if c not in tree.fixed]
+        fixed = [c for c in kids[node] if c in tree.fixed]
         q = tree.child_q.get(node) if tree.sampled else None
-        if tree.sampled and children and q is None:
+        if tree.sampled and drawn and q is None:
             raise StagedSpecError(f"sampled tree: node {node} has children but no child_q")
-        choice, leftover = rule(p, [tree.tokens[c] for c in children], q, generator) if children else (None, p)
+        choice, leftover = rule(p, [tree.tokens[c] for c in drawn], q, generator) if drawn else (None, p)
+        if choice is not None:
+            node = drawn[choice]
+        elif fixed:
+            choice, leftover = deterministic_node_rule(leftover, [tree.tokens[c] for c in fixed], None, generator)
+            node = fixed[choice] if choice is not None else node
         if choice is None:
             return VerifyResult(accepted, _draw(leftover, generator))
-        node = children[choice]
         accepted.append(node)
 
 

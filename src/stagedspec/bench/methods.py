@@ -35,11 +35,11 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 
-OURS = ("ar", "chain", "tree", "lookup", "staged")
+OURS = ("ar", "chain", "tree", "tree-adaptive", "lookup", "staged")
 TRANSFORMERS = ("hf-generate", "hf-assisted", "hf-lookup")
 LLAMACPP = ("llamacpp", "llamacpp-lookup")
 ALL_METHODS = (*OURS, *TRANSFORMERS, *LLAMACPP)
-NEEDS_DRAFT = ("chain", "tree", "staged", "hf-assisted")
+NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "staged", "hf-assisted")
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
 
@@ -205,10 +205,13 @@ def ours(
     desc = {
         "ar": "our engine, plain autoregressive decoding",
         "chain": f"our engine, chain speculation ({s.draft_k} draft tokens) with draft {first}",
-        "tree": f"our engine, tree speculation (budget {s.tree_budget}) with draft {first}",
+        "tree": f"our engine, tree speculation ({'adaptive budget, at most' if s.adaptive_budget else 'budget'} "
+                f"{s.tree_budget}) with draft {first}",
         "lookup": f"our engine, model-free drafts ({'prompt lookup' if s.context else ''}"
                   f"{' + ' if s.context and ngram_spec else ''}{'n-gram ' + ngram_spec if ngram_spec else ''})",
-        "staged": "our engine, staged: oracle <- " + " <- ".join([*draft_specs, _bottom(s.context, ngram_spec)]),
+        "staged": "our engine, staged: oracle <- " + " <- ".join([*draft_specs, _bottom(s.context, ngram_spec)])
+                  + (f" ({s.stage_k} tokens per stage step; prompt lookup also merged into the oracle's tree)"
+                     if s.oracle_lookup and s.context else f" ({s.stage_k} tokens per stage step)"),
     }[s.method]
     settings = asdict(s) | {"drafts": list(draft_specs), "oracle_bytes": oracle_bytes, "draft_bytes": draft_bytes}
     return Method(name, "ours", kind, desc, run, settings)

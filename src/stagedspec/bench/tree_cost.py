@@ -20,23 +20,30 @@ from stagedspec.models.transformer import Transformer
 def forward_cost_curve(
     model: Transformer, sizes: Sequence[int] = (1, 2, 4, 8, 16, 24, 32, 48, 64), context: int = 256, repeats: int = 7
 ) -> dict[int, float]:
-    """Median seconds of one forward of n tree nodes on top of `context` cached tokens."""
+    """Median seconds of one forward of n tree nodes on top of `context` cached tokens.
+
+    Passes are run as `ModelOracle` runs them: in bf16/fp16 over the whole
+    cache's key width, with a throwaway second row when n = 1 (see
+    `ModelOracle.score`).
+    """
     device = model.embed.weight.device
     cache = model.new_cache(context + max(sizes) + 1)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     out: dict[int, float] = {}
+    fixed = model.embed.weight.dtype in (torch.bfloat16, torch.float16)  # as ModelOracle decides
     with torch.inference_mode():
         prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
         model(prompt, torch.arange(context, device=device), cache, logits_rows=slice(-1, None))
         cache.commit()
         for n in sizes:
-            toks = torch.randint(0, vocab, (1, n), generator=g).to(device)
+            rows = max(n, 2) if fixed else n
+            toks = torch.randint(0, vocab, (1, rows), generator=g).to(device)
             # a bushy tree: node i's parent is (i - 1) // 2, like a binary tree
-            parents = [-1] + [(i - 1) // 2 for i in range(1, n)]
-            mask = torch.zeros(n, n, dtype=torch.bool)
-            depth = [0] * n
-            for i in range(n):
+            parents = [-1] + [(i - 1) // 2 for i in range(1, rows)]
+            mask = torch.zeros(rows, rows, dtype=torch.bool)
+            depth = [0] * rows
+            for i in range(rows):
                 mask[i, i] = True
                 if parents[i] >= 0:
                     mask[i] |= mask[parents[i]]
@@ -47,7 +54,8 @@ def forward_cost_curve(
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                model(toks, pos, cache, tree_mask=mask if n > 1 else None)
+                model(toks, pos, cache, tree_mask=mask if rows > 1 else None, logits_rows=slice(0, n),
+                      key_width=cache.max_len if fixed else None)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)

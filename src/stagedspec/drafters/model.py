@@ -11,11 +11,13 @@ time, which costs nothing extra because that pass is needed anyway.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from stagedspec.budget import AdaptiveBudget
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
@@ -37,7 +39,10 @@ class ModelDrafter:
         width: int | None = None,
         name: str = "draft",
         max_len: int | None = None,
+        adaptive: AdaptiveBudget | None = None,
     ) -> None:
+        """`adaptive`: cut each tree to the number of best nodes that maximises expected tokens per
+        second (see `stagedspec.budget`); `budget` is then the most it may keep."""
         if method not in ("tree", "chain"):
             raise StagedSpecError(f"unknown draft method {method!r}: use 'tree' or 'chain'")
         for label, value in (("tree budget", budget), ("tree depth", max_depth), ("draft-k", chain_length),
@@ -52,6 +57,8 @@ class ModelDrafter:
         self.cache = model.new_cache(self.max_len + self.max_nodes + 1)
         self.device = model.embed.weight.device
         self.forward_passes = 0
+        self.adaptive = adaptive if method == "tree" else None
+        self._last_step: tuple[int, float] | None = None  # (context length, predicted tokens) of the last tree
 
     @property
     def max_nodes(self) -> int:
@@ -59,6 +66,7 @@ class ModelDrafter:
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.cache.reset()
+        self._last_step = None
 
     def _run(self, tokens: list[int], positions: Tensor, mask: Tensor | None, rows: slice | None) -> Tensor:
         self.forward_passes += 1
@@ -70,6 +78,11 @@ class ModelDrafter:
     def propose(
         self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
     ) -> TokenTree:
+        t_start = time.perf_counter()
+        if self.adaptive is not None and self._last_step is not None:
+            # The context grew by the accepted nodes plus the oracle's own token.
+            last_len, predicted = self._last_step
+            self.adaptive.observe(predicted, max(0, len(context) - last_len - 1))
         # 1. Catch up with the committed context (its last token is the root).
         seen = self.cache.length
         if seen >= len(context):  # never happens in the loop; keeps the root's logits honest
@@ -112,4 +125,8 @@ class ModelDrafter:
                              budget=self.budget, max_depth=depth, branching=self.branching, width=self.width,
                              proposer=self.name)
         self.cache.truncate(base)
+        if self.adaptive is not None:
+            keep = self.adaptive.choose(tree.scores[1:], time.perf_counter() - t_start)
+            tree = tree.best_prefix(keep)
+            self._last_step = (len(context), sum(tree.scores[1:]))
         return tree

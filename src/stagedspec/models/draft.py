@@ -236,6 +236,12 @@ class DraftModel(Transformer):
         """The draft's own tensors (what is trained and saved); shared oracle weights excluded."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(_SHARED_PREFIXES)}
 
+    def make_own_weights_trainable(self) -> None:
+        """Let the draft's own weights (not the shared, frozen oracle ones) train again after loading."""
+        for name, p in self.named_parameters():
+            if not name.startswith(_SHARED_PREFIXES):
+                _make_trainable(p)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 

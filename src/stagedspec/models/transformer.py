@@ -80,14 +80,16 @@ class Attention(nn.Module):
         end = start + T
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
-        keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        width = end if mask is None else mask.shape[-1]  # a fixed key width: see Transformer.forward
+        keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
         if Hkv != H:
             # Grouped-query attention without copying the cache: the G query
             # heads that share a KV head are folded into the query-length axis.
             G = H // Hkv
             q = q.reshape(B, Hkv, G * T, D)
             if mask is not None:  # None only for T == 1, where no mask is needed
-                mask = mask.repeat(G, 1)
+                # [T, S] for one shared mask, [B, 1, T, S] for one mask per sequence
+                mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, 1, G, 1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.wo(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
@@ -168,6 +170,7 @@ class Transformer(nn.Module):
         tree_mask: Tensor | None = None,
         logits_rows: Tensor | slice | None = None,
         return_hidden: bool = False,
+        key_width: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Run `tokens` [B, T] at `positions` [T] (or [B, T]) on top of the committed cache.
 
@@ -176,13 +179,22 @@ class Transformer(nn.Module):
           True = may attend; must include the diagonal), or the causal
           pattern when `tree_mask` is None.  A `tree_mask` of shape
           [T, cached + T] is used as the complete mask (a drafter growing a
-          tree over several passes hides its earlier branches this way).
+          tree over several passes hides its earlier branches this way); one
+          of shape [B, 1, T, cached + T] is a complete mask per sequence
+          (batched generation of left-padded prompts).
         - The new keys/values become the cache's pending entries; the caller
           must `cache.commit(...)` the ones to keep.
         - Returns logits [B, T', V] for the rows selected by `logits_rows`
           (all rows by default; a prefill passes `slice(-1, None)` to skip
           the vocabulary head for the prompt).  With `return_hidden`, also
           the final normalised hidden states of those rows.
+        - `key_width`: attend over exactly this many cache slots (the ones
+          past the new tokens masked out) instead of the filled ones.  CPU
+          attention kernels round differently for different key counts but
+          not for different query counts, so a fixed width makes every row's
+          result independent of how many tokens share the pass: a tree's
+          verification then reproduces one-token decoding bit for bit, in
+          bf16 too (`ModelOracle` uses the cache size).
         """
         B, T = tokens.shape
         start = cache.reserve(T)
@@ -199,6 +211,8 @@ class Transformer(nn.Module):
                 cos, sin = cos[:, None], sin[:, None]
             rope = (cos, sin)
         mask = self._attention_mask(T, start, tree_mask, x.device)
+        if key_width is not None:
+            mask = self._widen(mask, T, start, key_width, x.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache.k[i], cache.v[i], start, mask)
         if logits_rows is not None:
@@ -219,6 +233,16 @@ class Transformer(nn.Module):
         if start == 0:
             return new
         return torch.cat([torch.ones(T, start, dtype=torch.bool, device=device), new], dim=1)
+
+    @staticmethod
+    def _widen(mask: Tensor | None, T: int, start: int, width: int, device: torch.device) -> Tensor:
+        """The attention mask padded with masked-out keys to `width` columns."""
+        if width < start + T:
+            raise ValueError(f"key width {width} is smaller than the {start + T} cached and new tokens")
+        if mask is None:  # one new token: it sees the whole prefix and itself
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=device)
+        pad = torch.zeros(*mask.shape[:-1], width - mask.shape[-1], dtype=torch.bool, device=device)
+        return torch.cat([mask, pad], dim=-1)
 
     def num_bytes(self) -> int:
         """Bytes of weights streamed per decoding step (what bandwidth figures are based on)."""
