@@ -90,3 +90,16 @@ def test_tree_helpers() -> None:
     assert m[3].tolist() == [True, True, True, True, False, False, False]
     assert m[6].tolist() == [True, False, False, False, False, False, True]
     assert TREE.positions(10).tolist() == [10, 11, 12, 13, 11, 12, 11]
+
+
+def test_keep_slot_aligned_cuts_at_the_first_node_off_the_first_child_chain() -> None:
+    from stagedspec.generation import keep_slot_aligned
+    from stagedspec.verification import VerifyResult
+
+    # pre-order: 0 -> 1 -> 2 -> 3 (first-child chain), 1 -> 4 -> 5 (a second branch)
+    tree = TokenTree([10, 11, 12, 13, 14, 15], [-1, 0, 1, 2, 1, 4])
+    on_chain = VerifyResult([1, 2, 3], 99)
+    assert keep_slot_aligned(tree, on_chain) is on_chain
+    cut = keep_slot_aligned(tree, VerifyResult([1, 4, 5], 99))
+    assert cut.accepted == [1] and cut.next_token == 14  # node 4's token, chosen on aligned row 1
+    assert keep_slot_aligned(tree, VerifyResult([], 7)).accepted == []

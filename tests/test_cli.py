@@ -51,7 +51,7 @@ def test_json_output_fields(capsys) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("extra", [
     ["--method", "lookup"],
     ["--method", "tree", "--draft", "layers:2", "--tree-budget", "8"],
-    ["--method", "tree", "--draft", "layers:2", "--tree-budget", "12", "--adaptive-budget"],
+    ["--method", "tree", "--draft", "layers:2", "--tree-budget", "12", "--adaptive-budget", "--bit-exact"],
     ["--stages", "default,layers:2,context"],
     ["--stages", "default,layers:2,context", "--no-oracle-lookup", "--stage-k", "4", "--stage-branching", "2"],
 ])

@@ -107,20 +107,23 @@ def test_bf16_chain_verification_reproduces_one_token_logits_bit_for_bit(bf16_se
 
 
 BF16_CHAINS = [
-    ("chain-k4", dict(method="chain", draft_k=4)),
-    ("lookup-context", dict(method="lookup", ngram=None)),
-    ("staged-spine-only", dict(method="staged", ngram=None, stage_k=3, stage_branching=1, oracle_lookup=False)),
+    ("chain-k4", dict(method="chain", draft_k=4), False),
+    ("lookup-context", dict(method="lookup", ngram=None), False),
+    ("staged-spine-only", dict(method="staged", ngram=None, stage_k=3, stage_branching=1, oracle_lookup=False), False),
+    ("tree-bit-exact", dict(method="tree", tree_budget=8, tree_depth=4, branching=3), True),
+    ("staged-merged-bit-exact", dict(method="staged", ngram=None, stage_k=3, stage_branching=2), True),
 ]
 
 
-@pytest.mark.parametrize("name, kw", BF16_CHAINS, ids=[m[0] for m in BF16_CHAINS])
-def test_bf16_greedy_chains_identical_to_ar(bf16_setup, name: str, kw: dict) -> None:  # noqa: ANN001
-    """Chain-shaped proposals are exact in bf16 too (branching trees are exact on their first-child path)."""
+@pytest.mark.parametrize("name, kw, bit_exact", BF16_CHAINS, ids=[m[0] for m in BF16_CHAINS])
+def test_bf16_greedy_chains_identical_to_ar(bf16_setup, name: str, kw: dict, bit_exact: bool) -> None:  # noqa: ANN001
+    """Chain-shaped proposals are exact in bf16 too; branching trees are with `bit_exact`."""
     from stagedspec.models.draft import DraftModel
 
     model, tok, prompts = bf16_setup
     ar = Pipeline.from_loaded(model, tok)
     draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
     pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))
+    pipe.bit_exact = bit_exact
     for ids in prompts:
         assert pipe.generate(ids, max_new_tokens=48).token_ids == ar.generate(ids, max_new_tokens=48).token_ids, name

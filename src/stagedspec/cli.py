@@ -53,6 +53,9 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="alternatives per position in a stage's proposal, spine included (staged)")
     p.add_argument("--no-oracle-lookup", action="store_true",
                    help="staged: do not merge the prompt-lookup chain into the oracle's tree (the paper's pure chain)")
+    p.add_argument("--bit-exact", action="store_true",
+                   help="bf16 greedy: keep only tokens verified on slot-aligned rows, so branching trees too give "
+                        "output bit-identical to plain decoding (chains always do); costs speed")
     p.add_argument("--adaptive-budget", action="store_true",
                    help="tree: each step verify only the best nodes that pay for themselves, priced by a "
                         "measured cost curve of this machine (--tree-budget is then the most)")
@@ -173,6 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     method = spec.method
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device)
+    pipe.bit_exact = args.bit_exact
 
     def stream(text: str) -> None:
         sys.stdout.write(text)

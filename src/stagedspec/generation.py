@@ -22,7 +22,7 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
-from stagedspec.verification import verify
+from stagedspec.verification import VerifyResult, verify
 
 
 class Oracle(Protocol):
@@ -63,18 +63,25 @@ class ModelOracle:
     a stage that is re-entered every step of the loop above it.
     """
 
-    def __init__(self, model: Transformer, max_len: int, fixed_width: bool | None = None) -> None:
+    def __init__(self, model: Transformer, max_len: int, fixed_width: bool | None = None,
+                 bit_exact: bool = False) -> None:
         """`fixed_width` (default: on for bf16/fp16 weights): run every pass over the whole cache's key
         width and with at least two rows, so that each row's logits do not depend on how many rows
         share the pass (see `Transformer.forward` and `score`).  In bf16 that turns near-tie flips
         between a k-token verification and one-token decoding into bit-identical logits for about
         7% of decoding speed.  fp32 is left alone: there the rounding differences are far below
-        any logit gap the tests ever met, and a two-row pass would cost a third more."""
+        any logit gap the tests ever met, and a two-row pass would cost a third more.
+
+        `bit_exact` (with the fixed width): greedy steps also drop what was accepted off the tree's
+        first-child chain (`keep_slot_aligned`), so even branching trees give output bit-identical
+        to one-token decoding; it costs much of what branches gain."""
         self.model = model
         self.cache = model.new_cache(max_len)
         if fixed_width is None:
             fixed_width = model.embed.weight.dtype in (torch.bfloat16, torch.float16)
         self.key_width = max_len if fixed_width else None
+        # Greedy steps keep only what was verified on slot-aligned rows (see `keep_slot_aligned`).
+        self.slot_aligned_only = bit_exact and fixed_width
         self.forward_passes = 0
         self.device = model.embed.weight.device
         self.cached_tokens: list[int] = []  # tokens whose KV entries are committed, in order
@@ -226,6 +233,8 @@ def iter_steps(
         tree = drafter.propose(context, sampling, generator, remaining)
         stats.draft_seconds += time.perf_counter() - t_draft
         result = verifier(tree, oracle.score(tree), sampling, generator)
+        if sampling.greedy and getattr(oracle, "slot_aligned_only", False):
+            result = keep_slot_aligned(tree, result)
         oracle.commit(result.accepted)
         stats.accepted_lengths.append(len(result.accepted))
         stats.tree_sizes.append(len(tree) - 1)
@@ -244,6 +253,24 @@ def iter_steps(
         yield step
         if stats.finish_reason == "stop":
             return
+
+
+def keep_slot_aligned(tree: TokenTree, result: VerifyResult) -> VerifyResult:
+    """Cut a greedy step at its first accepted node outside the tree's first-child chain.
+
+    Nodes 1..k of a pre-order tree whose parents are 0..k-1 sit in the KV
+    slots their positions would have in one-token decoding, so their logits
+    are bit-identical to it (see `ModelOracle`); any other node's may differ
+    in the last bit.  If the accepted path leaves that chain at node c, the
+    decision that chose c was still made on an aligned row (c's parent's):
+    keep the aligned part and emit c's token as the step's own token.  The
+    step is then exactly what one-token decoding would emit, a little
+    shorter than the tree allowed.
+    """
+    for j, node in enumerate(result.accepted):
+        if node != j + 1 or tree.parents[node] != j:
+            return VerifyResult(result.accepted[:j], tree.tokens[node])
+    return result
 
 
 def speculative_generate(

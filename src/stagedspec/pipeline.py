@@ -183,7 +183,13 @@ def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: to
 
 
 class Pipeline:
-    """An oracle, its tokenizer and (optionally) a draft, ready to generate."""
+    """An oracle, its tokenizer and (optionally) a draft, ready to generate.
+
+    `bit_exact = True` makes bf16 greedy output bit-identical to plain decoding
+    for branching trees too (see `ModelOracle`), at a cost in speed.
+    """
+
+    bit_exact: bool = False
 
     def __init__(
         self,
@@ -314,7 +320,7 @@ class Pipeline:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
-        oracle = ModelOracle(self.model, max_len)
+        oracle = ModelOracle(self.model, max_len, bit_exact=getattr(self, "bit_exact", False))
         drafter = self.drafter(max_len)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []
