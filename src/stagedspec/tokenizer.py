@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from stagedspec.errors import StagedSpecError
+from stagedspec.errors import StagedSpecError, first_line
 
 IM_END = "<|im_end|>"
 _MAX_HELD_TOKENS = 8
@@ -75,7 +75,7 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as exc:  # the Rust error type is not importable
-            raise StagedSpecError(f"cannot read {tok_file}: {_first_line(exc)}") from None
+            raise StagedSpecError(f"cannot read {tok_file}: {first_line(exc)}") from None
         tcfg = _read_json_if_exists(folder / "tokenizer_config.json")
         gen = _read_json_if_exists(folder / "generation_config.json")
         mcfg = _read_json_if_exists(folder / "config.json")
@@ -89,10 +89,10 @@ class Tokenizer:
 
         eos: list[int] = []
         eos += _ids_of(backend, [_token_content(tcfg.get("eos_token"))])
-        eos += _as_id_list(gen.get("eos_token_id")) + _as_id_list(mcfg.get("eos_token_id"))
-        eos += _as_id_list(tcfg.get("stagedspec_eos_token_ids"))
+        eos += id_list(gen.get("eos_token_id")) + id_list(mcfg.get("eos_token_id"))
+        eos += id_list(tcfg.get("stagedspec_eos_token_ids"))
         bos_ids = _ids_of(backend, [_token_content(tcfg.get("bos_token"))])
-        bos = bos_ids[0] if bos_ids else _first_or_none(mcfg.get("bos_token_id"))
+        bos = bos_ids[0] if bos_ids else first_id(mcfg.get("bos_token_id"))
         add_bos = tcfg.get("add_bos_token")
         if add_bos is None:
             add_bos = _post_processor_adds(backend, bos)
@@ -129,7 +129,7 @@ class Tokenizer:
         ]
         backend.add_tokens(added)  # ids already exist in the vocab, so they are kept
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        eos = _as_id_list(meta.get("tokenizer.ggml.eos_token_id")) + _as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
+        eos = id_list(meta.get("tokenizer.ggml.eos_token_id")) + id_list(meta.get("tokenizer.ggml.eot_token_id"))
         return cls(
             backend,
             bos_token_id=bos,
@@ -297,7 +297,7 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], **contex
     try:
         return env.from_string(template).render(messages=messages, **context)
     except TemplateError as exc:
-        raise StagedSpecError(f"chat template error: {_first_line(exc)}") from None
+        raise StagedSpecError(f"chat template error: {first_line(exc)}") from None
 
 
 # ---------------------------------------------------------------------- helpers
@@ -331,7 +331,7 @@ class _GGUFMeta:
         try:
             return field.contents()
         except Exception as exc:
-            raise StagedSpecError(f"corrupt GGUF metadata {key!r}: {_first_line(exc)}") from None
+            raise StagedSpecError(f"corrupt GGUF metadata {key!r}: {first_line(exc)}") from None
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -346,7 +346,7 @@ def _read_json_if_exists(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise StagedSpecError(f"cannot read {path}: {_first_line(exc)}") from None
+        raise StagedSpecError(f"cannot read {path}: {first_line(exc)}") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -362,7 +362,8 @@ def _ids_of(backend: tokenizers.Tokenizer, tokens: list[str | None]) -> list[int
     return [i for i in ids if i is not None]
 
 
-def _as_id_list(value: Any) -> list[int]:
+def id_list(value: Any) -> list[int]:
+    """A config's token-id field (absent, one id, or a list of ids) as a list."""
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
@@ -370,8 +371,9 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(value)]
 
 
-def _first_or_none(value: Any) -> int | None:
-    ids = _as_id_list(value)
+def first_id(value: Any) -> int | None:
+    """The first id of a config's token-id field, or None."""
+    ids = id_list(value)
     return ids[0] if ids else None
 
 
@@ -387,6 +389,3 @@ def _post_processor_adds(backend: tokenizers.Tokenizer, bos: int | None) -> bool
     return bool(with_special) and with_special[0] == bos
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

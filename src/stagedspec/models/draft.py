@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stagedspec.cache import KVCache
-from stagedspec.errors import StagedSpecError
+from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Attention, Transformer, apply_rope
 
@@ -424,5 +424,4 @@ def _read_weights(path: Path) -> dict[str, Tensor]:
     try:
         return load_file(str(path))
     except Exception as exc:  # safetensors raises its own (Rust) error types for malformed files
-        text = str(exc).strip().splitlines()
-        raise StagedSpecError(f"corrupt draft weights {path}: {text[0] if text else type(exc).__name__}") from None
+        raise StagedSpecError(f"corrupt draft weights {path}: {first_line(exc)}") from None

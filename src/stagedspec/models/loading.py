@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stagedspec.errors import StagedSpecError
+from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, rope_tables
-from stagedspec.tokenizer import Tokenizer
+from stagedspec.tokenizer import Tokenizer, first_id, id_list
 
 # HF `architectures` entries we can run, by family (all three run as our "llama" arch).
 LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -118,7 +118,7 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise StagedSpecError(f"cannot read {path}: {_first_line(exc)}") from None
+        raise StagedSpecError(f"cannot read {path}: {first_line(exc)}") from None
     if not isinstance(data, dict):
         raise StagedSpecError(f"{path} is not a JSON object")
     return data
@@ -182,8 +182,8 @@ def _llama_config(c: Mapping[str, Any], family: str) -> ModelConfig:
         rope_theta=rope,
         qkv_bias=family == "qwen2",
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=_first_id(c.get("bos_token_id")),
-        eos_token_ids=_id_list(c.get("eos_token_id")),
+        bos_token_id=first_id(c.get("bos_token_id")),
+        eos_token_ids=id_list(c.get("eos_token_id")),
     )
 
 
@@ -231,8 +231,8 @@ def _gpt2_config(c: Mapping[str, Any]) -> ModelConfig:
         max_position=int(c.get("n_positions") or 1024),
         norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
         tie_embeddings=bool(c.get("tie_word_embeddings", True)),
-        bos_token_id=_first_id(c.get("bos_token_id")),
-        eos_token_ids=_id_list(c.get("eos_token_id")),
+        bos_token_id=first_id(c.get("bos_token_id")),
+        eos_token_ids=id_list(c.get("eos_token_id")),
     )
 
 
@@ -274,7 +274,7 @@ class SafetensorsSource(TensorSource):
                 keys = list(handle.keys())
             except Exception as exc:
                 raise StagedSpecError(
-                    f"cannot read {f}: not a valid safetensors file, corrupt or truncated ({_first_line(exc)})"
+                    f"cannot read {f}: not a valid safetensors file, corrupt or truncated ({first_line(exc)})"
                 ) from None
             self._handles.append(handle)
             self._where.update({k: (handle, f) for k in keys})
@@ -289,7 +289,7 @@ class SafetensorsSource(TensorSource):
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise StagedSpecError(f"cannot read {index}: {_first_line(exc)}") from None
+                raise StagedSpecError(f"cannot read {index}: {first_line(exc)}") from None
             return cls([folder / name for name in sorted(set(weight_map.values()))])
         raise StagedSpecError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
@@ -301,7 +301,7 @@ class SafetensorsSource(TensorSource):
         try:
             return handle.get_tensor(name)
         except Exception as exc:
-            raise StagedSpecError(f"cannot read tensor {name!r} from {f}: {_first_line(exc)}") from None
+            raise StagedSpecError(f"cannot read tensor {name!r} from {f}: {first_line(exc)}") from None
 
 
 class FunctionSource(TensorSource):
@@ -439,7 +439,7 @@ def open_gguf(path: Path) -> Any:
     try:
         return GGUFReader(str(path), "r")
     except Exception as exc:
-        raise StagedSpecError(f"cannot read {path}: not a valid GGUF file ({_first_line(exc)})") from None
+        raise StagedSpecError(f"cannot read {path}: not a valid GGUF file ({first_line(exc)})") from None
 
 
 def read_gguf(path: Path) -> GGUFCheckpoint:
@@ -459,7 +459,7 @@ def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
     try:
         return f.contents()
     except Exception as exc:
-        raise StagedSpecError(f"corrupt GGUF metadata {key!r}: {_first_line(exc)}") from None
+        raise StagedSpecError(f"corrupt GGUF metadata {key!r}: {first_line(exc)}") from None
 
 
 def _gguf_required(reader: Any, key: str) -> Any:
@@ -482,7 +482,7 @@ def _gguf_tensor_loader(t: Any) -> Callable[[], Tensor]:
         try:
             arr = dequantize(t.data, t.tensor_type)
         except Exception as exc:
-            raise StagedSpecError(f"cannot dequantise GGUF tensor {t.name} ({t.tensor_type.name}): {_first_line(exc)}") from None
+            raise StagedSpecError(f"cannot dequantise GGUF tensor {t.name} ({t.tensor_type.name}): {first_line(exc)}") from None
         # GGUF lists dimensions fastest-first (ne order); PyTorch wants them reversed.
         shape = tuple(int(d) for d in reversed(list(t.shape)))
         arr = np.asarray(arr, dtype=np.float32).reshape(shape)
@@ -625,22 +625,3 @@ def gguf_to_hf_state(ckpt: GGUFCheckpoint, names: Iterable[str] | None = None) -
     """Materialise HF-layout fp32 tensors from a GGUF checkpoint (used to write the cached HF folder)."""
     wanted = sorted(ckpt.source.names()) if names is None else list(names)
     return {n: ckpt.source.get(n) for n in wanted}
-
-
-# ====================================================================== helpers
-def _id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _first_id(value: Any) -> int | None:
-    ids = _id_list(value)
-    return ids[0] if ids else None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
