@@ -362,14 +362,12 @@ def fixed_first_verifier(tree: TokenTree, logits: Tensor, sampling: SamplingPara
     Then the target of the sampled rule depends on the draws (a fixed token
     is merged only when no drawn sibling has it), which biases the output.
     """
-    kids: dict[int, list[int]] = {}
-    for i in range(1, len(tree)):
-        kids.setdefault(tree.parents[i], []).append(i)
+    kids = tree.children_lists()
     node, accepted = 0, []
     while True:
         p = probs_from_logits(logits[node], sampling).double()
-        fixed = [c for c in kids.get(node, []) if c in tree.fixed]
-        drawn = [c for c in kids.get(node, []) if c not in tree.fixed]
+        fixed = [c for c in kids[node] if c in tree.fixed]
+        drawn = [c for c in kids[node] if c not in tree.fixed]
         choice, p = deterministic_node_rule(p, [tree.tokens[c] for c in fixed], None, generator) if fixed else (None, p)
         if choice is not None:
             node = fixed[choice]

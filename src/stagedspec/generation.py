@@ -55,6 +55,11 @@ class Drafter(Protocol):
         ...
 
 
+def wants_fixed_width(model: Transformer) -> bool:
+    """Whether `ModelOracle` runs `model` with a fixed key width and >= 2 rows by default (bf16/fp16)."""
+    return model.embed.weight.dtype in (torch.bfloat16, torch.float16)
+
+
 class ModelOracle:
     """Runs a `Transformer` with its own static KV cache as the oracle of the loop.
 
@@ -78,7 +83,7 @@ class ModelOracle:
         self.model = model
         self.cache = model.new_cache(max_len)
         if fixed_width is None:
-            fixed_width = model.embed.weight.dtype in (torch.bfloat16, torch.float16)
+            fixed_width = wants_fixed_width(model)
         self.key_width = max_len if fixed_width else None
         # Greedy steps keep only what was verified on slot-aligned rows (see `keep_slot_aligned`).
         self.slot_aligned_only = bit_exact and fixed_width
@@ -124,11 +129,10 @@ class ModelOracle:
             mask = torch.ones(2, 2, dtype=torch.bool).tril_()
         self.forward_passes += 1
         self._tree = tree
-        extra = {} if self.key_width is None else {"key_width": self.key_width}
         toks = torch.tensor([tokens], device=self.device)
         mask = None if mask is None else mask.to(self.device)
         return self.model(toks, pos.to(self.device), self.cache, tree_mask=mask, logits_rows=slice(P, P + N),
-                          **extra)[0]
+                          key_width=self.key_width)[0]
 
     def commit(self, accepted: Sequence[int]) -> None:
         P = len(self._catch_up)

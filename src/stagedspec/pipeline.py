@@ -50,8 +50,8 @@ class SpeculationConfig:
     """How drafts are proposed.
 
     Defaults were tuned on the reference 2-core CPU with the default models
-    (README, "Tuning"): there a bf16 pass over 4 tokens costs what one token
-    costs, 8 cost 1.25x and 16 cost 1.5x (`stagedspec bench-engine
+    (README, "Benchmarks"): there a bf16 pass over 4 tokens costs what one
+    token costs, 8 cost 1.2x and 16 cost 1.5x (`stagedspec bench-engine
     --tree-cost`), so small trees of likely tokens beat wide ones.
 
     - chain / tree: one draft model proposes for the oracle;
@@ -190,6 +190,7 @@ class Pipeline:
     """
 
     bit_exact: bool = False
+    _pass_seconds: dict[int, float] | None = None  # measured oracle pass costs (see `pass_seconds`)
 
     def __init__(
         self,
@@ -252,7 +253,7 @@ class Pipeline:
         The adaptive tree budget prices trees with it: what verification
         costs depends on this machine's kernels, dtype and threads.
         """
-        cached = getattr(self, "_pass_seconds", None)
+        cached = self._pass_seconds
         if cached is None or max(cached) < max_rows:
             from stagedspec.bench.tree_cost import forward_cost_curve
 
@@ -320,7 +321,7 @@ class Pipeline:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
-        oracle = ModelOracle(self.model, max_len, bit_exact=getattr(self, "bit_exact", False))
+        oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
         drafter = self.drafter(max_len)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []

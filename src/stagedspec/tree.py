@@ -82,8 +82,7 @@ class TokenTree:
         mapped = [0]
         for i in range(1, len(other)):
             parent, tok = mapped[other.parents[i]], other.tokens[i]
-            twin = next((c for c in range(parent + 1, len(self.tokens))
-                         if self.parents[c] == parent and self.tokens[c] == tok), None)
+            twin = self.child_with(parent, tok)
             mapped.append(twin if twin is not None else self.add(parent, tok, other.proposer[i], fixed=True))
 
     @property
@@ -100,6 +99,18 @@ class TokenTree:
 
     def children(self, node: int) -> list[int]:
         return [i for i in range(node + 1, len(self.tokens)) if self.parents[i] == node]
+
+    def children_lists(self) -> list[list[int]]:
+        """Every node's children in index order, in one pass (what tree walks need)."""
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            kids[self.parents[i]].append(i)
+        return kids
+
+    def child_with(self, parent: int, token: int) -> int | None:
+        """The child of `parent` carrying `token`, if there is one."""
+        return next((c for c in range(parent + 1, len(self.tokens))
+                     if self.parents[c] == parent and self.tokens[c] == token), None)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's first child down to `node` (root excluded)."""
@@ -119,9 +130,7 @@ class TokenTree:
         draft's favourite) is such a path.  Sibling order, and so the draw
         order of sampled children, is kept.
         """
-        kids: list[list[int]] = [[] for _ in self.tokens]
-        for i in range(1, len(self.tokens)):
-            kids[self.parents[i]].append(i)
+        kids = self.children_lists()
         order, stack = [], [0]
         while stack:
             node = stack.pop()

@@ -100,7 +100,7 @@ def verify(
 def verify_greedy(tree: TokenTree, oracle_logits: Tensor) -> VerifyResult:
     """Follow the oracle's argmax through the tree (one argmax over all rows, no softmax)."""
     best = oracle_logits.argmax(-1).tolist()
-    kids = _children_lists(tree)
+    kids = tree.children_lists()
     node, accepted = 0, []
     while True:
         t = best[node]
@@ -123,7 +123,7 @@ def walk_tree(
     Rows are converted to probabilities lazily: only the nodes on the walked
     path are ever needed.
     """
-    kids = _children_lists(tree)
+    kids = tree.children_lists()
     node, accepted = 0, []
     while True:
         p = probs_from_logits(oracle_logits[node], sampling).double()
@@ -197,13 +197,6 @@ def residual(p: Tensor, q: Tensor) -> Tensor:
     r = (p - q).clamp_min(0.0)
     mass = float(r.sum())
     return r / mass if mass > _RESIDUAL_EPS else p
-
-
-def _children_lists(tree: TokenTree) -> list[list[int]]:
-    kids: list[list[int]] = [[] for _ in range(len(tree))]
-    for i in range(1, len(tree)):
-        kids[tree.parents[i]].append(i)
-    return kids
 
 
 def _uniform(generator: torch.Generator | None) -> float:

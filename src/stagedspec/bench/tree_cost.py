@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from stagedspec.generation import wants_fixed_width
 from stagedspec.models.transformer import Transformer
 
 
@@ -31,7 +32,7 @@ def forward_cost_curve(
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     out: dict[int, float] = {}
-    fixed = model.embed.weight.dtype in (torch.bfloat16, torch.float16)  # as ModelOracle decides
+    fixed = wants_fixed_width(model)  # as ModelOracle runs it
     with torch.inference_mode():
         prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
         model(prompt, torch.arange(context, device=device), cache, logits_rows=slice(-1, None))

@@ -23,8 +23,7 @@ def _add_path(tree: TokenTree, tokens: Sequence[int], proposer: str) -> None:
     """Add a chain under the root, reusing nodes an earlier path already created."""
     node = 0
     for tok in tokens:
-        child = next((c for c in range(node + 1, len(tree)) if tree.parents[c] == node and tree.tokens[c] == tok),
-                     None)
+        child = tree.child_with(node, tok)
         node = child if child is not None else tree.add(node, tok, proposer)
 
 

@@ -194,9 +194,10 @@ class DraftModel(Transformer):
         tree_mask: Tensor | None = None,
         logits_rows: Tensor | slice | None = None,
         return_hidden: bool = False,
+        key_width: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Same contract as `Transformer.forward`; logits always cover the full vocabulary."""
-        out = super().forward(tokens, positions, cache, tree_mask, logits_rows, return_hidden)
+        out = super().forward(tokens, positions, cache, tree_mask, logits_rows, return_hidden, key_width)
         if self.head_tokens is None:
             return out
         if return_hidden:
