@@ -103,3 +103,27 @@ def test_keep_slot_aligned_cuts_at_the_first_node_off_the_first_child_chain() ->
     cut = keep_slot_aligned(tree, VerifyResult([1, 4, 5], 99))
     assert cut.accepted == [1] and cut.next_token == 14  # node 4's token, chosen on aligned row 1
     assert keep_slot_aligned(tree, VerifyResult([], 7)).accepted == []
+
+
+def test_row_by_row_attention_rows_do_not_depend_on_the_pass() -> None:
+    """`row_independent` attention: a query row's output is the same bit for bit whatever rows share its pass,
+    and it computes the same function as the fused kernel (up to rounding)."""
+    import torch.nn.functional as F
+
+    from stagedspec.models.transformer import _attend_row_by_row
+
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, S, D, T = 6, 2, 96, 32, 12
+    q = torch.randn(1, H, T, D, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, Hkv, S, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, Hkv, S, D, generator=g).to(torch.bfloat16)
+    mask = torch.zeros(T, S, dtype=torch.bool)
+    for t in range(T):
+        mask[t, : 40 + t + 1] = True
+    full = _attend_row_by_row(q, k, v, mask, H // Hkv)
+    for start, n in [(0, 1), (3, 2), (5, 7), (11, 1)]:
+        part = _attend_row_by_row(q[:, :, start:start + n], k, v, mask[start:start + n], H // Hkv)
+        assert torch.equal(part, full[:, :, start:start + n])
+    fused = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(H // Hkv, 1),
+                                           v.float().repeat_interleave(H // Hkv, 1), attn_mask=mask)
+    assert torch.allclose(full.float(), fused, atol=3e-2)

@@ -30,6 +30,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:
+    from stagedspec.pipeline import QUANTISED_DEFAULTS as q
     from stagedspec.pipeline import SpeculationConfig
 
     d = SpeculationConfig()  # one source of defaults for the CLI, the bench and the library
@@ -46,9 +47,11 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
                         "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
     p.add_argument("--no-context", action="store_true", help="no prompt lookup at the bottom stage")
-    p.add_argument("--lookup-k", type=_positive_int, default=d.lookup_k, metavar="K", help="tokens per lookup chain")
-    p.add_argument("--stage-k", type=_positive_int, default=d.stage_k, metavar="K",
-                   help="tokens each model stage decodes per proposal (staged)")
+    p.add_argument("--lookup-k", type=_positive_int, default=None, metavar="K",
+                   help=f"tokens per lookup chain (default {d.lookup_k}; {q['lookup_k']} with --quant, 1 for lookup)")
+    p.add_argument("--stage-k", type=_positive_int, default=None, metavar="K",
+                   help=f"tokens each model stage decodes per proposal, staged (default {d.stage_k}; "
+                        f"{q['stage_k']} with --quant)")
     p.add_argument("--stage-branching", type=_positive_int, default=d.stage_branching, metavar="B",
                    help="alternatives per position in a stage's proposal, spine included (staged)")
     p.add_argument("--no-oracle-lookup", action="store_true",
@@ -59,10 +62,13 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive-budget", action="store_true",
                    help="tree: each step verify only the best nodes that pay for themselves, priced by a "
                         "measured cost curve of this machine (--tree-budget is then the most)")
-    p.add_argument("--tree-budget", type=_positive_int, default=d.tree_budget, metavar="N", help="tree nodes per step")
-    p.add_argument("--tree-depth", type=_positive_int, default=d.tree_depth, metavar="D", help="maximum tree depth")
+    p.add_argument("--tree-budget", type=_positive_int, default=None, metavar="N",
+                   help=f"tree nodes per step (default {d.tree_budget}; {q['tree_budget']} with --quant)")
+    p.add_argument("--tree-depth", type=_positive_int, default=None, metavar="D",
+                   help=f"maximum tree depth (default {d.tree_depth}; {q['tree_depth']} with --quant)")
     p.add_argument("--branching", type=_positive_int, default=d.branching, metavar="B", help="children considered per node")
-    p.add_argument("--draft-k", type=_positive_int, default=d.draft_k, metavar="K", help="chain length for --method chain")
+    p.add_argument("--draft-k", type=_positive_int, default=None, metavar="K",
+                   help=f"chain length for --method chain (default {d.draft_k}; {q['draft_k']} with --quant)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt", help="prompt text ('-' reads stdin)")
     _add_model_args(gen)
+    gen.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                     help="oracle weights: int4 (groups of 32, as in Q4_1: the default GGUF's own codes) or int8 "
+                          "(per channel), with an int8 output head; CPU and bf16 only (default: none)")
     _add_speculation_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -107,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench-engine", help="autoregressive speed vs transformers and the bandwidth roofline")
     _add_model_args(bench)
-    bench.add_argument("--dtypes", default="bf16,fp32", help="comma-separated dtypes to measure")
+    bench.add_argument("--dtypes", default="bf16,fp32,int4", help="comma-separated weight formats to measure: bf16, "
+                       "fp32, int8, int4 (quantised weights with bf16 compute; transformers runs bf16 for those)")
     bench.add_argument("--n-prompts", type=_positive_int, default=3)
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
@@ -142,10 +152,11 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         method = args.method or ("tree" if args.draft else "ar")
         if method == "staged" and ngram is None and not args.no_context:
             ngram = "default"
-    spec = SpeculationConfig(method=method, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
-                             branching=args.branching, draft_k=args.draft_k, ngram=ngram, context=context,
-                             lookup_k=args.lookup_k, stage_k=args.stage_k, stage_branching=args.stage_branching,
-                             oracle_lookup=not args.no_oracle_lookup, adaptive_budget=args.adaptive_budget)
+    spec = SpeculationConfig.tuned(method, getattr(args, "quant", "none"), tree_budget=args.tree_budget,
+                                   tree_depth=args.tree_depth, branching=args.branching, draft_k=args.draft_k,
+                                   ngram=ngram, context=context, lookup_k=args.lookup_k, stage_k=args.stage_k,
+                                   stage_branching=args.stage_branching, oracle_lookup=not args.no_oracle_lookup,
+                                   adaptive_budget=args.adaptive_budget)
     return oracle, drafts, spec
 
 
@@ -175,7 +186,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     oracle, drafts, spec = speculation_from(args)
     method = spec.method
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device)
+    pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant)
     pipe.bit_exact = args.bit_exact
 
     def stream(text: str) -> None:
@@ -262,10 +273,11 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     if args.tree_cost:
         from stagedspec.bench.tree_cost import forward_cost_curve, print_cost_curve
         from stagedspec.models.loading import load_model
-        from stagedspec.pipeline import parse_dtype
+        from stagedspec.pipeline import parse_weights
 
         for name in args.dtypes.split(","):
-            model, _ = load_model(args.oracle, dtype=parse_dtype(name), device=args.device)
+            dtype, quant = parse_weights(name)
+            model, _ = load_model(args.oracle, dtype=dtype, device=args.device, quant=quant)
             print(f"\ntree verification cost, {name}:")
             print_cost_curve(forward_cost_curve(model))
     return 0

@@ -71,22 +71,27 @@ class ModelOracle:
     def __init__(self, model: Transformer, max_len: int, fixed_width: bool | None = None,
                  bit_exact: bool = False) -> None:
         """`fixed_width` (default: on for bf16/fp16 weights): run every pass over the whole cache's key
-        width and with at least two rows, so that each row's logits do not depend on how many rows
-        share the pass (see `Transformer.forward` and `score`).  In bf16 that turns near-tie flips
-        between a k-token verification and one-token decoding into bit-identical logits for about
-        7% of decoding speed.  fp32 is left alone: there the rounding differences are far below
-        any logit gap the tests ever met, and a two-row pass would cost a third more.
+        width, with at least two rows, and the uncached prompt in a pass of its own, so that a row's
+        logits depend as little as possible on the pass it is in (see `Transformer.forward` and
+        `score`).  That removes most near-tie flips between a k-token verification and one-token
+        decoding in bf16, for about 7% of decoding speed, but not all: the attention kernel's
+        rounding still depends on how many rows share a call.  fp32 is left alone: there the
+        rounding differences are far below any logit gap the tests ever met, and a two-row pass
+        would cost a third more.
 
-        `bit_exact` (with the fixed width): greedy steps also drop what was accepted off the tree's
-        first-child chain (`keep_slot_aligned`), so even branching trees give output bit-identical
-        to one-token decoding; it costs much of what branches gain."""
+        `bit_exact` (with the fixed width): attention runs one token at a time, and greedy steps
+        drop what was accepted off the tree's first-child chain (`keep_slot_aligned`), so every
+        method's output is bit-identical to one-token decoding with the same flag; it costs about
+        10-20% of `ar`'s speed and most of what speculation gains (README, Benchmarks)."""
         self.model = model
         self.cache = model.new_cache(max_len)
         if fixed_width is None:
             fixed_width = wants_fixed_width(model)
         self.key_width = max_len if fixed_width else None
-        # Greedy steps keep only what was verified on slot-aligned rows (see `keep_slot_aligned`).
+        # Greedy steps keep only what was verified on slot-aligned rows (see `keep_slot_aligned`),
+        # and attention runs one token at a time (see `Transformer.forward`).
         self.slot_aligned_only = bit_exact and fixed_width
+        self.row_independent = bit_exact and fixed_width
         self.forward_passes = 0
         self.device = model.embed.weight.device
         self.cached_tokens: list[int] = []  # tokens whose KV entries are committed, in order
@@ -110,6 +115,8 @@ class ModelOracle:
         self._catch_up = target[keep:]
 
     def score(self, tree: TokenTree) -> Tensor:
+        if self._catch_up and self.key_width is not None and not self.row_independent:
+            self._run_catch_up()
         lead = self._catch_up
         P, N = len(lead), len(tree)
         tokens = [*lead, *tree.tokens]
@@ -132,7 +139,25 @@ class ModelOracle:
         toks = torch.tensor([tokens], device=self.device)
         mask = None if mask is None else mask.to(self.device)
         return self.model(toks, pos.to(self.device), self.cache, tree_mask=mask, logits_rows=slice(P, P + N),
-                          key_width=self.key_width)[0]
+                          key_width=self.key_width, row_independent=self.row_independent)[0]
+
+    def _run_catch_up(self) -> None:
+        """Run the uncached context in a pass of its own, before the first tree.
+
+        The attention kernel's rounding of a row depends on how many rows share
+        its pass; a prompt run alone is the same pass for every method, so the
+        cache it leaves, and the tree rows scored after it, do not depend on
+        the method's tree size.  One extra pass per request (at the first step).
+        """
+        lead = self._catch_up
+        start = self.cache.length
+        toks = torch.tensor([lead], device=self.device)
+        pos = torch.arange(start, start + len(lead), device=self.device)
+        self.model(toks, pos, self.cache, tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
+                   logits_rows=slice(-1, None), key_width=self.key_width)
+        self.cache.commit()
+        self.cached_tokens.extend(lead)
+        self._catch_up = []
 
     def commit(self, accepted: Sequence[int]) -> None:
         P = len(self._catch_up)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -37,12 +37,26 @@ def parse_dtype(name: str) -> torch.dtype:
         raise StagedSpecError(f"unknown dtype {name!r}: use bf16 or fp32") from None
 
 
+def parse_weights(name: str) -> tuple[torch.dtype, str]:
+    """A weight format as the engine benchmarks name it: bf16, fp32, or int4/int8 (quantised, bf16 compute)."""
+    if name in ("int4", "int8"):
+        return torch.bfloat16, name
+    try:
+        return DTYPES[name], "none"
+    except KeyError:
+        raise StagedSpecError(f"unknown weight format {name!r}: use bf16, fp32, int8 or int4") from None
+
+
 def check_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise StagedSpecError(f"device {device!r} requested but no CUDA GPU is available")
     if not (device == "cpu" or device.startswith("cuda")):
         raise StagedSpecError(f"unknown device {device!r}: use cpu or cuda")
     return device
+
+
+# Speculation defaults on int4/int8 oracle weights (see `SpeculationConfig.tuned`).
+QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "draft_k": 2, "lookup_k": 2, "stage_k": 1}
 
 
 @dataclass
@@ -84,6 +98,22 @@ class SpeculationConfig:
                              ("--stage-branching", self.stage_branching)):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
+
+    @classmethod
+    def tuned(cls, method: str, quant: str = "none", **overrides: Any) -> "SpeculationConfig":
+        """The defaults for `method` on `quant` oracle weights, with `overrides` (None = keep the default).
+
+        Quantised layers make extra rows dear: PyTorch's int4 CPU kernel runs
+        rows in blocks of four, so a pass over 5-8 tokens costs about twice one
+        over 1-4 (`bench-engine --tree-cost --dtypes int4`: 4 tokens 1.13x,
+        8 tokens 1.72x), while the oracle pass itself got 2x cheaper than the
+        draft's.  On int4/int8 the proposals therefore stay within four rows.
+        """
+        values: dict[str, Any] = dict(QUANTISED_DEFAULTS) if quant != "none" else {}
+        if quant != "none" and method == "lookup":
+            values["lookup_k"] = 1
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(method=method, **values)
 
     @property
     def max_nodes(self) -> int:
@@ -134,6 +164,7 @@ def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
     torch.nn.Module.__init__(draft)
     draft.config = cfg
     draft.embed, draft.pos_embed, draft.norm, draft.lm_head = oracle.embed, oracle.pos_embed, oracle.norm, oracle.lm_head
+    draft.head_q = oracle.head_q
     draft.layers = torch.nn.ModuleList(list(oracle.layers)[:n_layers])
     if hasattr(oracle, "rope_cos"):
         draft.register_buffer("rope_cos", oracle.rope_cos, persistent=False)
@@ -200,14 +231,19 @@ class Pipeline:
         speculation: SpeculationConfig | None = None,
         dtype: str = "bf16",
         device: str = "cpu",
+        quant: str = "none",
     ) -> None:
-        """`draft` is one spec, or for `staged` a list from the stage below the oracle downwards."""
+        """`draft` is one spec, or for `staged` a list from the stage below the oracle downwards.
+
+        `quant` ("int4", "int8") runs the oracle's layers on quantised weights (CPU, bf16; see
+        `stagedspec.models.quant`); speculation stays exact with respect to that quantised oracle.
+        Drafts keep `dtype` weights."""
         from stagedspec.models.loading import load_model
 
         self.speculation = s = speculation or SpeculationConfig()
         self.device = check_device(device)
         self.dtype = parse_dtype(dtype)
-        self.model, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device)
+        self.model, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device, quant=quant)
         drafts = [draft] if isinstance(draft, str) else list(draft or [])
         if s.method in ("chain", "tree") and len(drafts) != 1:
             raise StagedSpecError(f"method {s.method!r} needs exactly one draft: pass --draft SPEC")

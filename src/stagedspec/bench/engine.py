@@ -49,7 +49,7 @@ def _transformers_generate(folder: str, dtype: torch.dtype):  # noqa: ANN202
 
 def run_engine_bench(
     oracle: str = "default",
-    dtypes: Sequence[str] = ("bf16", "fp32"),
+    dtypes: Sequence[str] = ("bf16", "fp32", "int4"),
     device: str = "cpu",
     n_prompts: int = 3,
     max_new_tokens: int = 128,
@@ -57,21 +57,24 @@ def run_engine_bench(
 ) -> dict:
     from stagedspec.generation import generate_ar
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import parse_dtype
+    from stagedspec.pipeline import parse_weights
 
     prompts = [chat_instruction(p) for p in humaneval_prompts(n_prompts)]
     bandwidth = memory_copy_bandwidth()
     print(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
     report = {"bandwidth_bytes_per_s": bandwidth, "rows": []}
-    for dtype_name in dtypes:
-        dtype = parse_dtype(dtype_name)
-        model, tok = load_model(oracle, dtype=dtype, device=device)
+    for dtype_name in dtypes:  # bf16, fp32, or int4/int8 (quantised weights, bf16 compute)
+        dtype, quant = parse_weights(dtype_name)
+        if quant != "none" and not device.startswith("cpu"):
+            print(f"{dtype_name}: skipped (quantised weights run on CPU kernels only)")
+            continue
+        model, tok = load_model(oracle, dtype=dtype, device=device, quant=quant)
         ids_list = [tok.encode(tok.apply_chat_template(p)) for p in prompts]
         hf = None
         if with_transformers:
             from stagedspec.models.loading import hf_folder_for
 
-            hf = _transformers_generate(str(hf_folder_for(oracle)), dtype)
+            hf = _transformers_generate(str(hf_folder_for(oracle)), dtype)  # unquantised bf16 for int4/int8
         ours, theirs = [], []
         generate_ar(model, ids_list[0], max_new_tokens=8)  # warm-up
         for ids in ids_list:  # interleaved per prompt

@@ -8,7 +8,9 @@ the draft), so every method decodes with the same weights.
 Methods and their families:
 
 - ours (`Pipeline`): `ar`, `chain`, `tree`, `lookup`, `staged`, and any
-  `staged:ORACLE,DRAFT...,BOTTOM` stage configuration;
+  `staged:ORACLE,DRAFT...,BOTTOM` stage configuration; each of them also on
+  quantised oracle weights as `NAME@int4` / `NAME@int8` (a second copy of the
+  oracle, loaded once, shared by the methods with that suffix);
 - transformers: `hf-generate` (plain autoregressive `generate`),
   `hf-assisted` (assisted generation with the same draft as `assistant_model`),
   `hf-lookup` (prompt-lookup decoding, `prompt_lookup_num_tokens`);
@@ -36,10 +38,24 @@ from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 
 OURS = ("ar", "chain", "tree", "tree-adaptive", "lookup", "staged")
+QUANTISED = ("int4", "int8")  # suffixes of our methods: `staged@int4` runs staged on the int4 oracle
+INT4 = ("ar@int4", "lookup@int4", "staged@int4")
 TRANSFORMERS = ("hf-generate", "hf-assisted", "hf-lookup")
 LLAMACPP = ("llamacpp", "llamacpp-lookup")
-ALL_METHODS = (*OURS, *TRANSFORMERS, *LLAMACPP)
+ALL_METHODS = (*OURS, *INT4, *TRANSFORMERS, *LLAMACPP)
 NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "staged", "hf-assisted")
+
+
+def split_quant(name: str) -> tuple[str, str]:
+    """`staged@int4` -> ("staged", "int4"); a name without a suffix runs unquantised ("none")."""
+    base, _, quant = name.partition("@")
+    return base, quant or "none"
+
+
+def reference_for(name: str) -> str:
+    """Our `ar` on the same weights: what a method's speedup and exactness are measured against."""
+    quant = split_quant(name)[1]
+    return "ar" if quant == "none" else f"ar@{quant}"
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
 
@@ -97,6 +113,7 @@ class BenchModels:
         self.dtype_name = dtype
         self.dtype = parse_dtype(dtype)
         self.oracle, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device)
+        self._quantised: dict[str, Transformer] = {}
         self._drafts: dict[str, Transformer] = {}
         self._ngrams: dict[str, Any] = {}
         self._hf_oracle: nn.Module | None = None
@@ -106,6 +123,20 @@ class BenchModels:
         from stagedspec.models.loading import resolve_model_path
 
         return spec == self.oracle_spec or resolve_model_path(spec) == resolve_model_path(self.oracle_spec)
+
+    def oracle_for(self, quant: str) -> Transformer:
+        """The oracle on `quant` weights ("none": the shared unquantised oracle)."""
+        if quant == "none":
+            return self.oracle
+        if quant not in self._quantised:
+            from stagedspec.models.loading import load_model
+
+            try:
+                self._quantised[quant] = load_model(self.oracle_spec, dtype=self.dtype, device=self.device,
+                                                    quant=quant)[0]
+            except StagedSpecError as e:
+                raise MethodSkipped(str(e)) from None
+        return self._quantised[quant]
 
     def draft(self, spec: str) -> Transformer:
         if spec not in self._drafts:
@@ -149,7 +180,8 @@ class BenchModels:
 
 
 # ====================================================================== our methods
-def _pipeline(models: BenchModels, speculation: Any, drafts: Sequence[Transformer], ngram: Any) -> Any:
+def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts: Sequence[Transformer],
+              ngram: Any) -> Any:
     """A `Pipeline` around already-loaded models (its __init__ would load them again).
 
     Sets exactly the attributes `Pipeline.__init__` sets, so `Pipeline.drafter`
@@ -161,7 +193,7 @@ def _pipeline(models: BenchModels, speculation: Any, drafts: Sequence[Transforme
     pipe = Pipeline.__new__(Pipeline)
     pipe.speculation = speculation
     pipe.device, pipe.dtype = models.device, models.dtype
-    pipe.model, pipe.tokenizer = models.oracle, models.tokenizer
+    pipe.model, pipe.tokenizer = oracle, models.tokenizer
     pipe.draft_models = list(drafts)
     pipe.draft_model = pipe.draft_models[0] if pipe.draft_models else None
     pipe.ngram = ngram
@@ -169,9 +201,12 @@ def _pipeline(models: BenchModels, speculation: Any, drafts: Sequence[Transforme
 
 
 def ours(
-    models: BenchModels, name: str, speculation: Any, draft_specs: Sequence[str], ngram_spec: str | None
+    models: BenchModels, name: str, speculation: Any, draft_specs: Sequence[str], ngram_spec: str | None,
+    quant: str = "none",
 ) -> Method:
-    """One of our methods (`SpeculationConfig`) with drafts given by spec, from the shared models."""
+    """One of our methods (`SpeculationConfig`) with drafts given by spec, from the shared models.
+
+    `quant` picks the oracle's weights (`BenchModels.oracle_for`); drafts are the shared unquantised ones."""
     from dataclasses import asdict
 
     s = speculation
@@ -181,8 +216,9 @@ def ours(
     ngram = models.ngram(ngram_spec) if s.method in ("lookup", "staged") and ngram_spec else None
     if s.method in ("lookup", "staged") and ngram is None and not s.context:
         raise StagedSpecError(f"method {name!r} needs a bottom stage: an n-gram or prompt lookup")
-    pipe = _pipeline(models, s, drafts, ngram)
-    oracle_bytes = models.oracle.num_bytes()
+    oracle = models.oracle_for(quant)
+    pipe = _pipeline(models, oracle, s, drafts, ngram)
+    oracle_bytes = oracle.num_bytes()
     draft_bytes = [d.num_bytes() for d in drafts]
 
     def run(ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int) -> Outcome:
@@ -213,7 +249,10 @@ def ours(
                   + (f" ({s.stage_k} tokens per stage step; prompt lookup also merged into the oracle's tree)"
                      if s.oracle_lookup and s.context else f" ({s.stage_k} tokens per stage step)"),
     }[s.method]
-    settings = asdict(s) | {"drafts": list(draft_specs), "oracle_bytes": oracle_bytes, "draft_bytes": draft_bytes}
+    if quant != "none":
+        desc += f", oracle on {quant} weights"
+    settings = asdict(s) | {"drafts": list(draft_specs), "oracle_bytes": oracle_bytes, "draft_bytes": draft_bytes,
+                            "quant": quant}
     return Method(name, "ours", kind, desc, run, settings)
 
 
@@ -408,6 +447,19 @@ def gguf_for(oracle_spec: str) -> Path | None:
     return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes llama.cpp streams per forward pass: every tensor as stored (quantised blocks included).
+
+    The token embedding is counted only when it doubles as the output head
+    (no separate `output.weight`), as for our own models."""
+    from stagedspec.models.loading import open_gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in open_gguf(path).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
 def llamacpp_method(models: BenchModels, name: str, max_context: int) -> Method:
     """`llamacpp` / `llamacpp-lookup` through llama-cpp-python on the oracle's GGUF."""
     try:
@@ -435,7 +487,7 @@ def llamacpp_method(models: BenchModels, name: str, max_context: int) -> Method:
         return real_eval(tokens)
 
     llm.eval = counting_eval  # type: ignore[method-assign] - counts oracle forward passes
-    oracle_bytes = models.oracle.num_bytes()
+    oracle_bytes = gguf_weight_bytes(gguf)
 
     def run(ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int) -> Outcome:
         llm.reset()

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stagedspec.bench.methods import split_quant
+
 ENGINE = {"ours": "stagedspec", "transformers": "transformers", "llama.cpp": "llama.cpp"}
 
 
@@ -85,6 +87,11 @@ def paper_table(results: dict[str, Any]) -> str:
         rows_def.append(("spec (tree)", "tree"))
     if "staged" in names:
         rows_def.append(("staged", "staged"))
+    for quant in ("int8", "int4"):  # the same rows on quantised oracle weights, when measured
+        for label, name in (("baseline", "ar"), ("lookup", "lookup"), ("staged", "staged")):
+            if f"{name}@{quant}" in names:
+                rows_def.append((f"{label} ({name}@{quant})" if name != "staged" else f"staged@{quant}",
+                                 f"{name}@{quant}"))
     header = [""]
     for t in groups:
         lab = temperature_label(t, cfg)
@@ -151,7 +158,9 @@ def markdown(results: dict[str, Any]) -> str:
         "# stagedspec bench",
         "",
         f"- oracle: `{cfg['oracle']}` ({oracle['layers']} layers, {oracle['weight_bytes'] / 1e6:.0f} MB streamed "
-        f"per forward pass at {cfg['dtype']})",
+        f"per forward pass at {cfg['dtype']}"
+        + "".join(f"; {b / 1e6:.0f} MB as {q}" for q, b in (oracle.get("quantised_weight_bytes") or {}).items())
+        + ")",
         f"- drafts: {drafts}",
         f"- n-gram: `{cfg['ngram']}`" if cfg["ngram"] else "- n-gram: none (prompt lookup only)",
         f"- prompts: {cfg['prompts']} x {n_prompts} (offset {cfg['prompt_offset']}), "
@@ -261,7 +270,7 @@ def plots(results: dict[str, Any], out: str | Path) -> list[str]:
         for i, n in enumerate(names):
             steps = [a + 1 for r in runs if r["method"] == n and f"{r['temperature']:g}" == t
                      for a in (r["accepted_lengths"] or [])]
-            if n != "ar" and steps:
+            if split_quant(n)[0] != "ar" and steps:
                 series.append((i, n, steps))
         if series:
             top = max(max(s) for _, _, s in series)

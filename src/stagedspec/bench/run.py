@@ -26,7 +26,9 @@ import torch
 
 from stagedspec.bench.methods import (
     ALL_METHODS,
+    INT4,
     LLAMACPP,
+    QUANTISED,
     NEEDS_DRAFT,
     OURS,
     TRANSFORMERS,
@@ -36,13 +38,15 @@ from stagedspec.bench.methods import (
     Outcome,
     llamacpp_method,
     ours,
+    reference_for,
+    split_quant,
     transformers_method,
 )
 from stagedspec.errors import StagedSpecError
 from stagedspec.sampling import SamplingParams
 
 QUICK_METHODS = ("ar", "tree", "lookup", "staged", "hf-generate")
-GROUPS = {"all": ALL_METHODS, "ours": OURS, "transformers": TRANSFORMERS, "llamacpp": LLAMACPP}
+GROUPS = {"all": ALL_METHODS, "ours": OURS, "int4": INT4, "transformers": TRANSFORMERS, "llamacpp": LLAMACPP}
 
 
 @dataclass
@@ -89,14 +93,19 @@ def expand_methods(names: Sequence[str]) -> list[str]:
         if not name:
             continue
         group = GROUPS.get(name)
-        if group is None and name not in ALL_METHODS:
+        base, quant = split_quant(name)
+        known = name in ALL_METHODS or (base in OURS and quant in QUANTISED)
+        if group is None and not known:
             raise StagedSpecError(
-                f"unknown bench method {name!r}: use {', '.join(ALL_METHODS)} or a group ({', '.join(GROUPS)}); "
-                "staged configurations go in --stages"
+                f"unknown bench method {name!r}: use {', '.join(ALL_METHODS)}, any of ours with @int4 or @int8 "
+                f"(e.g. staged@int8), or a group ({', '.join(GROUPS)}); staged configurations go in --stages"
             )
         out += [m for m in (group or (name,)) if m not in out]
+    for ref in reversed(dict.fromkeys(reference_for(m) for m in out if split_quant(m)[0] in OURS)):
+        if ref not in out:
+            out.insert(0, ref)  # the reference for speedups and exactness
     if "ar" not in out:
-        out.insert(0, "ar")  # the reference for speedups and exactness
+        out.insert(0, "ar")  # the baseline of the memory-traffic column
     return out
 
 
@@ -208,17 +217,18 @@ def build_methods(
                 draft = None
 
     for name in names:
+        base, quant = split_quant(name)
         try:
-            if name in NEEDS_DRAFT and draft is None:
+            if base in NEEDS_DRAFT and draft is None:
                 raise MethodSkipped(f"needs a draft model: {draft_problem}")
-            if name == "tree-adaptive":  # a bigger tree, cut each step by the measured cost curve
-                spec = SpeculationConfig(method="tree", tree_budget=16, tree_depth=6, branching=3,
-                                         adaptive_budget=True)
-                methods.append(ours(models, name, spec, [draft], None))
-            elif name in OURS:
-                spec = SpeculationConfig(method=name, ngram=cfg.ngram if name in ("lookup", "staged") else None,
-                                         context=True)
-                methods.append(ours(models, name, spec, [draft] if draft else [], spec.ngram))
+            if base == "tree-adaptive":  # a bigger tree, cut each step by the measured cost curve
+                spec = SpeculationConfig.tuned("tree", quant, tree_budget=16, tree_depth=6, branching=3,
+                                               adaptive_budget=True)
+                methods.append(ours(models, name, spec, [draft], None, quant))
+            elif base in OURS:  # the defaults `stagedspec generate` uses on these weights
+                spec = SpeculationConfig.tuned(base, quant, ngram=cfg.ngram if base in ("lookup", "staged") else None,
+                                               context=True)
+                methods.append(ours(models, name, spec, [draft] if draft else [], spec.ngram, quant))
             elif name in TRANSFORMERS:
                 methods.append(transformers_method(models, name, draft))
             else:
@@ -323,14 +333,16 @@ def summarise(runs: list[dict], methods: list[Method], temperatures: Sequence[fl
         by: dict[str, dict[int, dict]] = {n: {} for n in names}
         for r in at:
             by[r["method"]][r["prompt_index"]] = r
-        ar = by.get("ar", {})
         hf = by.get("hf-generate", {})
-        ar_bytes = sum(r["weight_bytes_read"] for r in ar.values()) / max(1, sum(r["new_tokens"] for r in ar.values()))
+        plain = by.get("ar", {})
+        ar_bytes = (sum(r["weight_bytes_read"] for r in plain.values())
+                    / max(1, sum(r["new_tokens"] for r in plain.values())))
         rows: dict[str, Any] = {}
         for name in names:
             rs = by[name]
             if not rs:
                 continue
+            ar = by.get(reference_for(name), {})  # our ar on the same weights
             tps = [r["tokens_per_second"] for r in rs.values()]
             tokens = sum(r["new_tokens"] for r in rs.values())
             passes = sum(r["oracle_forward_passes"] for r in rs.values())
@@ -399,13 +411,17 @@ def standard_notes(cfg: BenchConfig, methods: list[Method], models: BenchModels,
         "speedups are per-prompt ratios against the reference on the same prompt, then the median.",
         "relative memory traffic: weight bytes streamed per generated token (oracle bytes x oracle forward passes "
         "+ each draft's bytes x its forward passes; lookups read no weights), relative to our `ar`. "
-        f"Weights are counted at {cfg.dtype} for every engine; the head is counted, the embedding gather is not.",
+        f"Weights are counted as stored: {cfg.dtype} for our unquantised oracle, drafts and transformers, codes "
+        "plus scales for `@int4`/`@int8` and for llama.cpp's GGUF; the head is counted, the embedding gather is not.",
+        "speedup vs ar and exactness are against our `ar` on the same weights: `ar@int4` for `NAME@int4` "
+        "methods (their oracle is the int4 model, so that is the output they must reproduce), plain `ar` otherwise; "
+        "relative memory traffic is always against plain `ar`.",
         "exactness: each greedy output compared token by token with our `ar` on the same prompt "
         "(prompts identical; tokens matching up to the first divergence, over the longer of the two outputs). "
-        "Exact speculation must match `ar` on every prompt in fp32. In bf16 our oracle attends over a fixed key "
-        "width and never runs a one-row pass, so a chain's k-token verification rounds exactly like k one-token "
-        "passes; a tree node off its parent's first-child path sits in a shifted KV slot and may round differently "
-        "at a near-tie, so bf16 agreement below 100% is possible for branching trees and is reported as measured. "
+        "Exact speculation must match `ar` on every prompt in fp32. In bf16 (and int4/int8, which compute in "
+        "bf16) the CPU kernels round a row differently depending on the pass it is in (the attention kernel blocks "
+        "query rows; a tree node off its parent's first child sits in a shifted KV slot), so a near-tie can flip "
+        "and agreement below 100% is possible; it is reported as measured (`--bit-exact` removes it, at a cost). "
         "For transformers and llama.cpp the column is informative (different kernels).",
         "sampled runs (T > 0) draw different random numbers per method, so their outputs are not compared; "
         "each method is exact in distribution, not sample by sample.",
@@ -423,9 +439,9 @@ def standard_notes(cfg: BenchConfig, methods: list[Method], models: BenchModels,
                          "the assistant's forward calls and the oracle the rest (generation overhead included).")
         if m.family == "llama.cpp":
             notes.append(f"{m.name}: llama.cpp reads the quantised GGUF ({Path(m.settings['gguf']).name}) and "
-                         "dequantises on the fly; our engine runs the same values dequantised to "
-                         f"{cfg.dtype}, so its memory-traffic column uses our byte count (it streams fewer bytes); "
-                         "its forward passes are counted as calls of `Llama.eval`.")
+                         "dequantises on the fly; its memory-traffic column counts the GGUF's tensor bytes "
+                         f"({m.settings['oracle_bytes'] / 1e6:.0f} MB per pass); its forward passes are counted as "
+                         "calls of `Llama.eval`.")
             if m.name == "llamacpp-lookup":
                 notes.append("llamacpp-lookup: llama-cpp-python's `LlamaPromptLookupDecoding` makes the model keep "
                              "logits for every evaluated position (logits_all) and copies them into NumPy, a "
@@ -462,6 +478,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "config": asdict(cfg) | {"methods": [m.name for m in methods], "chat_template": chat},
         "environment": environment(),
         "oracle": {"spec": cfg.oracle, "weight_bytes": models.oracle.num_bytes(),
+                   "quantised_weight_bytes": {q: m.num_bytes() for q, m in models._quantised.items()},
                    "layers": models.oracle.config.n_layers, "vocab_size": models.oracle.config.vocab_size},
         "drafts": {spec: {"weight_bytes": d.num_bytes(), "layers": d.config.n_layers,
                           "head_tokens": int(d.head_tokens.numel()) if getattr(d, "head_tokens", None) is not None

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from stagedspec.cache import KVCache
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
+from stagedspec.models.quant import dequantized_copy
 from stagedspec.models.transformer import Attention, Transformer, apply_rope
 
 FORMAT = "stagedspec-draft"
@@ -132,7 +133,7 @@ class DraftModel(Transformer):
         if oracle.pos_embed is not None:
             self.pos_embed = nn.Embedding(ocfg.max_position, ocfg.hidden_size,
                                           _weight=_frozen(oracle.pos_embed.weight, dtype, device), _freeze=True)
-        self.layers = nn.ModuleList(copy.deepcopy(oracle.layers[i]).to(device=device, dtype=dtype) for i in picked)
+        self.layers = nn.ModuleList(dequantized_copy(oracle.layers[i]).to(device=device, dtype=dtype) for i in picked)
         self.norm = copy.deepcopy(oracle.norm).to(device=device, dtype=dtype)
         self.lm_head = None
         if hasattr(oracle, "rope_cos"):
@@ -195,9 +196,11 @@ class DraftModel(Transformer):
         logits_rows: Tensor | slice | None = None,
         return_hidden: bool = False,
         key_width: int | None = None,
+        row_independent: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Same contract as `Transformer.forward`; logits always cover the full vocabulary."""
-        out = super().forward(tokens, positions, cache, tree_mask, logits_rows, return_hidden, key_width)
+        out = super().forward(tokens, positions, cache, tree_mask, logits_rows, return_hidden, key_width,
+                              row_independent)
         if self.head_tokens is None:
             return out
         if return_hidden:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
+from stagedspec.models.quant import check_quant, quantize_model
 from stagedspec.models.transformer import Transformer, rope_tables
 from stagedspec.tokenizer import Tokenizer, first_id, id_list
 
@@ -35,17 +36,22 @@ _GELU_TANH = {"gelu_new", "gelu_pytorch_tanh"}
 
 # ====================================================================== public API
 def load_model(
-    spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
+    spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quant: str = "none"
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from `"default"`, an HF folder or a `.gguf` file.
 
     The model comes back in eval mode with gradients off, weights in `dtype`
-    (the RoPE tables stay fp32, as in transformers).
+    (the RoPE tables stay fp32, as in transformers).  `quant` ("int4",
+    "int8") loads fp32 weights and quantises the layers and the output head
+    (see `stagedspec.models.quant`); it needs `dtype` bf16 on the CPU.
     """
+    check_quant(quant, dtype, device)
     path = resolve_model_path(spec)
-    if path.is_dir():
-        return load_hf_folder(path, dtype, device)
-    return load_gguf(path, dtype, device)
+    load_dtype = dtype if quant == "none" else torch.float32
+    model, tok = load_hf_folder(path, load_dtype, device) if path.is_dir() else load_gguf(path, load_dtype, device)
+    if quant != "none":
+        quantize_model(model, quant, dtype)
+    return model, tok
 
 
 def resolve_model_path(spec: str | Path) -> Path:

@@ -65,6 +65,7 @@ class Attention(nn.Module):
         v_cache: Tensor,
         start: int,
         mask: Tensor | None,
+        row_independent: bool = False,
     ) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -82,16 +83,45 @@ class Attention(nn.Module):
         v_cache[:, :, start:end] = v
         width = end if mask is None else mask.shape[-1]  # a fixed key width: see Transformer.forward
         keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
-        if Hkv != H:
-            # Grouped-query attention without copying the cache: the G query
-            # heads that share a KV head are folded into the query-length axis.
-            G = H // Hkv
-            q = q.reshape(B, Hkv, G * T, D)
-            if mask is not None:  # None only for T == 1, where no mask is needed
-                # [T, S] for one shared mask, [B, 1, T, S] for one mask per sequence
-                mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, 1, G, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        G = H // Hkv
+        if row_independent and mask is not None:
+            out = _attend_row_by_row(q, keys, values, mask, G)
+        else:
+            if Hkv != H:
+                # Grouped-query attention without copying the cache: the G query
+                # heads that share a KV head are folded into the query-length axis.
+                q = q.reshape(B, Hkv, G * T, D)
+                if mask is not None:  # None only for T == 1, where no mask is needed
+                    # [T, S] for one shared mask, [B, 1, T, S] for one mask per sequence
+                    mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, 1, G, 1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.wo(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+
+
+def _attend_row_by_row(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, G: int) -> Tensor:
+    """Attention with every query token as its own SDPA call (its G grouped heads as the rows).
+
+    Why: the CPU kernel's rounding of a row depends on the problem it is part
+    of: how many query rows share a block (about one row in 20 of a 4-row
+    problem differs by an ulp from the same row in a 2-row problem, in bf16),
+    and even how many batch entries share the call (seen on the real model:
+    a 3-entry call rounded its last entry differently from a 1-entry call).
+    One call per token, always of the same shape, makes a row's numbers
+    independent of the pass it is in, at several times the attention cost.
+    q [B, H, T, D]; keys/values [B, Hkv, S, D]; mask [T, S] or [B, 1, T, S];
+    returns [B, H, T, D].
+    """
+    B, H, T, D = q.shape
+    Hkv = keys.shape[1]
+    rows = q.reshape(B, Hkv, G, T, D)
+    masks = mask if mask.dim() == 4 else mask[None, None].expand(B, 1, T, mask.shape[-1])
+    out = torch.empty_like(rows)
+    for b in range(B):
+        for t in range(T):
+            out[b, :, :, t] = F.scaled_dot_product_attention(
+                rows[b:b + 1, :, :, t], keys[b:b + 1], values[b:b + 1], attn_mask=masks[b:b + 1, :, t:t + 1]
+            )[0]
+    return out.reshape(B, H, T, D)
 
 
 class MLP(nn.Module):
@@ -127,8 +157,8 @@ class Block(nn.Module):
         self.mlp_norm = _norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, k_cache, v_cache, start, mask):  # noqa: ANN001 - hot path
-        x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask)
+    def forward(self, x, rope, k_cache, v_cache, start, mask, row_independent=False):  # noqa: ANN001 - hot path
+        x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask, row_independent)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -145,6 +175,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = _norm(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # A quantised copy of the output head (set by `models.quant.quantize_model`); None: `head_weight` is used.
+        self.head_q: nn.Module | None = None
         if cfg.arch == "llama":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -171,6 +203,7 @@ class Transformer(nn.Module):
         logits_rows: Tensor | slice | None = None,
         return_hidden: bool = False,
         key_width: int | None = None,
+        row_independent: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Run `tokens` [B, T] at `positions` [T] (or [B, T]) on top of the committed cache.
 
@@ -190,11 +223,13 @@ class Transformer(nn.Module):
           the final normalised hidden states of those rows.
         - `key_width`: attend over exactly this many cache slots (the ones
           past the new tokens masked out) instead of the filled ones.  CPU
-          attention kernels round differently for different key counts but
-          not for different query counts, so a fixed width makes every row's
-          result independent of how many tokens share the pass: a tree's
-          verification then reproduces one-token decoding bit for bit, in
-          bf16 too (`ModelOracle` uses the cache size).
+          attention kernels round differently for different key counts (and
+          for different query counts), so a fixed width removes one way a
+          row's result depends on the pass it is in (`ModelOracle` uses the
+          cache size; `row_independent` removes the other).
+        - `row_independent`: run attention one query token at a time
+          (`_attend_row_by_row`), so a row's numbers do not depend on how many
+          rows share the pass either; `ModelOracle(bit_exact=True)` uses it.
         """
         B, T = tokens.shape
         start = cache.reserve(T)
@@ -214,11 +249,11 @@ class Transformer(nn.Module):
         if key_width is not None:
             mask = self._widen(mask, T, start, key_width, x.device)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache.k[i], cache.v[i], start, mask)
+            x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
         if logits_rows is not None:
             x = x[:, logits_rows]
         h = self.norm(x)
-        logits = F.linear(h, self.head_weight)
+        logits = F.linear(h, self.head_weight) if self.head_q is None else self.head_q(h)
         return (logits, h) if return_hidden else logits
 
     @staticmethod
@@ -245,14 +280,23 @@ class Transformer(nn.Module):
         return torch.cat([mask, pad], dim=-1)
 
     def num_bytes(self) -> int:
-        """Bytes of weights streamed per decoding step (what bandwidth figures are based on)."""
-        n = sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of weights streamed per decoding step (what bandwidth figures are based on).
+
+        Counts parameters and the code/scale buffers of quantised layers; the
+        embedding table is gathered (one row per token), not streamed, unless
+        it doubles as the unquantised output head.
+        """
+        def size(t: Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        n = sum(size(p) for p in self.parameters())
+        n += sum(size(b) for name, b in self.named_buffers() if not name.startswith("rope_"))
         if self.pos_embed is not None:
-            n -= self.pos_embed.weight.numel() * self.pos_embed.weight.element_size()
-        # The embedding table is gathered (one row per token), not streamed,
-        # unless it doubles as the output head.
-        if self.lm_head is not None:
-            n -= self.embed.weight.numel() * self.embed.weight.element_size()
+            n -= size(self.pos_embed.weight)
+        if self.lm_head is not None or self.head_q is not None:
+            n -= size(self.embed.weight)
+        if self.lm_head is not None and self.head_q is not None:
+            n -= size(self.lm_head.weight)  # kept only as a float reference of the quantised head
         return n
 
 

@@ -1,0 +1,177 @@
+"""Quantised weights (`stagedspec.models.quant`): codes, row independence, loading and errors.
+
+The real-model checks (the default GGUF's Q4_1 codes recovered, int4
+speculation identical to int4 `ar`) are marked `real_model`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.config import ModelConfig
+from stagedspec.models.quant import INT4_GROUP, Int4Linear, Int8Linear, check_quant, quantize_model
+from stagedspec.models.transformer import Transformer, init_random
+
+
+def _q4_1_weight(out_f: int, in_f: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight made the way Q4_1 makes one: per group of 32, offset = min and scale = (max - min) / 15,
+    so every group holds codes 0 and 15.  Returns (weight, codes, scale per group)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = in_f // INT4_GROUP
+    codes = torch.randint(0, 16, (out_f, groups, INT4_GROUP), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = (torch.rand(out_f, groups, 1, generator=g) * 0.02 + 0.001).half().float()
+    # a group's min is its offset; weights are roughly centred, so min ~ -7.5 scale
+    offset = ((-7.5 + torch.randn(out_f, groups, 1, generator=g)) * scale).half().float()
+    w = codes.float() * scale + offset
+    return w.reshape(out_f, in_f), codes.reshape(out_f, in_f), scale.reshape(out_f, groups)
+
+
+def test_int4_recovers_q4_1_codes() -> None:
+    """Every value lands on its own code: the error is the bf16 rounding of scale and offset, far below a step."""
+    w, _, scale = _q4_1_weight(64, 128)
+    layer = Int4Linear(w, None)
+    err = (layer.dequantized() - w).abs().reshape(64, -1, INT4_GROUP).amax(-1)
+    assert (err < scale / 4).all()
+
+
+def test_int4_and_int8_match_their_dequantised_weights() -> None:
+    w = torch.randn(96, 64) * 0.05
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    for layer, tolerance in ((Int4Linear(w, None), 0.1), (Int8Linear(w, None), 0.01)):  # ~ half a step
+        ref = x.float() @ layer.dequantized().t()
+        assert torch.allclose(layer(x).float(), ref, atol=2e-2, rtol=2e-2)
+        assert (layer.dequantized() - w).abs().max() < tolerance * w.abs().max()
+
+
+@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+def test_quantised_rows_do_not_depend_on_their_neighbours(kind) -> None:  # noqa: ANN001
+    """Speculation verifies k rows at once; each row must equal what a lone row would give, bit for bit."""
+    layer = kind(torch.randn(256, 128) * 0.05, torch.randn(256) * 0.01)
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    full = layer(x)
+    for start, rows in [(0, 1), (3, 2), (17, 5), (39, 1), (8, 32)]:
+        assert torch.equal(layer(x[start:start + rows]), full[start:start + rows])
+
+
+def _tiny_llama() -> Transformer:
+    cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      intermediate_size=128, max_position=128, norm_eps=1e-5, rope_theta=10000.0,
+                      tie_embeddings=True)
+    return init_random(Transformer(cfg), seed=3).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantize_model_runs_and_streams_fewer_bytes(mode: str) -> None:
+    ref = _tiny_llama()
+    dense_bytes = ref.to(torch.bfloat16).num_bytes()
+    model = quantize_model(_tiny_llama(), mode)
+    assert model.head_q is not None and model.embed.weight.dtype == torch.bfloat16
+    assert model.num_bytes() < dense_bytes
+    ids = torch.tensor([[5, 9, 33, 2, 200]])
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(5), model.new_cache(16))
+        dense = ref(ids, torch.arange(5), ref.new_cache(16))
+    assert logits.shape == (1, 5, 320)
+    assert torch.corrcoef(torch.stack([logits.float().flatten(), dense.float().flatten()]))[0, 1] > 0.9
+
+
+def test_bad_quant_settings_are_named() -> None:
+    with pytest.raises(StagedSpecError, match="unknown quantisation"):
+        check_quant("q3", torch.bfloat16, "cpu")
+    with pytest.raises(StagedSpecError, match="--dtype bf16"):
+        check_quant("int4", torch.float32, "cpu")
+    with pytest.raises(StagedSpecError, match="CPU kernels only"):
+        check_quant("int8", torch.bfloat16, "cuda")
+    check_quant("none", torch.float32, "cuda")
+
+
+def test_cli_rejects_quant_with_fp32(capsys) -> None:  # noqa: ANN001
+    from stagedspec.cli import main
+
+    assert main(["generate", "hi", "--quant", "int4", "--dtype", "fp32"]) == 2
+    assert "--dtype bf16" in capsys.readouterr().err
+
+
+# --- the real default model --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def int4_default():  # noqa: ANN201
+    from stagedspec.models.loading import load_model
+
+    return load_model("default", quant="int4")
+
+
+@pytest.mark.real_model
+def test_default_gguf_runs_on_its_own_q4_codes(int4_default) -> None:  # noqa: ANN001
+    """The default model's Q4_1 layers come back as their GGUF codes: a quarter of the layer bytes."""
+    import gguf
+
+    from stagedspec.models.default import default_gguf_path
+
+    model, _ = int4_default
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert t.tensor_type.name == "Q4_1"
+    blocks = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy()).float()  # [576, 1536]
+    layer = model.layers[0].mlp.w_down
+    assert isinstance(layer, Int4Linear)
+    g = blocks.reshape(blocks.shape[0], -1, INT4_GROUP)
+    step = ((g.amax(-1) - g.amin(-1)) / 15).clamp_min(1e-8)
+    err = (layer.dequantized() - blocks).abs().reshape_as(g).amax(-1)
+    assert (err < step / 4).all()
+    assert model.num_bytes() < 100e6
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method, kw", [
+    ("chain", dict(method="chain", draft_k=3)),
+    ("lookup", dict(method="lookup", ngram=None, lookup_k=3)),
+    ("staged", dict(method="staged", ngram=None, stage_k=2, tree_budget=3, lookup_k=2)),
+])
+def test_int4_speculation_reproduces_int4_ar_bit_exact(int4_default, method: str, kw: dict) -> None:  # noqa: ANN001
+    """Exactness is with respect to the int4 oracle; with `bit_exact` it is bit for bit, trees included."""
+    from stagedspec.bench.prompts import chat_instruction, humaneval_prompts
+    from stagedspec.models.draft import DraftModel
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
+
+    model, tok = int4_default
+    prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(2)]
+    ar = Pipeline.from_loaded(model, tok)
+    ar.bit_exact = True
+    draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
+    pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))
+    pipe.bit_exact = True
+    for ids in prompts:
+        assert pipe.generate(ids, max_new_tokens=40).token_ids == ar.generate(ids, max_new_tokens=40).token_ids
+
+
+@pytest.mark.real_model
+def test_cli_staged_on_int4_with_the_shipped_draft(capsys) -> None:  # noqa: ANN001
+    """The main job's command: a saved (bf16) draft loads on top of a quantised oracle, and with
+    --bit-exact the output is int4 `ar`'s."""
+    import json
+
+    from stagedspec.cli import main
+
+    common = ["generate", "Write a function that reverses a string.", "--chat", "--quant", "int4", "--bit-exact",
+              "--max-new-tokens", "24", "--json"]
+    assert main([*common, "--method", "staged", "--draft", "default"]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    assert main([*common, "--method", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert staged["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) > 0
+
+
+def test_dequantized_copy_gives_float_layers() -> None:
+    from torch import nn
+
+    from stagedspec.models.quant import dequantized_copy
+
+    model = quantize_model(_tiny_llama(), "int4")
+    block = dequantized_copy(model.layers[0])
+    assert isinstance(block.attn.wqkv, nn.Linear) and isinstance(model.layers[0].attn.wqkv, Int4Linear)
+    assert torch.equal(block.attn.wqkv.weight.float(), model.layers[0].attn.wqkv.dequantized().to(torch.bfloat16).float())
