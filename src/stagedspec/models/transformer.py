@@ -69,15 +69,12 @@ class Attention(nn.Module):
     ) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x)
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)
-        k = k.view(B, T, Hkv, D).transpose(1, 2)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, heads, T, D]
+        qk, v = qkv.split([H + Hkv, Hkv], dim=1)
         if self.use_rope and rope is not None:
             cos, sin = rope
-            q = apply_rope(q, cos, sin).to(x.dtype)
-            k = apply_rope(k, cos, sin).to(x.dtype)
+            qk = apply_rope(qk, cos, sin).to(x.dtype)  # q and k rotated in one go: fewer small ops
+        q, k = qk.split([H, Hkv], dim=1)
         end = start + T
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
@@ -87,14 +84,10 @@ class Attention(nn.Module):
         if row_independent and mask is not None:
             out = _attend_row_by_row(q, keys, values, mask, G)
         else:
-            if Hkv != H:
-                # Grouped-query attention without copying the cache: the G query
-                # heads that share a KV head are folded into the query-length axis.
-                q = q.reshape(B, Hkv, G * T, D)
-                if mask is not None:  # None only for T == 1, where no mask is needed
-                    # [T, S] for one shared mask, [B, 1, T, S] for one mask per sequence
-                    mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, 1, G, 1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            # Grouped-query attention without copying the cache: the G query heads
+            # that share a KV head are folded into the query-length axis (the mask
+            # comes folded the same way, see `Transformer._attention_bias`).
+            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values, attn_mask=mask)
         return self.wo(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -160,6 +153,11 @@ class Block(nn.Module):
     def forward(self, x, rope, k_cache, v_cache, start, mask, row_independent=False):  # noqa: ANN001 - hot path
         x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask, row_independent)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def cfg_groups(cfg: ModelConfig) -> int:
+    """Query heads per KV head (grouped-query attention)."""
+    return cfg.n_heads // cfg.n_kv_heads
 
 
 class Transformer(nn.Module):
@@ -248,6 +246,8 @@ class Transformer(nn.Module):
         mask = self._attention_mask(T, start, tree_mask, x.device)
         if key_width is not None:
             mask = self._widen(mask, T, start, key_width, x.device)
+        if mask is not None:
+            mask = self._attention_bias(mask, x.dtype, 1 if row_independent else cfg_groups(self.config))
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
         if logits_rows is not None:
@@ -268,6 +268,16 @@ class Transformer(nn.Module):
         if start == 0:
             return new
         return torch.cat([torch.ones(T, start, dtype=torch.bool, device=device), new], dim=1)
+
+    @staticmethod
+    def _attention_bias(mask: Tensor, dtype: torch.dtype, groups: int) -> Tensor:
+        """The bool mask as SDPA's additive bias (0 / -inf), with each query row repeated for the
+        `groups` query heads folded into it; made once per forward instead of once per layer."""
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        if groups == 1:
+            return bias
+        # [T, S] for one shared mask, [B, 1, T, S] for one mask per sequence
+        return bias.repeat(groups, 1) if bias.dim() == 2 else bias.repeat(1, 1, groups, 1)
 
     @staticmethod
     def _widen(mask: Tensor | None, T: int, start: int, width: int, device: torch.device) -> Tensor:
