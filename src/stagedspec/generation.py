@@ -155,6 +155,7 @@ class ModelOracle:
         pos = torch.arange(start, start + len(lead), device=self.device)
         self.model(toks, pos, self.cache, tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
                    logits_rows=slice(-1, None), key_width=self.key_width)
+        self.forward_passes += 1  # counted: the bench's passes per token and memory traffic include it
         self.cache.commit()
         self.cached_tokens.extend(lead)
         self._catch_up = []
