@@ -175,3 +175,18 @@ def test_dequantized_copy_gives_float_layers() -> None:
     block = dequantized_copy(model.layers[0])
     assert isinstance(block.attn.wqkv, nn.Linear) and isinstance(model.layers[0].attn.wqkv, Int4Linear)
     assert torch.equal(block.attn.wqkv.weight.float(), model.layers[0].attn.wqkv.dequantized().to(torch.bfloat16).float())
+
+
+def test_quantize_draft_makes_an_int8_draft_that_streams_fewer_bytes() -> None:
+    from stagedspec.models.draft import DraftModel
+    from stagedspec.models.quant import quantize_draft
+
+    oracle = quantize_model(_tiny_llama(), "int4")
+    draft = DraftModel(oracle, layers=[0], head_tokens=torch.arange(64)).eval().requires_grad_(False)
+    before = draft.num_bytes()
+    quantize_draft(draft, oracle)
+    assert isinstance(draft.layers[0].mlp.w_up, Int8Linear) and isinstance(draft.head_q, Int8Linear)
+    assert draft.num_bytes() < before
+    with torch.inference_mode():
+        logits = draft(torch.tensor([[5, 9]]), torch.arange(2), draft.new_cache(8))
+    assert logits.shape == (1, 2, 320) and torch.isinf(logits[0, 0, 64:]).all()  # the restricted head, expanded

