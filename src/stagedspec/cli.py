@@ -57,8 +57,9 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-oracle-lookup", action="store_true",
                    help="staged: do not merge the prompt-lookup chain into the oracle's tree (the paper's pure chain)")
     p.add_argument("--bit-exact", action="store_true",
-                   help="bf16 greedy: keep only tokens verified on slot-aligned rows, so branching trees too give "
-                        "output bit-identical to plain decoding (chains always do); costs speed")
+                   help="greedy output bit-identical to plain decoding with the same flag, for every method, in bf16 "
+                        "and with --quant: attention one token at a time, and only tokens verified on slot-aligned "
+                        "rows are kept; costs speed")
     p.add_argument("--adaptive-budget", action="store_true",
                    help="tree: each step verify only the best nodes that pay for themselves, priced by a "
                         "measured cost curve of this machine (--tree-budget is then the most)")
@@ -152,7 +153,7 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         method = args.method or ("tree" if args.draft else "ar")
         if method == "staged" and ngram is None and not args.no_context:
             ngram = "default"
-    spec = SpeculationConfig.tuned(method, getattr(args, "quant", "none"), tree_budget=args.tree_budget,
+    spec = SpeculationConfig.tuned(method, args.quant, tree_budget=args.tree_budget,
                                    tree_depth=args.tree_depth, branching=args.branching, draft_k=args.draft_k,
                                    ngram=ngram, context=context, lookup_k=args.lookup_k, stage_k=args.stage_k,
                                    stage_branching=args.stage_branching, oracle_lookup=not args.no_oracle_lookup,

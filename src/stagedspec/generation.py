@@ -88,10 +88,9 @@ class ModelOracle:
         if fixed_width is None:
             fixed_width = wants_fixed_width(model)
         self.key_width = max_len if fixed_width else None
-        # Greedy steps keep only what was verified on slot-aligned rows (see `keep_slot_aligned`),
-        # and attention runs one token at a time (see `Transformer.forward`).
-        self.slot_aligned_only = bit_exact and fixed_width
-        self.row_independent = bit_exact and fixed_width
+        # Attention runs one token at a time (`Transformer.forward`, row_independent), and greedy
+        # steps keep only what was verified on slot-aligned rows (`keep_slot_aligned`, in the loop).
+        self.bit_exact = bit_exact and fixed_width
         self.forward_passes = 0
         self.device = model.embed.weight.device
         self.cached_tokens: list[int] = []  # tokens whose KV entries are committed, in order
@@ -115,7 +114,7 @@ class ModelOracle:
         self._catch_up = target[keep:]
 
     def score(self, tree: TokenTree) -> Tensor:
-        if self._catch_up and self.key_width is not None and not self.row_independent:
+        if self._catch_up and self.key_width is not None and not self.bit_exact:
             self._run_catch_up()
         lead = self._catch_up
         P, N = len(lead), len(tree)
@@ -139,7 +138,7 @@ class ModelOracle:
         toks = torch.tensor([tokens], device=self.device)
         mask = None if mask is None else mask.to(self.device)
         return self.model(toks, pos.to(self.device), self.cache, tree_mask=mask, logits_rows=slice(P, P + N),
-                          key_width=self.key_width, row_independent=self.row_independent)[0]
+                          key_width=self.key_width, row_independent=self.bit_exact)[0]
 
     def _run_catch_up(self) -> None:
         """Run the uncached context in a pass of its own, before the first tree.
@@ -263,7 +262,7 @@ def iter_steps(
         tree = drafter.propose(context, sampling, generator, remaining)
         stats.draft_seconds += time.perf_counter() - t_draft
         result = verifier(tree, oracle.score(tree), sampling, generator)
-        if sampling.greedy and getattr(oracle, "slot_aligned_only", False):
+        if sampling.greedy and getattr(oracle, "bit_exact", False):
             result = keep_slot_aligned(tree, result)
         oracle.commit(result.accepted)
         stats.accepted_lengths.append(len(result.accepted))

@@ -183,7 +183,18 @@ def tokenizer_fingerprint(tokenizer) -> str:  # noqa: ANN001 - any stagedspec To
 
 
 def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str) -> Transformer:  # noqa: ANN001
-    """Resolve a --draft SPEC: `layers:N`, a distilled draft folder, an HF folder or a .gguf."""
+    """Resolve a --draft SPEC: `layers:N`, a distilled draft folder, an HF folder or a .gguf.
+
+    A draft for a quantised oracle runs on int8 weights (see `quantize_draft`)."""
+    draft = _load_draft(spec, oracle, oracle_tokenizer, dtype, device)
+    if oracle.quantised:
+        from stagedspec.models.quant import quantize_draft
+
+        draft = quantize_draft(draft, oracle)
+    return draft
+
+
+def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str) -> Transformer:  # noqa: ANN001
     if spec.startswith("layers:"):
         try:
             n = int(spec.split(":", 1)[1])
@@ -216,8 +227,9 @@ def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: to
 class Pipeline:
     """An oracle, its tokenizer and (optionally) a draft, ready to generate.
 
-    `bit_exact = True` makes bf16 greedy output bit-identical to plain decoding
-    for branching trees too (see `ModelOracle`), at a cost in speed.
+    `bit_exact = True` makes greedy output bit-identical, for every method, to
+    plain decoding with the same flag, in bf16 and on quantised weights too
+    (see `ModelOracle`), at a cost in speed.
     """
 
     bit_exact: bool = False
@@ -255,10 +267,6 @@ class Pipeline:
         if s.method == "lookup":
             drafts = []
         self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device) for d in drafts]
-        if quant != "none":  # drafts for a quantised oracle run on int8 (see `quantize_draft`)
-            from stagedspec.models.quant import quantize_draft
-
-            self.draft_models = [quantize_draft(d, self.model) for d in self.draft_models]
         self.draft_model = self.draft_models[0] if self.draft_models else None
         self.ngram = None
         if s.method in ("lookup", "staged") and s.ngram is not None:

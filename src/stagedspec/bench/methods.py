@@ -44,6 +44,8 @@ TRANSFORMERS = ("hf-generate", "hf-assisted", "hf-lookup")
 LLAMACPP = ("llamacpp", "llamacpp-lookup")
 ALL_METHODS = (*OURS, *INT4, *TRANSFORMERS, *LLAMACPP)
 NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "staged", "hf-assisted")
+HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
+LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
 
 
 def split_quant(name: str) -> tuple[str, str]:
@@ -56,8 +58,6 @@ def reference_for(name: str) -> str:
     """Our `ar` on the same weights: what a method's speedup and exactness are measured against."""
     quant = split_quant(name)[1]
     return "ar" if quant == "none" else f"ar@{quant}"
-HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
-LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
 
 
 class MethodSkipped(Exception):
@@ -144,13 +144,8 @@ class BenchModels:
         if key not in self._drafts:
             from stagedspec.pipeline import load_draft_model
 
-            oracle = self.oracle_for(quant)
-            draft = load_draft_model(spec, oracle, self.tokenizer, self.dtype, self.device)
-            if quant != "none":
-                from stagedspec.models.quant import quantize_draft
-
-                draft = quantize_draft(draft, oracle)
-            self._drafts[key] = draft
+            self._drafts[key] = load_draft_model(spec, self.oracle_for(quant), self.tokenizer, self.dtype,
+                                                 self.device)
         return self._drafts[key]
 
     def ngram(self, spec: str) -> Any:

@@ -27,6 +27,7 @@ weights anyway.
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -123,14 +124,19 @@ def check_quant(mode: str, dtype: torch.dtype, device: str) -> None:
         raise StagedSpecError(f"--quant {mode} computes in bf16; use --dtype bf16 (fp32 is for reference runs)")
 
 
+def _swap_layers(module: nn.Module, kind: type | tuple[type, ...], make: Callable[[nn.Module], nn.Module]) -> None:
+    """Replace every submodule of type `kind` under `module` by `make(it)`, in place."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, kind):
+            setattr(module, name, make(child))
+        else:
+            _swap_layers(child, kind, make)
+
+
 def quantize_linears(module: nn.Module, mode: str) -> None:
     """Replace every `nn.Linear` under `module` by its `mode` counterpart, in place."""
     make = {"int4": Int4Linear, "int8": Int8Linear}[mode]
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make(child.weight.detach(), child.bias))
-        else:
-            quantize_linears(child, mode)
+    _swap_layers(module, nn.Linear, lambda linear: make(linear.weight.detach(), linear.bias))
 
 
 def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -160,18 +166,18 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     (they are trained and saved as such), whatever the oracle runs on.
     """
     module = copy.deepcopy(module)
-    for parent in [module, *module.modules()]:
-        for name, child in list(parent.named_children()):
-            if isinstance(child, (Int4Linear, Int8Linear)):
-                weight = child.dequantized()
-                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=child.bias is not None,
-                                   dtype=torch.bfloat16)
-                with torch.no_grad():
-                    linear.weight.copy_(weight)
-                    if child.bias is not None:
-                        linear.bias.copy_(child.bias)
-                setattr(parent, name, linear)
+    _swap_layers(module, (Int4Linear, Int8Linear), _as_linear)
     return module
+
+
+def _as_linear(layer: Int4Linear | Int8Linear) -> nn.Linear:
+    weight = layer.dequantized()
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=layer.bias is not None, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if layer.bias is not None:
+            linear.bias.copy_(layer.bias)
+    return linear
 
 
 def quantize_draft(draft: nn.Module, oracle: nn.Module) -> nn.Module:

@@ -155,11 +155,6 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def cfg_groups(cfg: ModelConfig) -> int:
-    """Query heads per KV head (grouped-query attention)."""
-    return cfg.n_heads // cfg.n_kv_heads
-
-
 class Transformer(nn.Module):
     """Decoder-only LM.  `forward` is the only entry point; see its docstring."""
 
@@ -179,6 +174,11 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def quantised(self) -> bool:
+        """Whether `models.quant.quantize_model` made this model's layers and head quantised."""
+        return self.head_q is not None
 
     @property
     def head_weight(self) -> Tensor:
@@ -247,7 +247,8 @@ class Transformer(nn.Module):
         if key_width is not None:
             mask = self._widen(mask, T, start, key_width, x.device)
         if mask is not None:
-            mask = self._attention_bias(mask, x.dtype, 1 if row_independent else cfg_groups(self.config))
+            groups = 1 if row_independent else self.config.n_heads // self.config.n_kv_heads
+            mask = self._attention_bias(mask, x.dtype, groups)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
         if logits_rows is not None:
