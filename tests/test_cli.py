@@ -49,6 +49,7 @@ def test_json_output_fields(capsys) -> None:  # noqa: ANN001
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("extra", [
+    [],  # the default: --method auto with the shipped draft, prompt lookup and the default n-gram
     ["--method", "lookup"],
     ["--method", "tree", "--draft", "layers:2", "--tree-budget", "8"],
     ["--method", "tree", "--draft", "layers:2", "--tree-budget", "12", "--adaptive-budget", "--bit-exact"],
@@ -57,10 +58,30 @@ def test_json_output_fields(capsys) -> None:  # noqa: ANN001
 ])
 def test_speculative_cli_matches_ar(extra: list[str], capsys) -> None:  # noqa: ANN001
     base = ["generate", "def add(a, b):", "--max-new-tokens", "16", "--json", "--dtype", "fp32"]
-    _, ar, _ = run_cli(base, capsys)
+    _, ar, _ = run_cli(base + ["--method", "ar"], capsys)
     code, spec, err = run_cli(base + extra, capsys)
     assert code == 0, err
     assert json.loads(spec)["token_ids"] == json.loads(ar)["token_ids"]
+
+
+@pytest.mark.real_model
+def test_dtype_auto_is_printed_once_and_recorded(capsys) -> None:  # noqa: ANN001
+    from stagedspec.hardware import auto_dtype
+
+    code, out, err = run_cli(["generate", "def f(x):", "--max-new-tokens", "4", "--json", "--method", "ar"], capsys)
+    assert code == 0, err
+    chosen = auto_dtype("cpu")[0]
+    assert err.count("stagedspec: dtype") == 1 and f"dtype {chosen} (" in err
+    assert json.loads(out)["stats"]["dtype"] == chosen
+
+
+@pytest.mark.real_model
+def test_tune_measures_and_caches_the_cost_curves(tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
+    code, out, err = run_cli(["tune", "--draft", "layers:2", "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    assert "oracle pass:" in out and "draft layers:2 pass:" in out and "cached in" in out
+    assert list((tmp_path / "costs").glob("*.json"))
 
 
 def test_show_stages_colours_tokens() -> None:

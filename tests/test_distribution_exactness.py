@@ -51,7 +51,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from stagedspec.generation import speculative_generate
+from stagedspec.auto import Arm, AutoDrafter, AutoPolicy
+from stagedspec.costs import CostProfile
+from stagedspec.generation import NoDrafter, speculative_generate
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree, grow_tree
 from stagedspec.verification import (
@@ -393,6 +395,117 @@ NEGATIVE_CONTROLS = [  # (name, verifier, record draft q in top-k trees, configu
     ("e-fixed-before-drawn", fixed_first_verifier, False,
      Config("neg-e", S(1.0), "good", dict(mode="sampled", branching=[1, 1, 1], fixed_chains=1), seed=36)),
 ]
+
+
+# --------------------------------------------------------------------------
+# History-dependent shapes (`--method auto`) and a shape that peeks at the oracle
+# --------------------------------------------------------------------------
+
+# A synthetic cost curve on which the arm chosen after one step depends on that step's outcome.
+TOY_PROFILE = CostProfile(oracle={1: 1.0, 2: 1.45, 4: 1.9, 8: 3.1, 16: 5.5}, drafts=[{1: 0.001, 8: 0.002}])
+
+
+class FreshAutoDrafter(AutoDrafter):
+    """The real `AutoDrafter` whose `AutoPolicy` starts from its priors at every sample.
+
+    With the priors and `TOY_PROFILE`, the first step verifies a one-node
+    tree; a rejection then makes plain decoding look fastest, an acceptance
+    a four-node tree.  So within one sequence each step's shape depends on
+    the oracle's earlier draws: the history dependence the exactness rule
+    allows, at its sharpest.
+    """
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.policy = AutoPolicy(self.policy.arms, TOY_PROFILE)
+        self.all_choices = getattr(self, "all_choices", Counter())
+        super().begin(prompt_ids)
+
+    def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+        tree = super().propose(context, sampling, generator, max_tokens)
+        self.all_choices[self._last.arm.name] += 1
+        return tree
+
+
+def toy_auto_drafter(draft_lm: TableLM, sampled: bool) -> AutoDrafter:
+    """Plain decoding and toy draft trees of three sizes, chosen per step by the real policy."""
+    shapes = {Arm("tree", 1): [1], Arm("tree", 4): [2, 1], Arm("tree", 10): [2, 2, 1]}
+    arms: dict = {Arm("ar"): (NoDrafter(), [])}
+    for arm, branching in shapes.items():
+        if sampled:
+            kw = dict(mode="sampled", branching=branching)
+        else:
+            kw = dict(mode="topk", budget=arm.size, branching=branching[0], max_depth=len(branching))
+        arms[arm] = (ToyDrafter(draft_lm, kw), [])
+    return FreshAutoDrafter(AutoPolicy(list(arms), TOY_PROFILE), arms)
+
+
+class OraclePeekingDrafter:
+    """NEGATIVE CONTROL: proposes the draft's favourite token only when the oracle is about to accept it.
+
+    It reads the current step's oracle distribution and the verifier's next
+    uniform draw (a copy of the generator) — what a policy must never do —
+    and so emits that token with probability p + (1 - p) p instead of p.
+    """
+
+    forward_passes = 0
+
+    def __init__(self, oracle: ToyOracle, draft_lm: TableLM) -> None:
+        self.oracle, self.draft_lm = oracle, draft_lm
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        pass
+
+    def propose(self, context, sampling, generator, max_tokens=None) -> TokenTree:  # noqa: ANN001
+        ctx = tuple(context)
+        x = int(self.draft_lm.logits(ctx).argmax())
+        p = probs_from_logits(self.oracle.lm.logits(ctx), sampling).double()
+        peek = torch.Generator().set_state(generator.get_state())
+        u = float(torch.rand((), generator=peek, dtype=torch.float64))
+        return TokenTree.chain(ctx[-1], [x]) if u < float(p[x]) else TokenTree([ctx[-1]], [-1])
+
+
+def run_drafter(config: Config, drafter_for: Callable, n: int) -> tuple[float, int, object]:
+    """Like `run_config`, with the drafter built by `drafter_for(oracle, draft_lm)`."""
+    oracle_lm = TableLM(salt=config.seed)
+    draft_lm = TableLM(salt=config.seed + 128, kind=config.draft, oracle=oracle_lm, top_k=config.sampling.top_k)
+    oracle = ToyOracle(oracle_lm)
+    drafter = drafter_for(oracle, draft_lm)
+    counts: Counter = Counter()
+    for seed in range(n):
+        out = speculative_generate(oracle, drafter, list(config.prompt), max_new_tokens=L, sampling=config.sampling,
+                                   seed=seed)
+        counts[tuple(out.token_ids)] += 1
+    return (*chi_square_pvalue(counts, exact_distribution(oracle_lm, config.prompt, config.sampling)), drafter)
+
+
+AUTO_CONFIGS = [
+    (Config("auto-sampled-T1-good", S(1.0), "good", {}, seed=41), True),
+    (Config("auto-topk-T0.8-topp0.9-bad", S(0.8, top_p=0.9), "bad", {}, seed=42), False),
+]
+
+
+@pytest.mark.parametrize("config, sampled", AUTO_CONFIGS, ids=[c[0].name for c in AUTO_CONFIGS])
+def test_auto_history_dependent_shapes_keep_the_distribution(config: Config, sampled: bool) -> None:
+    pvalue, df, drafter = run_drafter(config, lambda o, d: toy_auto_drafter(d, sampled), N_FAST)
+    steps = sum(drafter.all_choices.values())
+    used = [name for name, n in drafter.all_choices.items() if n >= 0.05 * steps]
+    assert len(used) >= 2, f"the shape hardly changed: {drafter.all_choices}"
+    assert pvalue > ALPHA, f"{config.name}: chi-square p = {pvalue:.3g} (df {df}) with {N_FAST} samples"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, sampled", AUTO_CONFIGS, ids=[c[0].name for c in AUTO_CONFIGS])
+def test_auto_exactness_high_power(config: Config, sampled: bool) -> None:
+    pvalue, df, _ = run_drafter(config, lambda o, d: toy_auto_drafter(d, sampled), N_SLOW)
+    assert pvalue > ALPHA, f"{config.name}: chi-square p = {pvalue:.3g} (df {df}) with {N_SLOW} samples"
+
+
+def test_a_shape_that_peeks_at_the_oracle_draw_is_caught() -> None:
+    config = Config("neg-peek", S(1.0), "good", {}, seed=43)
+    wrong, _, _ = run_drafter(config, OraclePeekingDrafter, N_NEGATIVE)
+    right, _, _ = run_drafter(config, lambda o, d: toy_auto_drafter(d, True), N_NEGATIVE)
+    assert wrong < ALPHA, f"a drafter that reads the oracle's draw passed: p = {wrong:.3g}"
+    assert right > ALPHA, f"auto failed on the control's configuration: p = {right:.3g}"
 
 
 # --------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_int4_speculation_reproduces_int4_ar_bit_exact(int4_default, method: str
 
     model, tok = int4_default
     prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(2)]
-    ar = Pipeline.from_loaded(model, tok)
+    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
     ar.bit_exact = True
     draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
     pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))

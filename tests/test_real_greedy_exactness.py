@@ -27,7 +27,7 @@ def setup():  # noqa: ANN201
 
     model, tok = load_model("default", dtype=torch.float32)
     prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(N_PROMPTS)]
-    ar = Pipeline.from_loaded(model, tok)
+    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
     refs = [ar.generate(ids, max_new_tokens=NEW_TOKENS).token_ids for ids in prompts]
     return model, tok, prompts, refs, load_ngram("default", tok)
 
@@ -54,6 +54,8 @@ METHODS = [
     ("staged-4-levels", "4,2", dict(method="staged", context=True, stage_k=4)),
     ("tree-default-draft", "default", dict(method="tree")),
     ("staged-default-draft", "default", dict(method="staged", ngram="default")),
+    ("auto-default-draft", "default", dict(method="auto", ngram="default")),
+    ("auto-flat-costs", "default", dict(method="auto", ngram="default")),  # speculation always looks free
 ]
 
 
@@ -63,12 +65,21 @@ def test_greedy_tokens_identical_to_ar(setup, name: str, drafts: str, kw: dict) 
     spec = SpeculationConfig(**kw)
     pipe = Pipeline.from_loaded(model, tok, _drafts(model, drafts) if drafts else [], spec,
                                 ngram if spec.ngram else None)
+    if name == "auto-flat-costs":  # every arm looks worth running: trees, staged and lookup all take turns
+        from stagedspec.auto import AutoPolicy, arms_for
+        from stagedspec.costs import CostProfile
+
+        flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
+        pipe._auto_policy = AutoPolicy(arms_for(True, True), flat)
     accepted = []
-    for ids, ref in zip(prompts, refs):
+    cases = list(zip(prompts, refs))
+    for ids, ref in cases[:4] if name.startswith("auto") else cases:  # auto: 4 prompts keep CI's time in bounds
         out = pipe.generate(ids, max_new_tokens=NEW_TOKENS)
         assert out.token_ids == ref, f"{name} diverged from ar"
         accepted.append(out.stats.mean_accepted_length)
     assert min(accepted) >= 1.0
+    if name == "auto-flat-costs":
+        assert len(pipe.auto_policy().choices) >= 3, pipe.auto_policy().choices
 
 
 # --- bf16: bit-identical output with bit_exact ------------------------------------------------------------------
@@ -122,7 +133,7 @@ def test_bf16_bit_exact_output_identical_to_ar(bf16_setup, name: str, kw: dict) 
     from stagedspec.models.draft import DraftModel
 
     model, tok, prompts = bf16_setup
-    ar = Pipeline.from_loaded(model, tok)
+    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
     ar.bit_exact = True  # the reference runs with the same flag (row-by-row attention)
     draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
     pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))

@@ -25,7 +25,9 @@ def _positive_int(text: str) -> int:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", default="default", metavar="SPEC",
                    help="'default' (SmolLM2-135M-Instruct), an HF-format folder, or a .gguf file")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights/activations dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="weights/activations dtype; auto (default): bf16 where the hardware computes it natively "
+                        "(AVX-512 BF16 or AMX CPUs, CUDA GPUs with bf16), else fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
 
 
@@ -37,12 +39,15 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="SPEC",
                    help="draft model: a distilled draft folder, an HF folder, a .gguf, or layers:N "
                         "(the oracle's first N layers)")
-    p.add_argument("--method", default=None, choices=["ar", "chain", "tree", "lookup", "staged"],
-                   help="ar (plain decoding), chain (k draft tokens), tree (best-first token tree), "
-                        "lookup (prompt lookup / n-gram drafts, no draft model), staged (oracle <- draft <- "
-                        "lookup); default: staged with --stages, tree with --draft, else ar")
+    p.add_argument("--method", default=None, choices=["auto", "ar", "chain", "tree", "lookup", "staged"],
+                   help="auto (each step, whichever of the others this machine's measured costs and the "
+                        "acceptance so far make fastest; never knowingly slower than ar), ar (plain decoding), "
+                        "chain (k draft tokens), tree (best-first token tree), lookup (prompt lookup / n-gram "
+                        "drafts, no draft model), staged (oracle <- draft <- lookup); default: staged with "
+                        "--stages, else auto (with the shipped draft for the default oracle)")
     p.add_argument("--ngram", default=None, metavar="SPEC",
-                   help="n-gram for lookup/staged: 'default' (built once from the Python stdlib) or a file")
+                   help="n-gram for lookup/staged/auto: 'default' (built once from the Python stdlib; what "
+                        "staged and auto use) or a file")
     p.add_argument("--stages", default=None, metavar="LIST",
                    help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
                         "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
@@ -126,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also print the cost of one oracle forward vs the number of tree nodes (1..64)")
     bench.set_defaults(func=cmd_bench_engine)
 
+    tune = sub.add_parser("tune", help="measure this machine's pass costs for --method auto (cached; "
+                                       "measured anyway at first use)")
+    _add_model_args(tune)
+    tune.add_argument("--draft", default="default", metavar="SPEC",
+                      help="draft model(s) to measure too, comma-separated ('none' for none; default: the shipped "
+                           "draft, for the default oracle)")
+    tune.add_argument("--quant", default="none", choices=["none", "int8", "int4"], help="oracle weights")
+    tune.set_defaults(func=cmd_tune)
+
     from stagedspec.bench.run import add_bench_command
     from stagedspec.cli_distill import add_commands as add_distill_commands
 
@@ -150,8 +164,8 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         ngram, context = stage_ngram or ngram, stage_context and context
         method = args.method or "staged"
     else:
-        method = args.method or ("tree" if args.draft else "ar")
-        if method == "staged" and ngram is None and not args.no_context:
+        method = args.method or "auto"
+        if method in ("staged", "auto") and ngram is None and not args.no_context:
             ngram = "default"
     spec = SpeculationConfig.tuned(method, args.quant, tree_budget=args.tree_budget,
                                    tree_depth=args.tree_depth, branching=args.branching, draft_k=args.draft_k,
@@ -189,6 +203,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant)
     pipe.bit_exact = args.bit_exact
+    if args.dtype == "auto":
+        from stagedspec.pipeline import dtype_name
+
+        print(f"stagedspec: dtype {dtype_name(pipe.dtype)} ({pipe.dtype_reason})", file=sys.stderr)
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
@@ -208,6 +226,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     line = f"[{st.new_tokens} tokens in {st.seconds:.2f} s: {st.tokens_per_second:.1f} tokens/s, method {method}"
     if method != "ar":
         line += f", mean accepted length {st.mean_accepted_length:.2f}"
+    if st.auto_choices:
+        line += ", steps by configuration " + " ".join(f"{k}={v}" for k, v in sorted(st.auto_choices.items()))
     print(line + "]", file=sys.stderr)
     return 0
 
@@ -263,6 +283,29 @@ def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: flo
         i += 1
     bar.close()
     return streams
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from stagedspec.costs import print_cost_curve, profile_path
+    from stagedspec.pipeline import Pipeline, SpeculationConfig, dtype_name
+
+    drafts = [] if args.draft in ("none", "") else args.draft.split(",")
+    if args.oracle != "default" and args.draft == "default":
+        drafts = []  # the shipped draft is for the default oracle only
+    # `auto` keeps the drafts it is given (`ar` would drop them); nothing is generated here.
+    pipe = Pipeline(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
+                    dtype=args.dtype, device=args.device, quant=args.quant)
+    profile = pipe.cost_profile(remeasure=True)
+    quant = f", {args.quant} weights" if args.quant != "none" else ""
+    print(f"{profile.machine}; oracle {args.oracle} in {dtype_name(pipe.dtype)} ({pipe.dtype_reason}){quant}; "
+          f"measured in {profile.measured_seconds:.1f} s")
+    print("\noracle pass:")
+    print_cost_curve(profile.oracle)
+    for spec, curve in zip(drafts, profile.drafts):
+        print(f"\ndraft {spec} pass:")
+        print_cost_curve(curve)
+    print(f"\ncached in {profile_path(profile.key)}")
+    return 0
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:

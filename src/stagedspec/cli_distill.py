@@ -116,7 +116,7 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--teacher-top-k", type=_int_at_least(1), default=64, metavar="K")
     d.add_argument("--eval-every", type=_int_at_least(1), default=50, metavar="S", help="held-out evaluation period (steps)")
     d.add_argument("--checkpoint-every", type=_int_at_least(1), default=100, metavar="S")
-    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+    d.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"],
                    help="oracle (teacher) dtype; the draft trains in fp32 either way")
     d.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype of the saved draft")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -141,7 +141,7 @@ def add_commands(subparsers: Any) -> None:
     e.add_argument("--tree-budget", type=_int_at_least(1), default=16, metavar="N")
     e.add_argument("--tree-depth", type=_int_at_least(1), default=6, metavar="D")
     e.add_argument("--branching", type=_int_at_least(1), default=4, metavar="B")
-    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
     e.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_eval_draft)

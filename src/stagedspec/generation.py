@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from stagedspec.costs import wants_fixed_width
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
@@ -53,11 +54,6 @@ class Drafter(Protocol):
     ) -> TokenTree:
         """A tree rooted at `context[-1]`; paths longer than `max_tokens` are wasted work."""
         ...
-
-
-def wants_fixed_width(model: Transformer) -> bool:
-    """Whether `ModelOracle` runs `model` with a fixed key width and >= 2 rows by default (bf16/fp16)."""
-    return model.embed.weight.dtype in (torch.bfloat16, torch.float16)
 
 
 class ModelOracle:
@@ -196,6 +192,8 @@ class GenerationStats:
     draft_seconds: float = 0.0  # time spent in the drafter's proposals
     stages: list[dict] = field(default_factory=list)  # per-stage passes and seconds (filled by the pipeline)
     finish_reason: str = "length"
+    dtype: str = ""  # the oracle's compute dtype (filled by the pipeline; `--dtype auto` chooses it)
+    auto_choices: dict[str, int] = field(default_factory=dict)  # `--method auto`: steps run per arm
 
     @property
     def mean_accepted_length(self) -> float:

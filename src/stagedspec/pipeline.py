@@ -25,16 +25,37 @@ from stagedspec.generation import (
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 
-METHODS = ("ar", "chain", "tree", "lookup", "staged")
+METHODS = ("auto", "ar", "chain", "tree", "lookup", "staged")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return resolve_dtype(name, "cpu")[0]
     try:
         return DTYPES[name]
     except KeyError:
-        raise StagedSpecError(f"unknown dtype {name!r}: use bf16 or fp32") from None
+        raise StagedSpecError(f"unknown dtype {name!r}: use auto, bf16 or fp32") from None
+
+
+def resolve_dtype(name: str, device: str, quant: str = "none") -> tuple[torch.dtype, str]:
+    """(dtype, why) for a --dtype value; `auto` asks the hardware (`stagedspec.hardware.auto_dtype`).
+
+    Quantised weights always compute in bf16 (the int4/int8 kernels' format).
+    """
+    if name != "auto":
+        return parse_dtype(name), "as asked"
+    if quant != "none":
+        return torch.bfloat16, f"--quant {quant} computes in bf16"
+    from stagedspec.hardware import auto_dtype
+
+    chosen, why = auto_dtype(device)
+    return DTYPES[chosen], why
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
 
 
 def parse_weights(name: str) -> tuple[torch.dtype, str]:
@@ -70,13 +91,16 @@ class SpeculationConfig:
 
     - chain / tree: one draft model proposes for the oracle;
     - lookup: model-free drafts (prompt lookup and/or an n-gram) for the oracle;
+    - auto: each step, whichever of ar / lookup / tree / staged (and of
+      their sizes) this machine's measured costs and the acceptance so far
+      say is fastest (`stagedspec.auto`); the other fields do not apply;
     - staged: oracle <- draft model(s) <- lookup; each model stage decodes
       `stage_k` tokens per proposal speculatively against the stage below;
       with `oracle_lookup` the prompt-lookup chain is also merged into the
       tree the oracle verifies (it catches the copies a small draft misses).
     """
 
-    method: str = "ar"
+    method: str = "auto"
     tree_budget: int = 8
     tree_depth: int = 4
     branching: int = 2
@@ -118,6 +142,10 @@ class SpeculationConfig:
     @property
     def max_nodes(self) -> int:
         """Most tree nodes the oracle may be asked to verify in one step."""
+        if self.method == "auto":
+            from stagedspec.auto import CUDA_TREE_SIZES, LOOKUP_SIZES, STAGE_SIZES
+
+            return max(max(CUDA_TREE_SIZES), 3 * max(LOOKUP_SIZES), 2 * max(STAGE_SIZES))
         staged = self.stage_k * self.stage_branching + (self.lookup_k if self.oracle_lookup else 0)
         return max(self.tree_budget, self.draft_k, staged, self.lookup_k * 3)
 
@@ -234,6 +262,8 @@ class Pipeline:
 
     bit_exact: bool = False
     _pass_seconds: dict[int, float] | None = None  # measured oracle pass costs (see `pass_seconds`)
+    _auto_policy = None  # what `--method auto` has learned, kept across requests (see `stagedspec.auto`)
+    dtype_reason: str = "as asked"  # why this dtype (`--dtype auto` asks the hardware)
 
     def __init__(
         self,
@@ -241,7 +271,7 @@ class Pipeline:
         draft: str | Sequence[str] | None = None,
         *,
         speculation: SpeculationConfig | None = None,
-        dtype: str = "bf16",
+        dtype: str = "auto",
         device: str = "cpu",
         quant: str = "none",
     ) -> None:
@@ -249,12 +279,15 @@ class Pipeline:
 
         `quant` ("int4", "int8") runs the oracle's layers on quantised weights (CPU, bf16; see
         `stagedspec.models.quant`); speculation stays exact with respect to that quantised oracle.
-        Drafts then run on int8 weights."""
+        Drafts then run on int8 weights.  `dtype="auto"` picks bf16 where the hardware computes it
+        natively and fp32 elsewhere (`dtype_reason` says which and why); the output is the oracle's
+        in the chosen dtype.  `method="auto"` with no draft uses the shipped draft when the oracle is
+        the default model."""
         from stagedspec.models.loading import load_model
 
         self.speculation = s = speculation or SpeculationConfig()
         self.device = check_device(device)
-        self.dtype = parse_dtype(dtype)
+        self.dtype, self.dtype_reason = resolve_dtype(dtype, self.device, quant)
         self.model, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device, quant=quant)
         drafts = [draft] if isinstance(draft, str) else list(draft or [])
         if s.method in ("chain", "tree") and len(drafts) != 1:
@@ -266,10 +299,12 @@ class Pipeline:
                                   "for model-free drafting use --method lookup")
         if s.method == "lookup":
             drafts = []
+        if s.method == "auto" and not drafts and oracle == "default":
+            drafts = ["default"]
         self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device) for d in drafts]
         self.draft_model = self.draft_models[0] if self.draft_models else None
         self.ngram = None
-        if s.method in ("lookup", "staged") and s.ngram is not None:
+        if s.method in ("lookup", "staged", "auto") and s.ngram is not None:
             from stagedspec.drafters.ngram_files import load_ngram
 
             self.ngram = load_ngram(s.ngram, self.tokenizer)
@@ -303,13 +338,84 @@ class Pipeline:
         """
         cached = self._pass_seconds
         if cached is None or max(cached) < max_rows:
-            from stagedspec.bench.tree_cost import forward_cost_curve
+            from stagedspec.costs import forward_cost_curve
 
             sizes = sorted({r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if r < max_rows} | {max_rows})
             context = min(256, self.model.config.max_position - max_rows - 1)
             cached = forward_cost_curve(self.model, sizes=sizes, context=max(1, context), repeats=3)
             self._pass_seconds = cached
         return cached
+
+    def cost_profile(self, remeasure: bool = False, quiet: bool = False):  # noqa: ANN201 - costs.CostProfile
+        """This machine's pass costs for these models (cached on disk; measured at first use)."""
+        from stagedspec.costs import load_or_measure
+
+        return load_or_measure(self.model, self.draft_models, self.device, remeasure=remeasure, quiet=quiet)
+
+    def auto_policy(self):  # noqa: ANN201 - auto.AutoPolicy
+        """The `--method auto` policy of this pipeline, created at first use and kept across requests."""
+        if self._auto_policy is None:
+            from stagedspec.auto import AutoPolicy, arms_for
+
+            s = self.speculation
+            arms = arms_for(self.ngram is not None or s.context, bool(self.draft_models), self.device)
+            self._auto_policy = AutoPolicy(arms, self.cost_profile())
+        return self._auto_policy
+
+    def _stage_chain(self, below: Drafter, max_len: int, chain_length: int) -> Drafter:
+        """The draft models as stages, top one first, each decoding speculatively against the one below."""
+        from stagedspec.stages import StageDrafter
+
+        s = self.speculation
+        n = len(self.draft_models)
+        for i in reversed(range(n)):
+            name = "draft" if n == 1 else f"draft{i + 1}"
+            # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
+            stage = ModelOracle(self.draft_models[i], max_len + s.max_nodes + 1, fixed_width=False)
+            below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
+        return below
+
+    def _auto_drafter(self, max_len: int) -> Drafter:
+        """Every arm's drafter for `--method auto`, sized per step by the policy (see `stagedspec.auto`)."""
+        from stagedspec.auto import LOOKUP_SIZES, STAGE_SIZES, Arm, AutoDrafter, tree_depth_for
+        from stagedspec.drafters.lookup import LookupDrafter
+
+        s = self.speculation
+        policy = self.auto_policy()
+        has_lookup = self.ngram is not None or s.context
+        lookup = LookupDrafter(self.ngram, s.context, chain_length=max(LOOKUP_SIZES)) if has_lookup else None
+        arms: dict = {}
+        for arm in policy.arms:
+            if arm.kind == "ar":
+                arms[arm] = (NoDrafter(), [])
+            elif arm.kind == "lookup":
+                arms[arm] = (lookup, [(lookup, "chain_length", arm.size)])
+        tree_arms = [a for a in policy.arms if a.kind == "tree"]
+        if tree_arms:
+            from stagedspec.drafters.model import ModelDrafter
+
+            biggest = max(a.size for a in tree_arms)
+            tree = ModelDrafter(self.draft_models[0], method="tree", budget=biggest,
+                                max_depth=tree_depth_for(biggest), branching=2, max_len=max_len)
+            for arm in tree_arms:
+                arms[arm] = (tree, [(tree, "budget", arm.size), (tree, "max_depth", tree_depth_for(arm.size))])
+        stage_arms = [a for a in policy.arms if a.kind == "staged"]
+        if stage_arms:
+            below = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_k) if has_lookup else NoDrafter()
+            top = self._stage_chain(below, max_len, max(STAGE_SIZES))
+            staged: Drafter = top
+            merged_lookup = None
+            if s.context:
+                from stagedspec.drafters.merged import MergedDrafter
+
+                merged_lookup = LookupDrafter(None, True, chain_length=max(STAGE_SIZES))
+                staged = MergedDrafter(top, merged_lookup)
+            for arm in stage_arms:
+                settings = [(top, "chain_length", arm.size)]
+                if merged_lookup is not None:
+                    settings.append((merged_lookup, "chain_length", arm.size))
+                arms[arm] = (staged, settings)
+        return AutoDrafter(policy, {a: arms[a] for a in policy.arms}, lookup=lookup)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
@@ -322,6 +428,8 @@ class Pipeline:
         s = self.speculation
         if s.method == "ar":
             return NoDrafter()
+        if s.method == "auto":
+            return self._auto_drafter(max_len)
         if s.method in ("chain", "tree"):
             from stagedspec.drafters.model import ModelDrafter
 
@@ -333,18 +441,11 @@ class Pipeline:
             return ModelDrafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
                                 branching=s.branching, chain_length=s.draft_k, max_len=max_len, adaptive=adaptive)
         from stagedspec.drafters.lookup import LookupDrafter
-        from stagedspec.stages import StageDrafter
 
         below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_k)
         if s.method == "lookup":
             return below
-        n = len(self.draft_models)
-        for i in reversed(range(n)):
-            name = "draft" if n == 1 else f"draft{i + 1}"
-            # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
-            stage = ModelOracle(self.draft_models[i], max_len + s.max_nodes + 1, fixed_width=False)
-            below = StageDrafter(stage, below, name=name,
-                                 chain_length=s.stage_k, branching=s.stage_branching)
+        below = self._stage_chain(below, max_len, s.stage_k)
         if s.oracle_lookup and s.context:
             from stagedspec.drafters.merged import MergedDrafter
 
@@ -403,6 +504,9 @@ class Pipeline:
         if not hit_stop:
             emit(held + stream.flush())
         result.stats.stages = stage_report(result.stats, drafter)
+        result.stats.dtype = dtype_name(self.dtype)
+        if hasattr(drafter, "request_choices"):
+            result.stats.auto_choices = dict(drafter.request_choices)
         result.text = "".join(text_parts)
         return result
 

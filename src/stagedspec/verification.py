@@ -49,8 +49,22 @@ outside its top-k) is rejected without a draw and leaves p unchanged.  Every
 random draw uses the caller's torch.Generator (draws happen on its device),
 so a seeded run is reproducible.
 
-Why the sampled tree's shape must not depend on the draws: see
-`stagedspec.tree._grow_sampled`.  Why a deterministic tree cannot use the
+What a tree's shape may depend on (the rule `--method auto` and the adaptive
+budget live by).  Which configuration proposes a step (no speculation, a
+lookup chain, a draft tree of some size, a stage chain of some length), how
+big its tree is and where it is cut may depend on anything known before the
+step's oracle pass: earlier steps (acceptance statistics, measured times,
+the tokens emitted so far) and the drafts' own proposals for this step (a
+lookup chain exists or not, the draft's scores).  It must never depend on
+this step's oracle result: its logits, or the random draws verification
+will make.  Given everything it may depend on, the tree is a fixed set of
+proposals, and each rule above reproduces p for any such set, so the
+emitted token is ~p whatever the history did to the shape.  A shape chosen
+after peeking at the oracle (propose x only when x will be accepted) emits
+x with probability p + (1 - p) p instead; tests/test_distribution_exactness.py
+has that negative control, and chi-square configurations whose shape moves
+with history.  Within a sampled tree, the number of draws must not depend
+on the draws themselves either: see `stagedspec.tree._grow_sampled`.  Why a deterministic tree cannot use the
 min(1, p/q) rule with the draft's softmax as q: its children are not draws
 from q (the top-k token is proposed with probability 1, not q(x)), so the
 acceptance probabilities no longer add up to p; the negative controls in

@@ -7,7 +7,7 @@ the draft), so every method decodes with the same weights.
 
 Methods and their families:
 
-- ours (`Pipeline`): `ar`, `chain`, `tree`, `lookup`, `staged`, and any
+- ours (`Pipeline`): `ar`, `auto`, `chain`, `tree`, `lookup`, `staged`, and any
   `staged:ORACLE,DRAFT...,BOTTOM` stage configuration; each of them also on
   quantised oracle weights as `NAME@int4` / `NAME@int8` (a second copy of the
   oracle, loaded once, shared by the methods with that suffix);
@@ -37,9 +37,9 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 
-OURS = ("ar", "chain", "tree", "tree-adaptive", "lookup", "staged")
+OURS = ("ar", "auto", "chain", "tree", "tree-adaptive", "lookup", "staged")
 QUANTISED = ("int4", "int8")  # suffixes of our methods: `staged@int4` runs staged on the int4 oracle
-INT4 = ("ar@int4", "lookup@int4", "staged@int4")
+INT4 = ("ar@int4", "auto@int4", "lookup@int4", "staged@int4")
 TRANSFORMERS = ("hf-generate", "hf-assisted", "hf-lookup")
 LLAMACPP = ("llamacpp", "llamacpp-lookup")
 ALL_METHODS = (*OURS, *INT4, *TRANSFORMERS, *LLAMACPP)
@@ -106,12 +106,12 @@ class BenchModels:
 
     def __init__(self, oracle: str, dtype: str, device: str) -> None:
         from stagedspec.models.loading import load_model
-        from stagedspec.pipeline import check_device, parse_dtype
+        from stagedspec.pipeline import check_device, dtype_name, resolve_dtype
 
         self.oracle_spec = oracle
         self.device = check_device(device)
-        self.dtype_name = dtype
-        self.dtype = parse_dtype(dtype)
+        self.dtype = resolve_dtype(dtype, self.device)[0]
+        self.dtype_name = dtype_name(self.dtype)
         self.oracle, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device)
         self._quantised: dict[str, Transformer] = {}
         self._drafts: dict[str, Transformer] = {}
@@ -213,10 +213,10 @@ def ours(
     from dataclasses import asdict
 
     s = speculation
-    drafts = [models.draft(d, quant) for d in draft_specs] if s.method in ("chain", "tree", "staged") else []
+    drafts = [models.draft(d, quant) for d in draft_specs] if s.method in ("chain", "tree", "staged", "auto") else []
     if s.method in ("chain", "tree"):
         drafts = drafts[:1]
-    ngram = models.ngram(ngram_spec) if s.method in ("lookup", "staged") and ngram_spec else None
+    ngram = models.ngram(ngram_spec) if s.method in ("lookup", "staged", "auto") and ngram_spec else None
     if s.method in ("lookup", "staged") and ngram is None and not s.context:
         raise StagedSpecError(f"method {name!r} needs a bottom stage: an n-gram or prompt lookup")
     oracle = models.oracle_for(quant)
@@ -239,10 +239,14 @@ def ours(
                        accepted_lengths=list(st.accepted_lengths), token_origins=list(st.token_origins),
                        stage_seconds={r["stage"]: r["seconds"] for r in rows}, finish_reason=st.finish_reason)
 
-    kind = {"ar": "baseline", "chain": "spec", "tree": "spec", "lookup": "lookup", "staged": "staged"}[s.method]
+    kind = {"ar": "baseline", "auto": "auto", "chain": "spec", "tree": "spec", "lookup": "lookup",
+            "staged": "staged"}[s.method]
     first = draft_specs[0] if draft_specs else ""
     desc = {
         "ar": "our engine, plain autoregressive decoding",
+        "auto": "our engine, auto: each step the fastest of ar / lookup / tree / staged by this machine's measured "
+                f"costs and the acceptance so far (draft {first or 'none'}, "
+                f"{_bottom(s.context, ngram_spec) or 'no lookup'})",
         "chain": f"our engine, chain speculation ({s.draft_k} draft tokens) with draft {first}",
         "tree": f"our engine, tree speculation ({'adaptive budget, at most' if s.adaptive_budget else 'budget'} "
                 f"{s.tree_budget}) with draft {first}",

@@ -45,7 +45,7 @@ from stagedspec.bench.methods import (
 from stagedspec.errors import StagedSpecError
 from stagedspec.sampling import SamplingParams
 
-QUICK_METHODS = ("ar", "tree", "lookup", "staged", "hf-generate")
+QUICK_METHODS = ("ar", "auto", "tree", "lookup", "staged", "hf-generate")
 GROUPS = {"all": ALL_METHODS, "ours": OURS, "int4": INT4, "transformers": TRANSFORMERS, "llamacpp": LLAMACPP}
 
 
@@ -226,8 +226,8 @@ def build_methods(
                                                adaptive_budget=True)
                 methods.append(ours(models, name, spec, [draft], None, quant))
             elif base in OURS:  # the defaults `stagedspec generate` uses on these weights
-                spec = SpeculationConfig.tuned(base, quant, ngram=cfg.ngram if base in ("lookup", "staged") else None,
-                                               context=True)
+                uses_ngram = base in ("lookup", "staged", "auto")
+                spec = SpeculationConfig.tuned(base, quant, ngram=cfg.ngram if uses_ngram else None, context=True)
                 methods.append(ours(models, name, spec, [draft] if draft else [], spec.ngram, quant))
             elif name in TRANSFORMERS:
                 methods.append(transformers_method(models, name, draft))
@@ -545,7 +545,7 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, metavar="K", help="top-k for sampled runs (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="top-p for sampled runs")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
     p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
                    help="wrap prompts in the chat template (auto: when the oracle has one)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompt i is SEED + i")

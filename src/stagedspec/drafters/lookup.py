@@ -72,20 +72,33 @@ class LookupDrafter:
             self.context.reset(context)
         self._known = list(context)
 
-    def propose(
-        self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
-    ) -> TokenTree:
+    def chains(self, context: Sequence[int], max_tokens: int) -> list[tuple[str, list[int]]]:
+        """The proposed chains as (proposer, tokens), best first per proposer: what `propose` merges.
+
+        `--method auto` also reads them to learn each proposer's acceptance,
+        whether or not the step verifies them.
+        """
         self._sync(context)
         n = max(0, min(self.chain_length, max_tokens))
-        tree = TokenTree([context[-1]], [-1])
+        out: list[tuple[str, list[int]]] = []
         if n == 0:
-            return tree
+            return out
         if self.context is not None:
-            _add_path(tree, [t for t, _ in self.context.propose_chain(n)], "context")
+            chain = [t for t, _ in self.context.propose_chain(n)]
+            if chain:
+                out.append(("context", chain))
         if self.ngram is not None:
             order = self.ngram.order
             tail = list(context[-(order - 1):])
             for tok, _ in self.ngram.top_k(tail, self.branching):
                 rest = self.ngram.propose_chain((tail + [tok])[-(order - 1):], n - 1) if n > 1 else []
-                _add_path(tree, [tok] + [t for t, _ in rest], "ngram")
+                out.append(("ngram", [tok] + [t for t, _ in rest]))
+        return out
+
+    def propose(
+        self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
+    ) -> TokenTree:
+        tree = TokenTree([context[-1]], [-1])
+        for proposer, chain in self.chains(context, max_tokens):
+            _add_path(tree, chain, proposer)
         return tree

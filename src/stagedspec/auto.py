@@ -1,0 +1,417 @@
+"""`--method auto`: every step, the configuration with the highest expected tokens per second.
+
+Whether speculation pays depends on the machine: on a CPU with native bf16 a
+4-row pass costs what a 1-row pass costs and `staged` wins; on an AVX2-only
+CPU a bf16 pass over 4 rows costs twice one row and every tree loses; on a
+GPU a 64-node tree costs 1.3x one token.  So nothing here is tuned for a
+machine.  Each step weighs its candidate configurations (`Arm`s):
+
+- `ar`: no speculation (one token per oracle pass);
+- `lookup:k`: prompt-lookup / n-gram chains of up to k tokens;
+- `tree:n`: a best-first draft tree of n nodes;
+- `staged:k`: the draft decodes k tokens, itself sped up by lookup below,
+  with the prompt-lookup chain merged into the oracle's tree;
+
+by expected tokens / expected seconds, where
+
+- seconds = the oracle's pass over the arm's rows (the measured cost curve
+  of this machine, `stagedspec.costs`, scaled by how long steps actually
+  took) + the arm's drafting time (predicted from the drafts' cost curves,
+  then measured);
+- tokens = 1 + sum over depths j of P(accepted length >= j), from
+  per-proposer, per-depth acceptance statistics (`ChainStats`: context,
+  n-gram, draft) that start from priors and are updated after every
+  verification, calibrated per arm by what that arm actually yielded.
+
+Prompt lookup costs microseconds, so its chains are computed every step and
+scored against the tokens the oracle went on to emit, whichever arm ran: its
+statistics never go stale.  A draft's statistics are updated whenever an arm
+that uses it runs.  A speculative arm must beat `ar` by `MARGIN` to run, so
+when the estimates are close the loop decodes plainly.
+
+Exactness.  The choice depends on earlier steps (the statistics, the
+measured times) and on the drafts' own proposals for this step (whether a
+lookup chain exists), never on the oracle's result for this step — the rule
+in `stagedspec.verification`'s docstring.  Each arm's tree is then verified
+by the ordinary rules, so every arm, and any sequence of arms, is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from stagedspec.costs import CostProfile, interpolate
+from stagedspec.sampling import SamplingParams
+from stagedspec.tree import TokenTree
+
+MARGIN = 0.03  # a speculative arm must promise this much more than `ar` to be chosen
+LOOKUP_SIZES = (1, 2, 3, 4, 6)
+CPU_TREE_SIZES = (2, 4, 8, 16)
+CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
+STAGE_SIZES = (1, 2, 3, 4, 6)
+# Priors: mean per-depth acceptance of each proposer before any observation, and its weight in steps.
+PRIOR_ACCEPTANCE = {"context": 0.5, "ngram": 0.3, "draft": 0.6}
+PRIOR_WEIGHT = 2.0
+ARM_PRIOR_STEPS = 3.0  # how many steps' worth the model's prediction counts against an arm's own record
+SECOND_CHOICE = 0.5  # P(a node's next child is right | the ones before it were wrong) / the first's P(right)
+LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measured
+STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself sped up by lookup
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration `--method auto` can run for a step."""
+
+    kind: str  # "ar" | "lookup" | "tree" | "staged"
+    size: int = 0  # lookup chain length / tree nodes / tokens the draft stage decodes
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind == "ar" else f"{self.kind}:{self.size}"
+
+    @property
+    def max_nodes(self) -> int:
+        """Most non-root nodes this arm can put in the oracle's tree."""
+        if self.kind == "lookup":
+            return 3 * self.size  # the context chain and two n-gram chains
+        if self.kind == "staged":
+            return 2 * self.size  # the draft's chain and the merged context chain
+        return self.size
+
+
+def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu") -> list[Arm]:
+    """Every configuration worth pricing, given what can propose."""
+    arms = [Arm("ar")]
+    if has_lookup:
+        arms += [Arm("lookup", k) for k in LOOKUP_SIZES]
+    if has_draft:
+        sizes = CUDA_TREE_SIZES if device.startswith("cuda") else CPU_TREE_SIZES
+        arms += [Arm("tree", n) for n in sizes]
+        arms += [Arm("staged", k) for k in STAGE_SIZES]
+    return arms
+
+
+def tree_depth_for(nodes: int) -> int:
+    """The depth of an n-node tree arm: deep enough for long accepts, wide enough to hedge."""
+    return max(1, min(nodes, round(1.5 * math.sqrt(nodes)) + 1, 8))
+
+
+class ChainStats:
+    """Per-depth acceptance of one proposer's chain: P(depth d accepted | depth d - 1 accepted).
+
+    Depth d's estimate shrinks towards depth d - 1's (towards the prior at
+    depth 1) with `weight` pseudo-observations, so deep, rarely reached
+    depths borrow strength from shallow ones.
+    """
+
+    def __init__(self, prior: float, weight: float = PRIOR_WEIGHT) -> None:
+        self.prior, self.weight = prior, weight
+        self.hits: list[float] = []
+        self.tries: list[float] = []
+
+    def record(self, matched: int, length: int) -> None:
+        """A chain of `length` tokens whose first `matched` were accepted (the next one, if any, rejected)."""
+        for d in range(min(matched + 1, length)):
+            while len(self.tries) <= d:
+                self.tries.append(0.0)
+                self.hits.append(0.0)
+            self.tries[d] += 1
+            self.hits[d] += d < matched
+
+    def rate(self, depth: int) -> float:
+        """P(the node at 0-based `depth` is accepted | its parent was)."""
+        mean = self.prior
+        for d in range(depth + 1):
+            hits = self.hits[d] if d < len(self.hits) else 0.0
+            tries = self.tries[d] if d < len(self.tries) else 0.0
+            mean = (hits + self.weight * mean) / (tries + self.weight)
+        return mean
+
+    def reach(self, length: int, width: float = 1.0) -> list[float]:
+        """P(accepted length >= j) for j = 1..length; `width` > 1 hedges each depth with more children."""
+        out, p = [], 1.0
+        for d in range(length):
+            a = self.rate(d)
+            if width > 1:  # another child is right as often as the draft's skill allows
+                a = 1.0 - (1.0 - a) * (1.0 - SECOND_CHOICE * a) ** (width - 1.0)
+            p *= a
+            out.append(p)
+        return out
+
+
+@dataclass
+class AcceptanceStats:
+    """What the policy has learned about acceptance: per proposer and depth, and per arm."""
+
+    chains: dict[str, ChainStats] = field(
+        default_factory=lambda: {k: ChainStats(v) for k, v in PRIOR_ACCEPTANCE.items()})
+    arm_tokens: dict[Arm, float] = field(default_factory=dict)  # sum of (tokens - 1) the arm yielded
+    arm_predicted: dict[Arm, float] = field(default_factory=dict)  # sum of (predicted tokens - 1)
+    arm_steps: dict[Arm, int] = field(default_factory=dict)
+
+    def calibration(self, arm: Arm) -> float:
+        """Actual / predicted accepted tokens of `arm` so far, shrunk towards 1 by `ARM_PRIOR_STEPS`."""
+        steps = self.arm_steps.get(arm, 0)
+        predicted = self.arm_predicted.get(arm, 0.0)
+        if not steps:
+            return 1.0
+        per_step = predicted / steps if predicted > 0 else 1.0
+        prior = ARM_PRIOR_STEPS * per_step
+        return (self.arm_tokens.get(arm, 0.0) + prior) / (predicted + prior)
+
+    def observe_arm(self, arm: Arm, predicted_tokens: float, tokens: int) -> None:
+        self.arm_steps[arm] = self.arm_steps.get(arm, 0) + 1
+        self.arm_predicted[arm] = self.arm_predicted.get(arm, 0.0) + max(0.0, predicted_tokens - 1.0)
+        self.arm_tokens[arm] = self.arm_tokens.get(arm, 0.0) + max(0, tokens - 1)
+
+
+@dataclass
+class StepCosts:
+    """What the policy has measured about time: drafting per arm, and how real steps compare to the curve."""
+
+    draft_seconds: dict[Arm, float] = field(default_factory=dict)  # running mean per arm
+    verify_scale: float = 1.0  # measured verification time / the cost curve's prediction
+
+    def observe(self, arm: Arm, draft_seconds: float, verify_seconds: float, predicted_verify: float) -> None:
+        """Fold in one step's times; single outliers (a draft catching up after other arms ran) are clipped."""
+        old = self.draft_seconds.get(arm)
+        if old is None:
+            self.draft_seconds[arm] = draft_seconds
+        else:
+            self.draft_seconds[arm] = 0.8 * old + 0.2 * min(3.0 * old, max(old / 3.0, draft_seconds))
+        if predicted_verify > 0 and verify_seconds > 0:
+            ratio = min(4.0, max(0.25, verify_seconds / predicted_verify))
+            self.verify_scale = 0.9 * self.verify_scale + 0.1 * ratio
+
+
+def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[str, int]) -> float:
+    """Tokens a step of `arm` is expected to emit (its accepted draft tokens + the oracle's own).
+
+    `lookup_lengths`: how long this step's context and n-gram chains are (a
+    proposer with no chain now cannot be accepted now).
+    """
+    if arm.kind == "ar":
+        return 1.0
+    chains = stats.chains
+    if arm.kind == "lookup":
+        reach = _best_reach([chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0))),
+                             chains["ngram"].reach(min(arm.size, lookup_lengths.get("ngram", 0)))])
+    elif arm.kind == "tree":
+        depth = tree_depth_for(arm.size)
+        reach = chains["draft"].reach(depth, width=arm.size / depth)
+    else:  # staged: the draft's chain, with the prompt-lookup chain merged in
+        reach = _best_reach([chains["draft"].reach(arm.size),
+                             chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0)))])
+    return 1.0 + stats.calibration(arm) * sum(reach)
+
+
+def _best_reach(curves: Iterable[list[float]]) -> list[float]:
+    """Per depth, the best of several chains' P(accepted >= j) (a lower bound for their union)."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return []
+    return [max(c[j] if j < len(c) else 0.0 for c in curves) for j in range(max(map(len, curves)))]
+
+
+def verify_rows(arm: Arm, lookup_lengths: Mapping[str, int]) -> int:
+    """Rows of the oracle's pass for `arm` (root included)."""
+    if arm.kind == "ar":
+        return 1
+    if arm.kind == "lookup":
+        return 1 + min(arm.size, lookup_lengths.get("context", 0)) + 2 * min(arm.size, lookup_lengths.get("ngram", 0))
+    if arm.kind == "staged":
+        return 1 + arm.size + min(arm.size, lookup_lengths.get("context", 0))
+    return 1 + arm.size
+
+
+def predicted_draft_seconds(arm: Arm, profile: CostProfile) -> float:
+    """Drafting time of one step of `arm`, from the drafts' measured cost curves (before any is measured)."""
+    if arm.kind == "ar":
+        return 0.0
+    if arm.kind == "lookup" or not profile.drafts:
+        return LOOKUP_SECONDS
+    curve = profile.drafts[0]
+    catch_up = interpolate(curve, 2)  # the last step's accepted tokens, run through the draft
+    if arm.kind == "tree":
+        depth = tree_depth_for(arm.size)
+        return catch_up + depth * interpolate(curve, min(8, math.ceil(arm.size / depth) + 1))
+    passes = math.ceil(arm.size / STAGE_INNER_ACCEPT)
+    return LOOKUP_SECONDS + catch_up + passes * interpolate(curve, 3)
+
+
+def expected_rates(
+    arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
+    lookup_lengths: Mapping[str, int],
+) -> dict[Arm, float]:
+    """Expected tokens per second of each arm: a pure function of the costs and the statistics."""
+    rates = {}
+    for arm in arms:
+        seconds = costs.verify_scale * profile.oracle_seconds(verify_rows(arm, lookup_lengths))
+        seconds += costs.draft_seconds.get(arm, predicted_draft_seconds(arm, profile))
+        rates[arm] = expected_tokens(arm, stats, lookup_lengths) / seconds
+    return rates
+
+
+def choose_arm(
+    arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
+    lookup_lengths: Mapping[str, int],
+) -> Arm:
+    """The arm with the highest expected tokens per second; `ar` unless another beats it by `MARGIN`."""
+    rates = expected_rates(arms, profile, stats, costs, lookup_lengths)
+    best = max(rates, key=lambda a: rates[a])
+    plain = Arm("ar")
+    if plain in rates and best != plain and rates[best] < (1.0 + MARGIN) * rates[plain]:
+        return plain
+    return best
+
+
+class AutoPolicy:
+    """The learned state of `--method auto`, kept across the requests of one pipeline.
+
+    Statistics are kept apart for greedy and sampled decoding (acceptance
+    differs), the measured times are shared.
+    """
+
+    def __init__(self, arms: Sequence[Arm], profile: CostProfile) -> None:
+        self.arms, self.profile = list(arms), profile
+        self.greedy_stats, self.sampled_stats = AcceptanceStats(), AcceptanceStats()
+        self.costs = StepCosts()
+        self.choices: dict[str, int] = {}
+
+    def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
+        return self.greedy_stats if sampling.greedy else self.sampled_stats
+
+    def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int]) -> Arm:
+        arm = choose_arm(self.arms, self.profile, self.stats_for(sampling), self.costs, lookup_lengths)
+        self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
+        return arm
+
+
+Setting = tuple[Any, str, Any]  # (object, attribute, value) applied before an arm proposes
+
+
+@dataclass
+class _Step:
+    """What the last step proposed, kept until the next `propose` learns how it went."""
+
+    context_len: int
+    arm: Arm
+    tree: TokenTree
+    predicted_tokens: float
+    rows: int
+    draft_seconds: float
+    end: float
+
+
+def spine(tree: TokenTree) -> list[int]:
+    """The tokens of the tree's first-child chain: the draft's favourite path (trees are in pre-order)."""
+    kids = tree.children_lists()
+    node, out = 0, []
+    while kids[node]:
+        node = kids[node][0]
+        if node in tree.fixed:
+            break
+        out.append(tree.tokens[node])
+    return out
+
+
+def matched_prefix(chain: Sequence[int], emitted: Sequence[int]) -> int:
+    n = 0
+    while n < len(chain) and n < len(emitted) and chain[n] == emitted[n]:
+        n += 1
+    return n
+
+
+class AutoDrafter:
+    """A drafter that runs, each step, the arm its `AutoPolicy` expects to be fastest.
+
+    `arms` maps each arm to the drafter that proposes for it and the
+    attribute settings that size it (drafters are shared between arms of the
+    same kind, so a draft's cache is not caught up once per arm size).
+    `lookup`, when given, is asked for its chains every step to learn the
+    model-free proposers' acceptance and to tell the policy what exists now.
+    """
+
+    name = "auto"
+
+    def __init__(self, policy: AutoPolicy, arms: Mapping[Arm, tuple[Any, Sequence[Setting]]],
+                 lookup: Any | None = None) -> None:
+        self.policy, self.arms, self.lookup = policy, dict(arms), lookup
+        missing = [a.name for a in policy.arms if a not in self.arms]
+        if missing:
+            raise ValueError(f"no drafter for arms {missing}")
+        self._drafters = list({id(d): d for d, _ in self.arms.values()}.values())
+        self._last: _Step | None = None
+        self._first_step = True  # its times include the prompt's prefill: not a step's cost
+        self.request_choices: dict[str, int] = {}
+        self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
+        self._sampling = SamplingParams()
+        self.telemetry: dict[str, float] = {}
+
+    @property
+    def forward_passes(self) -> int:
+        return sum(getattr(d, "forward_passes", 0) for d in self._drafters)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        for d in self._drafters:
+            d.begin(prompt_ids)
+        if self.lookup is not None and self.lookup not in self._drafters:
+            self.lookup.begin(prompt_ids)
+        self._last, self._pending, self._first_step = None, [], True
+        self.request_choices = {}
+
+    def propose(
+        self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
+    ) -> TokenTree:
+        t0 = time.perf_counter()
+        self._learn(context, t0)
+        self._sampling = sampling
+        lengths: dict[str, int] = {}
+        if self.lookup is not None:
+            self.lookup.chain_length = max(LOOKUP_SIZES)
+            for proposer, chain in self.lookup.chains(context, max(LOOKUP_SIZES)):
+                if proposer not in lengths:  # the proposer's best chain only
+                    lengths[proposer] = len(chain)
+                    self._pending.append((len(context), proposer, chain))
+        arm = self.policy.choose(sampling, lengths)
+        self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
+        drafter, settings = self.arms[arm]
+        for obj, attr, value in settings:
+            setattr(obj, attr, value)
+        tree = drafter.propose(context, sampling, generator, max_tokens)
+        stats = self.policy.stats_for(sampling)
+        end = time.perf_counter()
+        self._last = _Step(len(context), arm, tree, expected_tokens(arm, stats, lengths), len(tree), end - t0, end)
+        return tree
+
+    def _learn(self, context: Sequence[int], now: float) -> None:
+        """Score the last step and the pending lookup chains against the tokens emitted since."""
+        stats = self.policy.stats_for(self._sampling)
+        still = []
+        for start, proposer, chain in self._pending:
+            emitted = context[start:]
+            matched = matched_prefix(chain, emitted)
+            if matched < len(chain) and matched == len(emitted):
+                still.append((start, proposer, chain))  # undecided: the next token is not known yet
+            else:
+                stats.chains[proposer].record(matched, len(chain))
+        self._pending = still
+        last, self._last = self._last, None
+        if last is None or len(context) <= last.context_len:
+            return
+        emitted = context[last.context_len:]
+        if last.arm.kind in ("tree", "staged"):
+            chain = spine(last.tree)
+            if chain:
+                stats.chains["draft"].record(matched_prefix(chain, emitted), len(chain))
+        stats.observe_arm(last.arm, last.predicted_tokens, len(emitted))
+        if self._first_step:
+            self._first_step = False
+            return
+        predicted_verify = self.policy.profile.oracle_seconds(last.rows)
+        self.policy.costs.observe(last.arm, last.draft_seconds, now - last.end, predicted_verify)

@@ -1,0 +1,239 @@
+"""What a forward pass costs on this machine, by row count: measured once, cached, reused.
+
+At batch 1 a pass streams all weights once whatever its row count, so
+verifying n tree nodes costs little more than one token — on hardware whose
+kernels keep several rows as cheap as one.  Whether they do differs by
+machine and dtype: on a CPU with native bf16, 4 rows cost what 1 costs; on
+an AVX2-only CPU a bf16 pass over 4 rows costs about twice one row; on a GPU
+64 rows cost 1.3x one row.  `--method auto` prices every configuration with
+these curves instead of assuming any of them.
+
+A `CostProfile` holds the oracle's curve and each draft's, measured as the
+decoding loop runs them, and is cached under the cache folder keyed by the
+models, the dtype, the device, the thread count and the machine's
+fingerprint (`stagedspec.hardware`); `stagedspec tune` re-measures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from stagedspec import hardware
+from stagedspec.models.transformer import Transformer
+
+# Row counts measured on each kind of device (a GPU's curve stays flat much longer).
+CPU_ORACLE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+CUDA_ORACLE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+DRAFT_ROWS = (1, 2, 3, 4, 6, 8)
+PROFILE_VERSION = 1
+
+
+def wants_fixed_width(model: Transformer) -> bool:
+    """Whether the oracle runs `model` with a fixed key width and >= 2 rows by default (bf16/fp16).
+
+    See `stagedspec.generation.ModelOracle`; the cost curve must time passes
+    the way the loop runs them.
+    """
+    return model.embed.weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def _tree_mask(rows: int) -> tuple[torch.Tensor, list[int]]:
+    """A bushy tree's mask and depths: node i's parent is (i - 1) // 2, like a binary tree."""
+    mask = torch.zeros(rows, rows, dtype=torch.bool)
+    depth = [0] * rows
+    for i in range(rows):
+        mask[i, i] = True
+        if i > 0:
+            parent = (i - 1) // 2
+            mask[i] |= mask[parent]
+            depth[i] = depth[parent] + 1
+    return mask, depth
+
+
+def forward_cost_curve(
+    model: Transformer,
+    sizes: Sequence[int] = (1, 2, 4, 8, 16, 24, 32, 48, 64),
+    context: int = 256,
+    repeats: int = 7,
+    fixed_width: bool | None = None,
+) -> dict[int, float]:
+    """Seconds of one forward of n tree nodes on top of `context` cached tokens (fastest of `repeats`).
+
+    `fixed_width` (default: as `ModelOracle` runs the model) times passes over
+    the whole cache's key width, with a throwaway second row when n = 1 (see
+    `ModelOracle.score`); draft stages run with `fixed_width=False`.
+    """
+    device = model.embed.weight.device
+    context = max(1, min(context, model.config.max_position - max(sizes) - 2))
+    cache = model.new_cache(context + max(sizes) + 1)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    out: dict[int, float] = {}
+    fixed = wants_fixed_width(model) if fixed_width is None else fixed_width
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    with torch.inference_mode():
+        prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
+        model(prompt, torch.arange(context, device=device), cache, logits_rows=slice(-1, None))
+        cache.commit()
+        for n in sizes:
+            rows = max(n, 2) if fixed else n
+            toks = torch.randint(0, vocab, (1, rows), generator=g).to(device)
+            mask, depth = _tree_mask(rows)
+            pos = torch.tensor(depth, device=device) + context
+            times = []
+            for r in range(repeats + 1):  # the first pass of a new shape warms caches and kernels
+                sync()
+                t = time.perf_counter()
+                model(toks, pos, cache, tree_mask=mask.to(device) if rows > 1 else None, logits_rows=slice(0, n),
+                      key_width=cache.max_len if fixed else None)
+                sync()
+                if r:
+                    times.append(time.perf_counter() - t)
+                cache.discard()
+            out[n] = min(times)
+    return monotone(out)
+
+
+def monotone(curve: Mapping[int, float]) -> dict[int, float]:
+    """The curve made non-decreasing in rows: a pass never costs more than a bigger pass measured cheaper.
+
+    Timings on a shared machine are inflated now and then by other work; the
+    fastest of several repeats (above) removes most of that, and this removes
+    the rest where it contradicts a bigger pass.
+    """
+    out, cap = {}, float("inf")
+    for rows in sorted(curve, reverse=True):
+        cap = min(cap, curve[rows])
+        out[rows] = cap
+    return dict(sorted(out.items()))
+
+
+def interpolate(curve: Mapping[int, float], rows: float) -> float:
+    """Seconds of a pass over `rows` rows, linear between measured points, extended past the last two."""
+    points = sorted(curve.items())
+    if rows <= points[0][0]:
+        return points[0][1]
+    for (r0, s0), (r1, s1) in zip(points, points[1:]):
+        if rows <= r1:
+            return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+    if len(points) == 1:
+        return points[0][1]
+    (r0, s0), (r1, s1) = points[-2], points[-1]
+    return s1 + max(0.0, (s1 - s0) / (r1 - r0)) * (rows - r1)
+
+
+def model_fingerprint(model: Transformer) -> str:
+    """A short key for 'the same weights in the same format' (config, dtype, quantisation, a weight sample)."""
+    h = hashlib.sha256(repr(sorted(vars(model.config).items())).encode())
+    h.update(str(model.embed.weight.dtype).encode())
+    h.update(str(getattr(model, "quantised", False)).encode())
+    h.update(str(len(model.layers)).encode())
+    sample = model.embed.weight.detach().flatten()[:512].float().cpu()
+    h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class CostProfile:
+    """Measured seconds per pass by row count: the oracle's, and each draft's (stage order, top down)."""
+
+    oracle: dict[int, float]
+    drafts: list[dict[int, float]] = field(default_factory=list)
+    machine: str = ""
+    key: str = ""
+    measured_seconds: float = 0.0
+
+    def oracle_seconds(self, rows: float) -> float:
+        return interpolate(self.oracle, rows)
+
+    def draft_seconds(self, index: int, rows: float) -> float:
+        return interpolate(self.drafts[index], rows)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["version"] = PROFILE_VERSION
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostProfile":
+        d = json.loads(text)
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError("old profile version")
+
+        def curve(c: Mapping[str, float]) -> dict[int, float]:
+            out = {int(k): float(v) for k, v in c.items()}
+            if not out or any(v <= 0 for v in out.values()):
+                raise ValueError("empty or non-positive curve")
+            return out
+
+        return cls(oracle=curve(d["oracle"]), drafts=[curve(c) for c in d["drafts"]], machine=d.get("machine", ""),
+                   key=d.get("key", ""), measured_seconds=float(d.get("measured_seconds", 0.0)))
+
+
+def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str) -> str:
+    """The cache key: the models, their dtype and format, the device, the thread count, the machine."""
+    parts = [model_fingerprint(oracle), *(model_fingerprint(d) for d in drafts), device,
+             hardware.fingerprint(device)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def profile_path(key: str) -> Path:
+    from stagedspec.models.default import cache_root
+
+    return cache_root() / "costs" / f"{key}.json"
+
+
+def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: str, *, repeats: int = 5,
+                    quiet: bool = False) -> CostProfile:
+    """Time the oracle's and every draft's passes by row count, as the loop runs them (a few seconds)."""
+    if not quiet:
+        print(f"stagedspec: measuring pass costs on {hardware.describe(device)} (once; cached)...",
+              file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    rows = CUDA_ORACLE_ROWS if device.startswith("cuda") else CPU_ORACLE_ROWS
+    oracle_curve = forward_cost_curve(oracle, sizes=rows, context=256, repeats=repeats)
+    draft_curves = [forward_cost_curve(d, sizes=DRAFT_ROWS, context=256, repeats=repeats, fixed_width=False)
+                    for d in drafts]
+    return CostProfile(oracle_curve, draft_curves, hardware.describe(device), profile_key(oracle, drafts, device),
+                       time.perf_counter() - t0)
+
+
+def load_or_measure(oracle: Transformer, drafts: Sequence[Transformer], device: str, *, remeasure: bool = False,
+                    quiet: bool = False) -> CostProfile:
+    """The cached profile for these models on this machine, measuring (and caching) it when missing."""
+    key = profile_key(oracle, drafts, device)
+    path = profile_path(key)
+    if not remeasure and path.exists():
+        try:
+            return CostProfile.from_json(path.read_text())
+        except (ValueError, KeyError, TypeError, OSError):
+            pass  # a corrupt or old cache entry is simply measured again
+    profile = measure_profile(oracle, drafts, device, quiet=quiet)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(profile.to_json())
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache folder costs a re-measure next time, nothing else
+        if not quiet:
+            print(f"stagedspec: could not cache the cost profile in {path.parent}: {e}", file=sys.stderr)
+    return profile
+
+
+def print_cost_curve(curve: Mapping[int, float]) -> None:
+    base = curve[min(curve)]
+    print("rows  ms/forward  cost vs 1 row")
+    for n, secs in sorted(curve.items()):
+        print(f"{n:4d}  {1000 * secs:10.2f}  {secs / base:6.2f}x")
