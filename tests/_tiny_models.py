@@ -59,13 +59,25 @@ def hf_config(kind: str) -> Any:
     if kind == "mistral":
         return tf.MistralConfig(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
                                 sliding_window=None, **llama)
+    if kind in ("gemma3", "gemma3_softcap"):
+        # Window 6 so a 16-token prompt crosses it; a global layer between two local ones; an attention
+        # scale (query_pre_attn_scalar) that is not 1/sqrt(head_dim), and global/local RoPE bases that differ.
+        return tf.Gemma3TextConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+            final_logit_softcapping=30.0 if kind == "gemma3_softcap" else None, tie_word_embeddings=True,
+            pad_token_id=0, **common,
+        )
     if kind == "gpt2":
         return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, n_inner=None,
                              activation_function="gelu_new", **common)
     raise ValueError(kind)
 
 
-KINDS = ["llama_gqa", "llama_untied", "qwen2", "mistral", "gpt2"]
+KINDS = ["llama_gqa", "llama_untied", "qwen2", "mistral", "gpt2", "gemma3", "gemma3_softcap"]
 
 
 def make_hf_model(kind: str, seed: int = 0) -> Any:
