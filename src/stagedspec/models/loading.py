@@ -39,7 +39,7 @@ _GELU_TANH = {"gelu_new", "gelu_pytorch_tanh"}
 def load_model(
     spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quant: str = "none"
 ) -> tuple[Transformer, Tokenizer]:
-    """Load a model and its tokenizer from `"default"`, an HF folder or a `.gguf` file.
+    """Load a model and its tokenizer from `"default"`, a named model (`gemma3-270m`), an HF folder or a `.gguf`.
 
     The model comes back in eval mode with gradients off, weights in `dtype`
     (the RoPE tables stay fp32, as in transformers).  `quant` ("int4",
@@ -61,6 +61,10 @@ def resolve_model_path(spec: str | Path) -> Path:
         from stagedspec.models.default import default_model_dir
 
         return default_model_dir()
+    from stagedspec.models.named import NAMED_MODELS, named_model_dir
+
+    if str(spec) in NAMED_MODELS:
+        return named_model_dir(str(spec))
     path = Path(spec).expanduser()
     if not path.exists():
         raise StagedSpecError(f"model path does not exist: {path}")
