@@ -59,13 +59,32 @@ def hf_config(kind: str) -> Any:
     if kind == "mistral":
         return tf.MistralConfig(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
                                 sliding_window=None, **llama)
+    if kind in ("gemma3", "gemma3_softcap"):
+        # Window 6 so a 16-token prompt crosses it; a global layer between two local ones; an attention
+        # scale (query_pre_attn_scalar) that is not 1/sqrt(head_dim), and global/local RoPE bases that differ.
+        return tf.Gemma3TextConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+            final_logit_softcapping=30.0 if kind == "gemma3_softcap" else None, tie_word_embeddings=True,
+            pad_token_id=0, **common,
+        )
+    if kind == "gemma3_6":
+        # The layout a GGUF implies: every 6th layer global, attention scale 1/sqrt(head_dim), RoPE bases 1e6/1e4.
+        return tf.Gemma3TextConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6, sliding_window=5, query_pre_attn_scalar=16,
+            tie_word_embeddings=True, pad_token_id=0, vocab_size=VOCAB, bos_token_id=2, eos_token_id=1,
+        )
     if kind == "gpt2":
         return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, n_inner=None,
                              activation_function="gelu_new", **common)
     raise ValueError(kind)
 
 
-KINDS = ["llama_gqa", "llama_untied", "qwen2", "mistral", "gpt2"]
+KINDS = ["llama_gqa", "llama_untied", "qwen2", "mistral", "gpt2", "gemma3", "gemma3_softcap"]
 
 
 def make_hf_model(kind: str, seed: int = 0) -> Any:
@@ -203,3 +222,74 @@ def _tokenizer_gguf_meta(w: Any) -> None:
     w.add_eos_token_id(0)
     w.add_add_bos_token(False)
     w.add_string("tokenizer.chat_template", CHATML)
+
+
+# ---------------------------------------------------------------------- Gemma-3 GGUF (llama.cpp layout)
+SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+SPM_PIECES = ["▁", "t", "h", "e", "▁t", "he", "▁the", "i", "n", "in", "▁▁", "a"]
+
+
+def tiny_spm_tokens() -> tuple[list[str], list[int]]:
+    """A SentencePiece-style vocabulary: specials, 256 byte tokens, a few pieces, a run of two spaces."""
+    tokens = SPM_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES + ["  ", "\n\n"]
+    types = [3] * len(SPM_SPECIALS) + [6] * 256 + [1] * len(SPM_PIECES) + [4, 4]
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
+    types += [3] * (VOCAB - len(types))
+    return tokens, types
+
+
+def save_tiny_gemma3_gguf(model: Any, path: Path, quant_type: Any = None) -> None:
+    """Write a transformers Gemma3ForCausalLM as llama.cpp does: norms with +1 folded in, Q/K rows unchanged.
+
+    The layer pattern is not written (llama.cpp does not): the model must use the default of every
+    6th layer global.  `quant_type`: store layer 0's MLP matrices as raw bytes of that GGML type.
+    """
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    a = "gemma3."
+    w.add_uint32(a + "block_count", cfg.num_hidden_layers)
+    w.add_uint32(a + "context_length", cfg.max_position_embeddings)
+    w.add_uint32(a + "embedding_length", cfg.hidden_size)
+    w.add_uint32(a + "feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(a + "attention.head_count", cfg.num_attention_heads)
+    w.add_uint32(a + "attention.head_count_kv", cfg.num_key_value_heads)
+    w.add_uint32(a + "attention.key_length", cfg.head_dim)
+    w.add_uint32(a + "attention.value_length", cfg.head_dim)
+    w.add_float32(a + "rope.freq_base", cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32(a + "attention.sliding_window", cfg.sliding_window)
+    tokens, types = tiny_spm_tokens()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([-1000.0 if t != 1 else -float(i) for i, t in enumerate(types)])
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"] + 1}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            arr = state[f"model.layers.{i}.{hf}.weight"]
+            out[f"blk.{i}.{gg}.weight"] = arr + 1 if gg.endswith("norm") else arr
+    for name, arr in out.items():
+        if quant_type is not None and name.startswith("blk.0.ffn_") and arr.ndim == 2:
+            block, size = gguf.constants.GGML_QUANT_SIZES[quant_type]
+            raw = np.zeros((arr.shape[0], arr.shape[1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=quant_type)  # byte shape: gguf derives the element shape
+        else:
+            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

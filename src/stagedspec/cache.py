@@ -29,10 +29,14 @@ class KVCache:
         batch: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        track_positions: bool = False,
     ) -> None:
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # The position of each slot's token [batch, max_len], written by the model's forward.  Only
+        # sliding-window models need it (slot order is not position order once trees are cached).
+        self.positions = torch.zeros(batch, max_len, dtype=torch.long, device=device) if track_positions else None
         self.max_len = max_len
         self.length = 0  # committed entries, slots [0, length)
         self.pending = 0  # entries of the last forward, slots [length, length + pending)
@@ -71,6 +75,8 @@ class KVCache:
             dst = slice(self.length, self.length + n)
             self.k[:, :, :, dst] = self.k.index_select(3, src)
             self.v[:, :, :, dst] = self.v.index_select(3, src)
+            if self.positions is not None:
+                self.positions[:, dst] = self.positions.index_select(1, src)
         self.length += n
         self.pending = 0
 

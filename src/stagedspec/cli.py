@@ -24,7 +24,8 @@ def _positive_int(text: str) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", default="default", metavar="SPEC",
-                   help="'default' (SmolLM2-135M-Instruct), an HF-format folder, or a .gguf file")
+                   help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma-3-270m, Q4_K_M), an HF-format folder, "
+                        "or a .gguf file")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="weights/activations dtype; auto (default): bf16 where the hardware computes it natively "
                         "(AVX-512 BF16 or AMX CPUs, CUDA GPUs with bf16), else fp32")

@@ -188,15 +188,17 @@ def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
         )
     cfg = copy.copy(oracle.config)
     cfg.n_layers = n_layers
+    cfg.local_layers = list(cfg.local_layers[:n_layers])
     draft = Transformer.__new__(Transformer)
     torch.nn.Module.__init__(draft)
     draft.config = cfg
     draft.embed, draft.pos_embed, draft.norm, draft.lm_head = oracle.embed, oracle.pos_embed, oracle.norm, oracle.lm_head
     draft.head_q = oracle.head_q
     draft.layers = torch.nn.ModuleList(list(oracle.layers)[:n_layers])
-    if hasattr(oracle, "rope_cos"):
-        draft.register_buffer("rope_cos", oracle.rope_cos, persistent=False)
-        draft.register_buffer("rope_sin", oracle.rope_sin, persistent=False)
+    draft.local, draft.embed_scale = list(oracle.local[:n_layers]), oracle.embed_scale
+    for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):
+        if hasattr(oracle, name):
+            draft.register_buffer(name, getattr(oracle, name), persistent=False)
     return draft
 
 

@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from stagedspec.errors import StagedSpecError, first_line
 
 IM_END = "<|im_end|>"
+END_OF_TURN = "<end_of_turn>"  # Gemma's end of a chat turn
 _MAX_HELD_TOKENS = 8
 
 # How llama.cpp's `tokenizer.ggml.pre` names map onto a pre-tokenizer.  The
@@ -100,18 +101,22 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: Any) -> "Tokenizer":
-        """Rebuild a byte-level BPE tokenizer from GGUF metadata (`tokenizer.ggml.*`).
+        """Rebuild the tokenizer from GGUF metadata (`tokenizer.ggml.*`).
 
-        Only `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is supported; the
-        pre-tokenizer is chosen from `tokenizer.ggml.pre` so that text splits
-        exactly as it did when the merges were learned (for SmolLM2: single
-        digits, then the GPT-2 regex).
+        `tokenizer.ggml.model == "gpt2"` is byte-level BPE: the pre-tokenizer
+        is chosen from `tokenizer.ggml.pre` so that text splits exactly as it
+        did when the merges were learned (for SmolLM2: single digits, then the
+        GPT-2 regex).  `"llama"` is a SentencePiece-style vocabulary with
+        scores (Gemma, Llama-2): see `stagedspec.tokenizer_spm`.
         """
         meta = _GGUFMeta(reader)
         kind = meta.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_spm(meta)
         if kind != "gpt2":
             raise StagedSpecError(
-                f"unsupported GGUF tokenizer type {kind!r} (only byte-level BPE, 'gpt2', is supported)"
+                f"cannot build the tokenizer: unsupported GGUF tokenizer type {kind!r} "
+                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece-style)"
             )
         tokens: list[str] = meta.require("tokenizer.ggml.tokens")
         merges: list[str] = meta.get("tokenizer.ggml.merges") or []
@@ -136,6 +141,32 @@ class Tokenizer:
             eos_token_ids=eos,
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def _from_gguf_spm(cls, meta: "_GGUFMeta") -> "Tokenizer":
+        """A SentencePiece-style GGUF vocabulary (tokens, scores, types; no merges)."""
+        from stagedspec.tokenizer_spm import build_spm_tokenizer
+
+        tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+        backend = build_spm_tokenizer(
+            tokens,
+            meta.get("tokenizer.ggml.token_type"),
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
+        )
+        eos = id_list(meta.get("tokenizer.ggml.eos_token_id")) + id_list(meta.get("tokenizer.ggml.eot_token_id"))
+        # Gemma ends every turn with <end_of_turn>, and its own generation config stops there as well as at
+        # <eos>; a GGUF records only one of them.
+        eot = backend.token_to_id(END_OF_TURN)
+        if eot is not None:
+            eos.append(eot)
+        return cls(
+            backend,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos,
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's default for this type
         )
 
     # ------------------------------------------------------------------ use

@@ -29,8 +29,9 @@ from stagedspec.tokenizer import Tokenizer, first_id, id_list
 # HF `architectures` entries we can run, by family (all three run as our "llama" arch).
 LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
+GEMMA3_FAMILY = {"Gemma3ForCausalLM": "gemma3_text"}
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "gpt2": "GPT2LMHeadModel"}
+                  "gpt2": "GPT2LMHeadModel", "gemma3_text": "Gemma3ForCausalLM"}
 _GELU_TANH = {"gelu_new", "gelu_pytorch_tanh"}
 
 
@@ -38,7 +39,7 @@ _GELU_TANH = {"gelu_new", "gelu_pytorch_tanh"}
 def load_model(
     spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quant: str = "none"
 ) -> tuple[Transformer, Tokenizer]:
-    """Load a model and its tokenizer from `"default"`, an HF folder or a `.gguf` file.
+    """Load a model and its tokenizer from `"default"`, a named model (`gemma3-270m`), an HF folder or a `.gguf`.
 
     The model comes back in eval mode with gradients off, weights in `dtype`
     (the RoPE tables stay fp32, as in transformers).  `quant` ("int4",
@@ -60,6 +61,10 @@ def resolve_model_path(spec: str | Path) -> Path:
         from stagedspec.models.default import default_model_dir
 
         return default_model_dir()
+    from stagedspec.models.named import NAMED_MODELS, named_model_dir
+
+    if str(spec) in NAMED_MODELS:
+        return named_model_dir(str(spec))
     path = Path(spec).expanduser()
     if not path.exists():
         raise StagedSpecError(f"model path does not exist: {path}")
@@ -136,10 +141,15 @@ def hf_architecture(hf_config: Mapping[str, Any]) -> str:
     if not archs and hf_config.get("model_type") in _BY_MODEL_TYPE:
         archs = [_BY_MODEL_TYPE[hf_config["model_type"]]]  # configs built in code often lack `architectures`
     for name in archs:
-        if name in LLAMA_FAMILY or name in GPT2_FAMILY:
+        if name in LLAMA_FAMILY or name in GPT2_FAMILY or name in GEMMA3_FAMILY:
             return name
+    if "Gemma3ForConditionalGeneration" in archs or hf_config.get("model_type") == "gemma3":
+        raise StagedSpecError(
+            "unsupported model architecture Gemma3ForConditionalGeneration (the multimodal Gemma-3; "
+            "stagedspec runs the text-only Gemma3ForCausalLM checkpoints, e.g. gemma-3-270m or a GGUF)"
+        )
     found = ", ".join(archs) if archs else f"model_type={hf_config.get('model_type')!r}"
-    supported = ", ".join([*LLAMA_FAMILY, *GPT2_FAMILY])
+    supported = ", ".join([*LLAMA_FAMILY, *GEMMA3_FAMILY, *GPT2_FAMILY])
     raise StagedSpecError(f"unsupported model architecture {found} (supported: {supported})")
 
 
@@ -153,12 +163,16 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     arch = hf_architecture(hf_config)
     if arch in GPT2_FAMILY:
         return _gpt2_config(hf_config)
+    if arch in GEMMA3_FAMILY:
+        from stagedspec.models.gemma3 import gemma3_config
+
+        return gemma3_config(hf_config)
     return _llama_config(hf_config, LLAMA_FAMILY[arch])
 
 
 def _llama_config(c: Mapping[str, Any], family: str) -> ModelConfig:
-    hidden, n_heads = _req_int(c, "hidden_size"), _req_int(c, "num_attention_heads")
-    vocab, layers, inter = _req_int(c, "vocab_size"), _req_int(c, "num_hidden_layers"), _req_int(c, "intermediate_size")
+    hidden, n_heads = req_int(c, "hidden_size"), req_int(c, "num_attention_heads")
+    vocab, layers, inter = req_int(c, "vocab_size"), req_int(c, "num_hidden_layers"), req_int(c, "intermediate_size")
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise StagedSpecError(f"unsupported activation {act!r} (Llama-family models must use 'silu')")
@@ -166,7 +180,7 @@ def _llama_config(c: Mapping[str, Any], family: str) -> ModelConfig:
         raise StagedSpecError("unsupported config: mlp_bias=true")
     if family != "qwen2" and c.get("attention_bias"):
         raise StagedSpecError("unsupported config: attention_bias=true (biased output projection)")
-    rope = _rope_params(c)
+    rope = rope_params(c)
     max_pos = int(c.get("max_position_embeddings") or 4096)
     # A sliding window changes nothing while the context fits inside it, so
     # the honest translation is to cap the context there.
@@ -193,7 +207,7 @@ def _llama_config(c: Mapping[str, Any], family: str) -> ModelConfig:
     )
 
 
-def _req_int(c: Mapping[str, Any], key: str) -> int:
+def req_int(c: Mapping[str, Any], key: str) -> int:
     """A required positive integer from the config, or an error naming the key."""
     value = c.get(key)
     try:
@@ -205,9 +219,12 @@ def _req_int(c: Mapping[str, Any], key: str) -> int:
     return n
 
 
-def _rope_params(c: Mapping[str, Any]) -> float:
-    """RoPE base, from the legacy `rope_theta`/`rope_scaling` keys or transformers 5's `rope_parameters`."""
-    params = c.get("rope_parameters") or {}
+def rope_params(c: Mapping[str, Any], params: Mapping[str, Any] | None = None) -> float:
+    """RoPE base, from the legacy `rope_theta`/`rope_scaling` keys or transformers 5's `rope_parameters`.
+
+    `params`: one layer type's entry of a per-layer-type `rope_parameters` (Gemma-3).
+    """
+    params = c.get("rope_parameters") or {} if params is None else params
     scaling = c.get("rope_scaling") or {}
     for p in (params, scaling):
         kind = p.get("rope_type", p.get("type", "default"))
@@ -219,8 +236,8 @@ def _rope_params(c: Mapping[str, Any]) -> float:
 
 
 def _gpt2_config(c: Mapping[str, Any]) -> ModelConfig:
-    hidden, n_heads = _req_int(c, "n_embd"), _req_int(c, "n_head")
-    vocab, layers = _req_int(c, "vocab_size"), _req_int(c, "n_layer")
+    hidden, n_heads = req_int(c, "n_embd"), req_int(c, "n_head")
+    vocab, layers = req_int(c, "vocab_size"), req_int(c, "n_layer")
     act = c.get("activation_function", "gelu_new")
     if act not in _GELU_TANH:
         raise StagedSpecError(f"unsupported GPT-2 activation {act!r} (supported: tanh-approximate GELU)")
@@ -331,16 +348,24 @@ def hf_to_ours_names(cfg: ModelConfig) -> dict[str, list[str]]:
     finds whichever prefix the checkpoint uses.
     """
     out: dict[str, list[str]] = {}
-    if cfg.arch == "llama":
+    if cfg.arch in ("llama", "gemma3"):
+        gemma = cfg.arch == "gemma3"
         out["embed.weight"] = ["embed_tokens.weight"]
         for i in range(cfg.n_layers):
             ly = f"layers.{i}."  # the same prefix on both sides
             out[ly + "attn_norm.weight"] = [ly + "input_layernorm.weight"]
+            if gemma:  # HF's `post_attention_layernorm` is Llama's pre-MLP norm but Gemma's post-attention one
+                out[ly + "attn.q_norm.weight"] = [ly + "self_attn.q_norm.weight"]
+                out[ly + "attn.k_norm.weight"] = [ly + "self_attn.k_norm.weight"]
+                out[ly + "post_attn_norm.weight"] = [ly + "post_attention_layernorm.weight"]
+                out[ly + "mlp_norm.weight"] = [ly + "pre_feedforward_layernorm.weight"]
+                out[ly + "post_mlp_norm.weight"] = [ly + "post_feedforward_layernorm.weight"]
+            else:
+                out[ly + "mlp_norm.weight"] = [ly + "post_attention_layernorm.weight"]
             out[ly + "attn.wqkv.weight"] = [ly + f"self_attn.{p}_proj.weight" for p in "qkv"]
             if cfg.qkv_bias:
                 out[ly + "attn.wqkv.bias"] = [ly + f"self_attn.{p}_proj.bias" for p in "qkv"]
             out[ly + "attn.wo.weight"] = [ly + "self_attn.o_proj.weight"]
-            out[ly + "mlp_norm.weight"] = [ly + "post_attention_layernorm.weight"]
             out[ly + "mlp.w_up.weight"] = [ly + "mlp.gate_proj.weight", ly + "mlp.up_proj.weight"]
             out[ly + "mlp.w_down.weight"] = [ly + "mlp.down_proj.weight"]
         out["norm.weight"] = ["norm.weight"]
@@ -386,7 +411,7 @@ def convert_hf_state(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype)
 
 def _resolve_prefix(cfg: ModelConfig, available: set[str]) -> str:
     """The prefix the checkpoint puts before module names (`model.`, `transformer.` or none)."""
-    probe = "embed_tokens.weight" if cfg.arch == "llama" else "wte.weight"
+    probe = "wte.weight" if cfg.arch == "gpt2" else "embed_tokens.weight"
     for prefix in ("model.", "transformer.", ""):
         if prefix + probe in available:
             return prefix
@@ -417,9 +442,12 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], device: str = "cpu")
                 f"tensor {name} has shape {tuple(tensor.shape)}, but the config implies {want}"
             )
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
-    if cfg.arch == "llama":
+    if cfg.arch != "gpt2":
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    if hasattr(model, "rope_local_cos"):
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_local_theta)
+        model.rope_local_cos, model.rope_local_sin = cos.to(device), sin.to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a new buffer in Transformer that this loader does not know how to fill
         raise RuntimeError(f"build_model left tensors uninitialised: {left}")
@@ -450,15 +478,19 @@ def open_gguf(path: Path) -> Any:
 
 def read_gguf(path: Path) -> GGUFCheckpoint:
     reader = open_gguf(path)
-    arch = _gguf_value(reader, "general.architecture")
+    arch = gguf_value(reader, "general.architecture")
     if arch in ("llama", "qwen2"):
         return _gguf_llama(reader, arch)
     if arch == "gpt2":
         return _gguf_gpt2(reader)
-    raise StagedSpecError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, gpt2)")
+    if arch == "gemma3":
+        from stagedspec.models.gemma3 import gguf_gemma3
+
+        return gguf_gemma3(reader)
+    raise StagedSpecError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, gemma3, gpt2)")
 
 
-def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
+def gguf_value(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -468,19 +500,19 @@ def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
         raise StagedSpecError(f"corrupt GGUF metadata {key!r}: {first_line(exc)}") from None
 
 
-def _gguf_required(reader: Any, key: str) -> Any:
-    value = _gguf_value(reader, key)
+def gguf_required(reader: Any, key: str) -> Any:
+    value = gguf_value(reader, key)
     if value is None:
         raise StagedSpecError(f"GGUF file has no {key!r} metadata")
     return value
 
 
-def _tidy_float(x: float) -> float:
+def tidy_float(x: float) -> float:
     """GGUF stores floats as float32 (1e-5 reads back as 9.9999997e-06); restore the intended decimal."""
     return float(f"{float(x):.7g}")
 
 
-def _gguf_tensor_loader(t: Any) -> Callable[[], Tensor]:
+def gguf_tensor_loader(t: Any) -> Callable[[], Tensor]:
     """Dequantise one GGUF tensor to fp32, shaped [rows, cols] in PyTorch order."""
     from gguf.quants import dequantize
 
@@ -521,40 +553,40 @@ def permute_qk(w: Tensor, n_heads: int) -> Tensor:
 def _gguf_llama(reader: Any, arch: str) -> GGUFCheckpoint:
     key = lambda k: f"{arch}.{k}"  # noqa: E731 - metadata keys are namespaced by arch
     tensors = {t.name: t for t in reader.tensors}
-    n_heads = int(_gguf_required(reader, key("attention.head_count")))
-    n_kv = int(_gguf_value(reader, key("attention.head_count_kv"), n_heads))
-    hidden = int(_gguf_required(reader, key("embedding_length")))
-    head_dim = int(_gguf_value(reader, key("attention.key_length"), hidden // n_heads))
-    rope_dim = int(_gguf_value(reader, key("rope.dimension_count"), head_dim))
+    n_heads = int(gguf_required(reader, key("attention.head_count")))
+    n_kv = int(gguf_value(reader, key("attention.head_count_kv"), n_heads))
+    hidden = int(gguf_required(reader, key("embedding_length")))
+    head_dim = int(gguf_value(reader, key("attention.key_length"), hidden // n_heads))
+    rope_dim = int(gguf_value(reader, key("rope.dimension_count"), head_dim))
     if rope_dim != head_dim:
         raise StagedSpecError(f"unsupported GGUF: RoPE on {rope_dim} of {head_dim} head dimensions")
-    scaling = _gguf_value(reader, key("rope.scaling.type"), "none")
+    scaling = gguf_value(reader, key("rope.scaling.type"), "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in tensors:
         raise StagedSpecError(f"unsupported GGUF RoPE scaling {scaling!r}")
     if "token_embd.weight" not in tensors:
         raise StagedSpecError("GGUF file is missing tensor token_embd.weight")
-    vocab = _gguf_value(reader, key("vocab_size")) or int(tensors["token_embd.weight"].shape[-1])
-    n_layers = int(_gguf_required(reader, key("block_count")))
+    vocab = gguf_value(reader, key("vocab_size")) or int(tensors["token_embd.weight"].shape[-1])
+    n_layers = int(gguf_required(reader, key("block_count")))
     hf_arch = "LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"
     hf_config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(_gguf_required(reader, key("feed_forward_length"))),
+        "intermediate_size": int(gguf_required(reader, key("feed_forward_length"))),
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "max_position_embeddings": int(_gguf_value(reader, key("context_length"), 4096)),
-        "rms_norm_eps": _tidy_float(_gguf_value(reader, key("attention.layer_norm_rms_epsilon"), 1e-6)),
-        "rope_theta": _tidy_float(_gguf_value(reader, key("rope.freq_base"), 10000.0)),
+        "max_position_embeddings": int(gguf_value(reader, key("context_length"), 4096)),
+        "rms_norm_eps": tidy_float(gguf_value(reader, key("attention.layer_norm_rms_epsilon"), 1e-6)),
+        "rope_theta": tidy_float(gguf_value(reader, key("rope.freq_base"), 10000.0)),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_value(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
     renames = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -565,21 +597,21 @@ def _gguf_llama(reader: Any, arch: str) -> GGUFCheckpoint:
                  "ffn_down": "mlp.down_proj"}
     makers: dict[str, Callable[[], Tensor]] = {}
     for name, t in tensors.items():
-        hf_name = renames.get(name) or _gguf_layer_name(name, per_layer)
+        hf_name = renames.get(name) or gguf_layer_name(name, per_layer)
         if hf_name is None:
             continue
-        load = _gguf_tensor_loader(t)
+        load = gguf_tensor_loader(t)
         # Only the llama converter reorders Q/K rows; qwen2 files keep HF order.
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = n_heads if ".attn_q." in name else n_kv
-            load = _compose(load, lambda w, h=heads: unpermute_qk(w, h))
+            load = compose(load, lambda w, h=heads: unpermute_qk(w, h))
         makers[hf_name] = load
     return GGUFCheckpoint(reader, hf_config, FunctionSource(makers), list(tensors))
 
 
 def _gguf_gpt2(reader: Any) -> GGUFCheckpoint:
     tensors = {t.name: t for t in reader.tensors}
-    hidden = int(_gguf_required(reader, "gpt2.embedding_length"))
+    hidden = int(gguf_required(reader, "gpt2.embedding_length"))
     if "token_embd.weight" not in tensors:
         raise StagedSpecError("GGUF file is missing tensor token_embd.weight")
     hf_config: dict[str, Any] = {
@@ -587,16 +619,16 @@ def _gguf_gpt2(reader: Any) -> GGUFCheckpoint:
         "model_type": "gpt2",
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "n_embd": hidden,
-        "n_layer": int(_gguf_required(reader, "gpt2.block_count")),
-        "n_head": int(_gguf_required(reader, "gpt2.attention.head_count")),
-        "n_inner": int(_gguf_value(reader, "gpt2.feed_forward_length", 4 * hidden)),
-        "n_positions": int(_gguf_value(reader, "gpt2.context_length", 1024)),
-        "layer_norm_epsilon": _tidy_float(_gguf_value(reader, "gpt2.attention.layer_norm_epsilon", 1e-5)),
+        "n_layer": int(gguf_required(reader, "gpt2.block_count")),
+        "n_head": int(gguf_required(reader, "gpt2.attention.head_count")),
+        "n_inner": int(gguf_value(reader, "gpt2.feed_forward_length", 4 * hidden)),
+        "n_positions": int(gguf_value(reader, "gpt2.context_length", 1024)),
+        "layer_norm_epsilon": tidy_float(gguf_value(reader, "gpt2.attention.layer_norm_epsilon", 1e-5)),
         "activation_function": "gelu_new",
         # llama.cpp writes the embedding again as `output`; an identical copy is a tied head.
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_value(reader, "tokenizer.ggml.eos_token_id"),
     }
     renames = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
                "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
@@ -605,17 +637,17 @@ def _gguf_gpt2(reader: Any) -> GGUFCheckpoint:
                  "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
     makers: dict[str, Callable[[], Tensor]] = {}
     for name, t in tensors.items():
-        hf_name = renames.get(name) or _gguf_layer_name(name, per_layer, layer_prefix="transformer.h.")
+        hf_name = renames.get(name) or gguf_layer_name(name, per_layer, layer_prefix="transformer.h.")
         if hf_name is None:
             continue
-        load = _gguf_tensor_loader(t)
+        load = gguf_tensor_loader(t)
         if hf_name.endswith(_CONV1D):  # GGUF stores Linear layout; HF GPT-2 uses Conv1D [in, out]
-            load = _compose(load, lambda w: w.t().contiguous())
+            load = compose(load, lambda w: w.t().contiguous())
         makers[hf_name] = load
     return GGUFCheckpoint(reader, hf_config, FunctionSource(makers), list(tensors))
 
 
-def _gguf_layer_name(name: str, per_layer: Mapping[str, str], layer_prefix: str = "model.layers.") -> str | None:
+def gguf_layer_name(name: str, per_layer: Mapping[str, str], layer_prefix: str = "model.layers.") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None for unknown tensors)."""
     parts = name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or parts[2] not in per_layer:
@@ -623,7 +655,7 @@ def _gguf_layer_name(name: str, per_layer: Mapping[str, str], layer_prefix: str 
     return f"{layer_prefix}{parts[1]}.{per_layer[parts[2]]}.{parts[3]}"
 
 
-def _compose(load: Callable[[], Tensor], fn: Callable[[Tensor], Tensor]) -> Callable[[], Tensor]:
+def compose(load: Callable[[], Tensor], fn: Callable[[Tensor], Tensor]) -> Callable[[], Tensor]:
     return lambda: fn(load())
 
 

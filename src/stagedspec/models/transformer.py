@@ -1,9 +1,14 @@
-"""One decoder-only transformer covering the Llama family and GPT-2.
+"""One decoder-only transformer covering the Llama family, Gemma-3 and GPT-2.
 
 Written for small-batch decoding speed (few, fused matmuls: one QKV and one
 gate/up projection per layer) and for speculation: every forward pass takes
 explicit positions and an optional tree mask, and writes its keys/values into
 a `KVCache` as *pending* entries the caller later keeps or drops.
+
+Gemma-3 is the Llama layout with switches read from `ModelConfig` (see its
+docstring); the one structural addition is sliding-window attention, which is
+applied through the attention mask (`Transformer._local_mask`) so tree masks,
+the KV commit and the fixed key width work unchanged.
 
 Parameter names are our own; `stagedspec.models.loading` maps HF and GGUF
 checkpoints onto them.
@@ -33,6 +38,26 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in fp32.
+
+    transformers computes `(x_norm * (1 + w)).to(dtype)` in fp32 (unlike
+    Llama's `w * x_norm.to(dtype)`); doing the same keeps bf16 runs as close
+    to the reference as fp32 runs are.  The stored weight stays in HF's
+    convention, so checkpoints map onto it without arithmetic.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos/sin tables [max_position, head_dim] in the rotate-half layout used by HF checkpoints."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -55,7 +80,11 @@ class Attention(nn.Module):
         qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         self.wqkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias or cfg.arch == "gpt2")
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.arch == "gpt2")
-        self.use_rope = cfg.arch == "llama"
+        self.use_rope = cfg.arch in ("llama", "gemma3")
+        # Gemma-3: RMSNorm on every q and k head (before RoPE), and its own attention scale.
+        self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.arch == "gemma3" else None
+        self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.arch == "gemma3" else None
+        self.scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
 
     def forward(
         self,
@@ -71,6 +100,8 @@ class Attention(nn.Module):
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, heads, T, D]
         qk, v = qkv.split([H + Hkv, Hkv], dim=1)
+        if self.q_norm is not None:
+            qk = self._norm_qk(qk)
         if self.use_rope and rope is not None:
             cos, sin = rope
             qk = apply_rope(qk, cos, sin).to(x.dtype)  # q and k rotated in one go: fewer small ops
@@ -82,16 +113,31 @@ class Attention(nn.Module):
         keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
         G = H // Hkv
         if row_independent and mask is not None:
-            out = _attend_row_by_row(q, keys, values, mask, G)
+            out = _attend_row_by_row(q, keys, values, mask, G, self.scale)
         else:
             # Grouped-query attention without copying the cache: the G query heads
             # that share a KV head are folded into the query-length axis (the mask
             # comes folded the same way, see `Transformer._attention_bias`).
-            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values, attn_mask=mask,
+                                                 scale=self.scale)
         return self.wo(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
+    def _norm_qk(self, qk: Tensor) -> Tensor:
+        """q_norm on the H query heads and k_norm on the Hkv key heads of qk [B, H + Hkv, T, D], in one pass.
 
-def _attend_row_by_row(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, G: int) -> Tensor:
+        Elementwise the same as normalising q and k separately (fp32, then
+        (1 + w)), without splitting and re-joining the tensor RoPE rotates next.
+        """
+        assert self.q_norm is not None and self.k_norm is not None
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        w = torch.cat([self.q_norm.weight.float().expand(H, D), self.k_norm.weight.float().expand(Hkv, D)])
+        xf = qk.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.q_norm.eps)
+        return (xf * (1.0 + w[:, None, :])).to(qk.dtype)
+
+
+def _attend_row_by_row(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, G: int,
+                       scale: float | None = None) -> Tensor:
     """Attention with every query token as its own SDPA call (its G grouped heads as the rows).
 
     Why: the CPU kernel's rounding of a row depends on the problem it is part
@@ -112,17 +158,19 @@ def _attend_row_by_row(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, G:
     for b in range(B):
         for t in range(T):
             out[b, :, :, t] = F.scaled_dot_product_attention(
-                rows[b:b + 1, :, :, t], keys[b:b + 1], values[b:b + 1], attn_mask=masks[b:b + 1, :, t:t + 1]
+                rows[b:b + 1, :, :, t], keys[b:b + 1], values[b:b + 1], attn_mask=masks[b:b + 1, :, t:t + 1],
+                scale=scale,
             )[0]
     return out.reshape(B, H, T, D)
 
 
 class MLP(nn.Module):
-    """SwiGLU for Llama (fused gate/up), GELU for GPT-2."""
+    """SwiGLU for Llama (fused gate/up), GELU-tanh gated for Gemma-3, GELU for GPT-2."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gated = cfg.arch == "llama"
+        self.gated = cfg.arch in ("llama", "gemma3")
+        self.gelu_gate = cfg.arch == "gemma3"
         bias = cfg.arch == "gpt2"
         up_out = 2 * cfg.intermediate_size if self.gated else cfg.intermediate_size
         self.w_up = nn.Linear(cfg.hidden_size, up_out, bias=bias)
@@ -132,11 +180,14 @@ class MLP(nn.Module):
         h = self.w_up(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return self.w_down(F.silu(gate) * up)
+            act = F.gelu(gate, approximate="tanh") if self.gelu_gate else F.silu(gate)
+            return self.w_down(act * up)
         return self.w_down(F.gelu(h, approximate="tanh"))
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch == "gemma3":
+        return OffsetRMSNorm(cfg.hidden_size, cfg.norm_eps)
     if cfg.arch == "llama":
         return RMSNorm(cfg.hidden_size, cfg.norm_eps)
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -149,10 +200,19 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
         self.mlp = MLP(cfg)
+        # Gemma-3 also normalises each sub-layer's output before it joins the residual stream.
+        self.post_attn_norm = _norm(cfg) if cfg.arch == "gemma3" else None
+        self.post_mlp_norm = _norm(cfg) if cfg.arch == "gemma3" else None
 
     def forward(self, x, rope, k_cache, v_cache, start, mask, row_independent=False):  # noqa: ANN001 - hot path
-        x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask, row_independent)
-        return x + self.mlp(self.mlp_norm(x))
+        h = self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask, row_independent)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h
 
 
 class Transformer(nn.Module):
@@ -160,8 +220,8 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.arch not in ("llama", "gpt2"):
-            raise ValueError(f"unsupported architecture {cfg.arch!r}")
+        if cfg.arch not in ARCHS:
+            raise ValueError(f"unsupported architecture {cfg.arch!r} (supported: {', '.join(ARCHS)})")
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = nn.Embedding(cfg.max_position, cfg.hidden_size) if cfg.arch == "gpt2" else None
@@ -170,10 +230,20 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A quantised copy of the output head (set by `models.quant.quantize_model`); None: `head_weight` is used.
         self.head_q: nn.Module | None = None
-        if cfg.arch == "llama":
+        if cfg.arch != "gpt2":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        # Gemma-3: which layers attend over a sliding window, with their own RoPE base.
+        self.local = [bool(v) for v in cfg.local_layers] if cfg.arch == "gemma3" else []
+        if any(self.local):
+            if len(self.local) != cfg.n_layers or not cfg.sliding_window:
+                raise ValueError("local_layers needs one flag per layer and a sliding_window")
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_local_theta)
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
+        # transformers scales the embeddings by sqrt(hidden) rounded to the weights' dtype; so do we.
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.arch == "gemma3" else None
 
     @property
     def quantised(self) -> bool:
@@ -189,7 +259,7 @@ class Transformer(nn.Module):
         p = self.embed.weight
         return KVCache(
             cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.max_position,
-            batch=batch, dtype=p.dtype, device=p.device,
+            batch=batch, dtype=p.dtype, device=p.device, track_positions=any(self.local),
         )
 
     def forward(
@@ -232,30 +302,63 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         start = cache.reserve(T)
         x = self.embed(tokens)
-        rope = None
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        rope = local_rope = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         else:
-            cos = self.rope_cos[positions].to(x.dtype)
-            sin = self.rope_sin[positions].to(x.dtype)
-            if cos.dim() == 2:  # [T, D] -> [1, 1, T, D]
-                cos, sin = cos[None, None], sin[None, None]
-            else:  # [B, T, D] -> [B, 1, T, D]
-                cos, sin = cos[:, None], sin[:, None]
-            rope = (cos, sin)
-        mask = self._attention_mask(T, start, tree_mask, x.device)
+            rope = _rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
+            if any(self.local):
+                local_rope = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, x.dtype)
+        if cache.positions is not None:
+            cache.positions[:, start:start + T] = positions
+        bool_mask = self._attention_mask(T, start, tree_mask, x.device)
         if key_width is not None:
-            mask = self._widen(mask, T, start, key_width, x.device)
-        if mask is not None:
-            groups = 1 if row_independent else self.config.n_heads // self.config.n_kv_heads
-            mask = self._attention_bias(mask, x.dtype, groups)
+            bool_mask = self._widen(bool_mask, T, start, key_width, x.device)
+        groups = 1 if row_independent else self.config.n_heads // self.config.n_kv_heads
+        mask = None if bool_mask is None else self._attention_bias(bool_mask, x.dtype, groups)
+        local_mask = mask
+        if any(self.local):
+            local = self._local_mask(bool_mask, positions, cache, start + T)
+            if local is not None:
+                local_mask = self._attention_bias(local, x.dtype, groups)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
+            if self.local and self.local[i]:
+                x = layer(x, local_rope, cache.k[i], cache.v[i], start, local_mask, row_independent)
+            else:
+                x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
         if logits_rows is not None:
             x = x[:, logits_rows]
         h = self.norm(x)
         logits = F.linear(h, self.head_weight) if self.head_q is None else self.head_q(h)
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return (logits, h) if return_hidden else logits
+
+    def _local_mask(self, mask: Tensor | None, positions: Tensor, cache: KVCache, filled: int) -> Tensor | None:
+        """The attention mask of the sliding-window layers, or None when no key can fall outside the window.
+
+        A key is visible to a query in a local layer when the global mask
+        allows it and its position is within `sliding_window - 1` of the
+        query's (transformers: kv_idx > q_idx - window).  Positions, not cache
+        slots, decide: tree nodes sit at their depth and a drafter's cache
+        holds branches out of slot order, so the cache records each slot's
+        position.  Returns [B, 1, T, S] (bool), S the global mask's width.
+        """
+        window = int(self.config.sliding_window or 0)
+        if int(positions.max()) < window:
+            return None  # every position is < window, so every key is within it
+        T = positions.shape[-1]
+        if mask is None:  # one new token and no fixed width: it sees the whole cache
+            mask = torch.ones(T, filled, dtype=torch.bool, device=positions.device)
+        S = mask.shape[-1]
+        key_pos = cache.positions[:, :S].to(positions.device)  # [B, S]; slots past `filled` are masked anyway
+        query_pos = positions if positions.dim() == 2 else positions[None]  # [1 or B, T]
+        near = key_pos[:, None, :] > query_pos[:, :, None] - window  # [B, T, S]
+        base = mask if mask.dim() == 4 else mask[None, None]
+        return base & near[:, None]
 
     @staticmethod
     def _attention_mask(T: int, start: int, tree_mask: Tensor | None, device: torch.device) -> Tensor | None:
@@ -311,13 +414,24 @@ class Transformer(nn.Module):
         return n
 
 
+ARCHS = ("llama", "gemma3", "gpt2")
+
+
+def _rope_at(cos_table: Tensor, sin_table: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin rows of `positions` ([T] or [B, T]) shaped to broadcast over heads: [1 or B, 1, T, D]."""
+    cos, sin = cos_table[positions].to(dtype), sin_table[positions].to(dtype)
+    if cos.dim() == 2:  # [T, D] -> [1, 1, T, D]
+        return cos[None, None], sin[None, None]
+    return cos[:, None], sin[:, None]  # [B, T, D] -> [B, 1, T, D]
+
+
 def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
     """Deterministic random weights for tests and tiny demo models."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if model.config.arch == "gemma3" else 1.0)  # Gemma norms store (scale - 1)
             elif name.endswith(".bias") or name.endswith("norm.bias"):
                 p.zero_()
             else:
