@@ -127,3 +127,23 @@ def test_row_by_row_attention_rows_do_not_depend_on_the_pass() -> None:
     fused = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(H // Hkv, 1),
                                            v.float().repeat_interleave(H // Hkv, 1), attn_mask=mask)
     assert torch.allclose(full.float(), fused, atol=3e-2)
+
+
+def test_a_non_contiguous_attention_output_is_handled(monkeypatch) -> None:  # noqa: ANN001
+    """CUDA's non-cuDNN SDPA backends return non-contiguous outputs; the CPU kernel does not, so force one."""
+    import torch.nn.functional as F
+
+    model = tiny("llama")
+    ids = torch.tensor([PREFIX])
+    with torch.inference_mode():
+        want = model(ids, torch.arange(len(PREFIX)), model.new_cache(64))
+        real = F.scaled_dot_product_attention
+
+        def strided(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - same values, transposed strides
+            out = real(*args, **kwargs)
+            return out.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", strided)
+        assert not strided(torch.ones(1, 1, 2, 3), torch.ones(1, 1, 2, 3), torch.ones(1, 1, 2, 3)).is_contiguous()
+        got = model(ids, torch.arange(len(PREFIX)), model.new_cache(64))
+    assert torch.equal(got, want)

@@ -120,7 +120,8 @@ class Attention(nn.Module):
             # comes folded the same way, see `Transformer._attention_bias`).
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values, attn_mask=mask,
                                                  scale=self.scale)
-        return self.wo(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+        # reshape, not view: other SDPA backends (CUDA flash/efficient, cuDNN off) return non-contiguous outputs
+        return self.wo(out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
     def _norm_qk(self, qk: Tensor) -> Tensor:
         """q_norm on the H query heads and k_norm on the Hkv key heads of qk [B, H + Hkv, T, D], in one pass.
