@@ -61,6 +61,8 @@ ARM_PRIOR_STEPS = 3.0  # how many steps' worth the model's prediction counts aga
 SECOND_CHOICE = 0.5  # P(a node's next child is right | the ones before it were wrong) / the first's P(right)
 LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measured
 STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself sped up by lookup
+PLAIN_STREAK = 8  # after this many `ar` steps in a row, lookup chains are computed only ...
+LOOKUP_PROBE_EVERY = 4  # ... every this many steps
 
 
 @dataclass(frozen=True)
@@ -177,13 +179,19 @@ class StepCosts:
     draft_seconds: dict[Arm, float] = field(default_factory=dict)  # running mean per arm
     verify_scale: float = 1.0  # measured verification time / the cost curve's prediction
 
-    def observe(self, arm: Arm, draft_seconds: float, verify_seconds: float, predicted_verify: float) -> None:
-        """Fold in one step's times; single outliers (a draft catching up after other arms ran) are clipped."""
+    def observe(self, arm: Arm, draft_seconds: float, verify_seconds: float, predicted_verify: float,
+                predicted_draft: float) -> None:
+        """Fold in one step's times.
+
+        Single outliers are clipped to 3x the current estimate (the prediction
+        before the first observation): a draft that catches up on tokens
+        decoded while other arms ran pays that once, not every step.
+        """
         old = self.draft_seconds.get(arm)
-        if old is None:
-            self.draft_seconds[arm] = draft_seconds
-        else:
-            self.draft_seconds[arm] = 0.8 * old + 0.2 * min(3.0 * old, max(old / 3.0, draft_seconds))
+        first = old is None
+        old = predicted_draft if first else old
+        clipped = min(3.0 * old, max(old / 3.0, draft_seconds)) if old > 0 else draft_seconds
+        self.draft_seconds[arm] = clipped if first else 0.8 * old + 0.2 * clipped
         if predicted_verify > 0 and verify_seconds > 0:
             ratio = min(4.0, max(0.25, verify_seconds / predicted_verify))
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * ratio
@@ -348,6 +356,8 @@ class AutoDrafter:
         self._drafters = list({id(d): d for d, _ in self.arms.values()}.values())
         self._last: _Step | None = None
         self._first_step = True  # its times include the prompt's prefill: not a step's cost
+        self._plain_streak = 0  # consecutive steps that ran `ar`
+        self._probe_tick = 0
         self.request_choices: dict[str, int] = {}
         self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
         self._sampling = SamplingParams()
@@ -372,7 +382,7 @@ class AutoDrafter:
         self._learn(context, t0)
         self._sampling = sampling
         lengths: dict[str, int] = {}
-        if self.lookup is not None:
+        if self.lookup is not None and self._lookup_due():
             self.lookup.chain_length = max(LOOKUP_SIZES)
             for proposer, chain in self.lookup.chains(context, max(LOOKUP_SIZES)):
                 if proposer not in lengths:  # the proposer's best chain only
@@ -380,6 +390,7 @@ class AutoDrafter:
                     self._pending.append((len(context), proposer, chain))
         arm = self.policy.choose(sampling, lengths)
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
+        self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
         drafter, settings = self.arms[arm]
         for obj, attr, value in settings:
             setattr(obj, attr, value)
@@ -388,6 +399,18 @@ class AutoDrafter:
         end = time.perf_counter()
         self._last = _Step(len(context), arm, tree, expected_tokens(arm, stats, lengths), len(tree), end - t0, end)
         return tree
+
+    def _lookup_due(self) -> bool:
+        """Whether to compute this step's lookup chains (they cost ~0.5 ms of Python).
+
+        While plain decoding keeps winning, they are computed only every
+        `LOOKUP_PROBE_EVERY` steps, so a fast pass (a GPU graph replay) does
+        not pay for them every step; a run of copyable context is still
+        noticed within a few tokens.  Which steps look is decided by the
+        history of choices alone.
+        """
+        self._probe_tick += 1
+        return self._plain_streak < PLAIN_STREAK or self._probe_tick % LOOKUP_PROBE_EVERY == 0
 
     def _learn(self, context: Sequence[int], now: float) -> None:
         """Score the last step and the pending lookup chains against the tokens emitted since."""
@@ -414,4 +437,5 @@ class AutoDrafter:
             self._first_step = False
             return
         predicted_verify = self.policy.profile.oracle_seconds(last.rows)
-        self.policy.costs.observe(last.arm, last.draft_seconds, now - last.end, predicted_verify)
+        self.policy.costs.observe(last.arm, last.draft_seconds, now - last.end, predicted_verify,
+                                  predicted_draft_seconds(last.arm, self.policy.profile))
