@@ -15,6 +15,7 @@ import torch
 from stagedspec.auto import (
     Arm,
     AcceptanceStats,
+    AutoPolicy,
     ChainStats,
     StepCosts,
     arms_for,
@@ -169,3 +170,38 @@ def test_the_machine_is_named_and_fingerprinted() -> None:
     from stagedspec import hardware
 
     assert hardware.describe("cpu") and len(hardware.fingerprint("cpu")) == 16
+
+
+# --- the pipeline ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):  # noqa: ANN001, ANN201
+    from _tiny_models import save_tiny_hf
+
+    from stagedspec.models.loading import load_model
+    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
+
+    folder = tmp_path_factory.mktemp("auto") / "tiny"
+    save_tiny_hf("llama_gqa", folder)
+    model, tok = load_model(folder, dtype=torch.float32)
+    flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])  # every arm gets its turn
+    pipe = Pipeline.from_loaded(model, tok, [truncated_copy(model, 1)], SpeculationConfig(method="auto"))
+    pipe._auto_policy = AutoPolicy(arms_for(True, True), flat)
+    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    return pipe, ar
+
+
+def test_auto_greedy_is_ar_and_seeded_sampling_reproduces(tiny_pipeline) -> None:  # noqa: ANN001
+    from stagedspec.sampling import SamplingParams
+
+    pipe, ar = tiny_pipeline
+    prompt = [1, 5, 9, 5, 9, 5, 9, 2, 7]
+    for n in (5, 17, 40):
+        assert pipe.generate(prompt, max_new_tokens=n).token_ids == ar.generate(prompt, max_new_tokens=n).token_ids
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    first = pipe.generate(prompt, max_new_tokens=30, sampling=sampling, seed=7)
+    pipe.generate(prompt, max_new_tokens=30, sampling=sampling)  # the shared policy learns more in between
+    again = pipe.generate(prompt, max_new_tokens=30, sampling=sampling, seed=7)
+    assert again.token_ids == first.token_ids
+    assert len(pipe.auto_policy().choices) >= 2 and first.stats.dtype == "fp32"

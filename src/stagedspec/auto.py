@@ -282,11 +282,16 @@ class AutoPolicy:
     """The learned state of `--method auto`, kept across the requests of one pipeline.
 
     Statistics are kept apart for greedy and sampled decoding (acceptance
-    differs), the measured times are shared.
+    differs), the measured times are shared.  A seeded sampled request gets
+    a policy of its own that ignores measured times (`Pipeline.drafter`):
+    its tree shapes then depend only on its own history and the machine's
+    cached cost profile, so the seed reproduces its output on this machine.
     """
 
-    def __init__(self, arms: Sequence[Arm], profile: CostProfile) -> None:
-        self.arms, self.profile = list(arms), profile
+    def __init__(self, arms: Sequence[Arm], profile: CostProfile, learn_times: bool = True) -> None:
+        """`learn_times=False`: price arms by the cost profile alone, never by measured step times, so
+        the choices (and with them a seeded sampled run's random draws) are reproducible."""
+        self.arms, self.profile, self.learn_times = list(arms), profile, learn_times
         self.greedy_stats, self.sampled_stats = AcceptanceStats(), AcceptanceStats()
         self.costs = StepCosts()
         self.choices: dict[str, int] = {}
@@ -313,7 +318,7 @@ class _Step:
     predicted_tokens: float
     rows: int
     draft_seconds: float
-    end: float
+    verify_seconds: float | None = None  # the oracle's pass and verification, reported by the loop
 
 
 def spine(tree: TokenTree) -> list[int]:
@@ -379,7 +384,7 @@ class AutoDrafter:
         self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
     ) -> TokenTree:
         t0 = time.perf_counter()
-        self._learn(context, t0)
+        self._learn(context)
         self._sampling = sampling
         lengths: dict[str, int] = {}
         if self.lookup is not None and self._lookup_due():
@@ -396,9 +401,14 @@ class AutoDrafter:
             setattr(obj, attr, value)
         tree = drafter.propose(context, sampling, generator, max_tokens)
         stats = self.policy.stats_for(sampling)
-        end = time.perf_counter()
-        self._last = _Step(len(context), arm, tree, expected_tokens(arm, stats, lengths), len(tree), end - t0, end)
+        self._last = _Step(len(context), arm, tree, expected_tokens(arm, stats, lengths), len(tree),
+                           time.perf_counter() - t0)
         return tree
+
+    def verified(self, seconds: float) -> None:
+        """The loop's report of how long the oracle took to score and verify this drafter's last tree."""
+        if self._last is not None:
+            self._last.verify_seconds = seconds
 
     def _lookup_due(self) -> bool:
         """Whether to compute this step's lookup chains (they cost ~0.5 ms of Python).
@@ -412,7 +422,7 @@ class AutoDrafter:
         self._probe_tick += 1
         return self._plain_streak < PLAIN_STREAK or self._probe_tick % LOOKUP_PROBE_EVERY == 0
 
-    def _learn(self, context: Sequence[int], now: float) -> None:
+    def _learn(self, context: Sequence[int]) -> None:
         """Score the last step and the pending lookup chains against the tokens emitted since."""
         stats = self.policy.stats_for(self._sampling)
         still = []
@@ -433,9 +443,9 @@ class AutoDrafter:
             if chain:
                 stats.chains["draft"].record(matched_prefix(chain, emitted), len(chain))
         stats.observe_arm(last.arm, last.predicted_tokens, len(emitted))
-        if self._first_step:
+        if self._first_step or last.verify_seconds is None or not self.policy.learn_times:
             self._first_step = False
             return
         predicted_verify = self.policy.profile.oracle_seconds(last.rows)
-        self.policy.costs.observe(last.arm, last.draft_seconds, now - last.end, predicted_verify,
+        self.policy.costs.observe(last.arm, last.draft_seconds, last.verify_seconds, predicted_verify,
                                   predicted_draft_seconds(last.arm, self.policy.profile))

@@ -249,6 +249,7 @@ def iter_steps(
     if generator is None and not sampling.greedy:
         generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
     context = list(prompt_ids)
+    on_verified = getattr(drafter, "verified", None)
     t0 = time.perf_counter()
     oracle.prefill(context)
     drafter.begin(context)
@@ -258,11 +259,14 @@ def iter_steps(
         remaining = max_new_tokens - emitted
         t_draft = time.perf_counter()
         tree = drafter.propose(context, sampling, generator, remaining)
-        stats.draft_seconds += time.perf_counter() - t_draft
+        t_verify = time.perf_counter()
+        stats.draft_seconds += t_verify - t_draft
         result = verifier(tree, oracle.score(tree), sampling, generator)
         if sampling.greedy and getattr(oracle, "bit_exact", False):
             result = keep_slot_aligned(tree, result)
         oracle.commit(result.accepted)
+        if on_verified is not None:  # a drafter that prices its proposals learns what verifying them cost
+            on_verified(time.perf_counter() - t_verify)
         stats.accepted_lengths.append(len(result.accepted))
         stats.tree_sizes.append(len(tree) - 1)
         stats.tree_depths.append(tree.depth)

@@ -377,13 +377,18 @@ class Pipeline:
             below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
         return below
 
-    def _auto_drafter(self, max_len: int) -> Drafter:
-        """Every arm's drafter for `--method auto`, sized per step by the policy (see `stagedspec.auto`)."""
-        from stagedspec.auto import LOOKUP_SIZES, STAGE_SIZES, Arm, AutoDrafter, tree_depth_for
+    def _auto_drafter(self, max_len: int, reproducible: bool) -> Drafter:
+        """Every arm's drafter for `--method auto`, sized per step by the policy (see `stagedspec.auto`).
+
+        `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
+        seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
+        from stagedspec.auto import LOOKUP_SIZES, STAGE_SIZES, Arm, AutoDrafter, AutoPolicy, tree_depth_for
         from stagedspec.drafters.lookup import LookupDrafter
 
         s = self.speculation
         policy = self.auto_policy()
+        if reproducible:
+            policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
         has_lookup = self.ngram is not None or s.context
         lookup = LookupDrafter(self.ngram, s.context, chain_length=max(LOOKUP_SIZES)) if has_lookup else None
         arms: dict = {}
@@ -426,12 +431,13 @@ class Pipeline:
             raise StagedSpecError("the prompt is empty after tokenisation")
         return ids
 
-    def drafter(self, max_len: int) -> Drafter:
+    def drafter(self, max_len: int, reproducible: bool = False) -> Drafter:
+        """The drafter of one request; `reproducible` asks `auto` for seed-reproducible choices."""
         s = self.speculation
         if s.method == "ar":
             return NoDrafter()
         if s.method == "auto":
-            return self._auto_drafter(max_len)
+            return self._auto_drafter(max_len, reproducible)
         if s.method in ("chain", "tree"):
             from stagedspec.drafters.model import ModelDrafter
 
@@ -473,7 +479,7 @@ class Pipeline:
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
         oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
-        drafter = self.drafter(max_len)
+        drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []
         held = ""  # decoded text held back while it could still begin a stop string
@@ -495,8 +501,9 @@ class Pipeline:
                     held, hit_stop = "", True
                     return True
             keep = max((len(s) - 1 for s in stop_strings), default=0)
-            emit(held[: len(held) - keep])
-            held = held[len(held) - keep:]
+            cut = max(0, len(held) - keep)  # hold back whatever could still begin a stop string
+            emit(held[:cut])
+            held = held[cut:]
             return False
 
         result = speculative_generate(

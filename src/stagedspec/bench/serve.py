@@ -1,0 +1,170 @@
+"""`stagedspec bench-serve`: load a running server the way users do, through the official `openai` client.
+
+For each speculation method (the server's default, then `ar`: speculation
+on vs off) and each concurrency level, `--requests` streamed completions run
+with at most that many in flight.  Reported per level: aggregate tokens/s
+(all tokens / wall time), time to first token, per-request tokens/s (p50,
+p95) and the mean accepted length (tokens per oracle step, from the
+`stagedspec` extension of the final chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from stagedspec.errors import StagedSpecError
+
+
+@dataclass
+class RequestResult:
+    tokens: int
+    seconds: float
+    first_token_seconds: float
+    steps: float  # oracle steps (tokens / mean accepted length)
+
+
+@dataclass
+class LevelResult:
+    method: str
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    ttft_p50: float
+    ttft_p95: float
+    request_tps_p50: float
+    request_tps_p95: float
+    mean_accepted_length: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def read_prompts(files: list[str] | None) -> list[str]:
+    from stagedspec.bench.prompts import load_prompts
+
+    prompts: list[str] = []
+    for source in files or ["humaneval"]:
+        prompts.extend(load_prompts(source, None))
+    if not prompts:
+        raise StagedSpecError("no prompts found in the prompt files")
+    return prompts
+
+
+async def _one(client: Any, model: str, prompt: str, args: argparse.Namespace, method: str | None) -> RequestResult:
+    from stagedspec.bench.prompts import chat_instruction
+
+    extra = {"speculation": {"method": method}} if method else {}
+    t0 = time.perf_counter()
+    first: float | None = None
+    tokens, mal = 0, 1.0
+    common = dict(model=model, max_tokens=args.max_tokens, temperature=0, stream=True,
+                  stream_options={"include_usage": True}, extra_body=extra)
+    if args.chat:
+        stream = await client.chat.completions.create(
+            messages=[{"role": "user", "content": chat_instruction(prompt)}], **common)
+    else:
+        stream = await client.completions.create(prompt=prompt, **common)
+    async for chunk in stream:
+        if first is None and chunk.choices:
+            piece = chunk.choices[0].delta.content if args.chat else chunk.choices[0].text
+            if piece:
+                first = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        ext = (chunk.model_extra or {}).get("stagedspec")
+        if ext and ext.get("mean_accepted_length"):
+            mal = ext["mean_accepted_length"]
+    seconds = time.perf_counter() - t0
+    return RequestResult(tokens, seconds, first if first is not None else seconds, tokens / mal if mal else tokens)
+
+
+async def _level(client: Any, model: str, prompts: list[str], concurrency: int, n: int,
+                 args: argparse.Namespace, method: str | None) -> LevelResult:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def run(i: int) -> RequestResult:
+        async with gate:
+            return await _one(client, model, prompts[i % len(prompts)], args, method)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(run(i) for i in range(n)))
+    wall = time.perf_counter() - t0
+    tokens = sum(r.tokens for r in results)
+    steps = sum(r.steps for r in results)
+    tps = [r.tokens / r.seconds for r in results if r.seconds > 0]
+    ttft = [r.first_token_seconds for r in results]
+    return LevelResult(method or "server default", concurrency, n, tokens, wall, tokens / wall if wall else 0.0,
+                       percentile(ttft, 0.5), percentile(ttft, 0.95), percentile(tps, 0.5), percentile(tps, 0.95),
+                       tokens / steps if steps else 0.0)
+
+
+async def _bench(args: argparse.Namespace) -> list[LevelResult]:
+    import openai
+
+    prompts = read_prompts(args.prompts)
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise StagedSpecError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    if not levels or min(levels) < 1:
+        raise StagedSpecError("--concurrency needs at least one level >= 1")
+    key = args.api_key or os.environ.get("STAGEDSPEC_API_KEY") or "none"
+    async with openai.AsyncOpenAI(base_url=args.url, api_key=key, max_retries=0, timeout=600) as client:
+        try:
+            model = args.model or (await client.models.list()).data[0].id
+        except openai.APIConnectionError:
+            raise StagedSpecError(f"cannot reach a server at {args.url}: start one with `stagedspec serve`") from None
+        except openai.APIStatusError as e:
+            raise StagedSpecError(f"the server at {args.url} answered {e.status_code}: {e.message}") from None
+        methods: list[str | None] = [m.strip() for m in args.methods.split(",")] if args.methods else [None, "ar"]
+        out = []
+        for method in methods:
+            for c in levels:
+                try:
+                    out.append(await _level(client, model, prompts, c, args.requests or 2 * c, args, method))
+                except openai.APIStatusError as e:
+                    raise StagedSpecError(f"the server refused a request ({e.status_code}): {e.message}") from None
+        return out
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    results = asyncio.run(_bench(args))
+    if args.json:
+        print(json.dumps({"levels": [asdict(r) for r in results]}))
+        return 0
+    print(f"{'method':>16} {'conc':>4} {'reqs':>4} {'agg tok/s':>9} {'TTFT p50':>8} {'TTFT p95':>8} "
+          f"{'req tok/s p50':>13} {'p95':>7} {'acc len':>7}")
+    for r in results:
+        print(f"{r.method:>16} {r.concurrency:>4} {r.requests:>4} {r.tokens_per_second:>9.1f} {r.ttft_p50:>8.2f} "
+              f"{r.ttft_p95:>8.2f} {r.request_tps_p50:>13.1f} {r.request_tps_p95:>7.1f} "
+              f"{r.mean_accepted_length:>7.2f}")
+    methods = list(dict.fromkeys(r.method for r in results))
+    if len(methods) >= 2:
+        on, off = methods[0], methods[-1]
+        by = {(r.method, r.concurrency): r for r in results}
+        print(f"\nspeculation on ({on}) vs off ({off}), aggregate tokens/s:")
+        for c in sorted({r.concurrency for r in results}):
+            a, b = by.get((on, c)), by.get((off, c))
+            if a and b and b.tokens_per_second:
+                print(f"  concurrency {c}: {a.tokens_per_second:.1f} vs {b.tokens_per_second:.1f} "
+                      f"= {a.tokens_per_second / b.tokens_per_second:.2f}x")
+    base = [r for r in results if r.method == methods[0]]
+    if len(base) >= 2 and base[0].tokens_per_second:
+        top = max(base, key=lambda r: r.concurrency)
+        print(f"scaling ({methods[0]}): concurrency {top.concurrency} gives "
+              f"{top.tokens_per_second / base[0].tokens_per_second:.2f}x concurrency {base[0].concurrency}")
+    return 0

@@ -1,0 +1,115 @@
+"""`stagedspec serve` and `stagedspec bench-serve`: the HTTP server and its load generator.
+
+Kept apart from `cli.py` so the core CLI never imports fastapi, uvicorn or
+openai: they are imported only when one of these commands runs, and a
+missing extra is a one-line error naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from stagedspec.errors import StagedSpecError
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argparse's own type
+    from stagedspec.cli import _add_model_args, _add_speculation_args, _positive_int
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, exact "
+                                         "speculation per request; needs the 'serve' extra)")
+    _add_model_args(serve)
+    serve.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                       help="oracle weights, as for generate (default: none)")
+    _add_speculation_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=_positive_int, default=8000)
+    serve.add_argument("--max-batch", type=_positive_int, default=8, metavar="N",
+                       help="requests decoding at once; more wait in a queue (default 8)")
+    serve.add_argument("--max-memory", default=None, metavar="SIZE",
+                       help="memory budget, e.g. 2G: requests whose KV cache would not fit wait (default: the "
+                            "models + KV for --max-batch sequences at full context)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (default: $STAGEDSPEC_API_KEY, else none)")
+    serve.add_argument("--model-name", default=None, metavar="NAME",
+                       help="the model id clients send (default: derived from --oracle)")
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench-serve", help="drive a running server with the openai client at several "
+                                               "concurrencies, speculation on vs off")
+    bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's /v1 base URL")
+    bench.add_argument("--api-key", default=None, metavar="KEY", help="default: $STAGEDSPEC_API_KEY")
+    bench.add_argument("--model", default=None, help="model id (default: the server's first)")
+    bench.add_argument("--prompts", nargs="*", default=None, metavar="FILE",
+                       help="prompt files: one prompt per file, or .jsonl with a 'prompt' per line "
+                            "(default: HumanEval prompts)")
+    bench.add_argument("--concurrency", default="1,2,4,8", help="comma-separated concurrencies")
+    bench.add_argument("--requests", type=_positive_int, default=None, metavar="N",
+                       help="requests per concurrency level (default: 2 x concurrency)")
+    bench.add_argument("--max-tokens", type=_positive_int, default=128)
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated speculation methods to compare (default: the server's own, then ar)")
+    bench.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(func=cmd_bench_serve)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail with one line, before loading anything, when the address cannot be bound."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise StagedSpecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from stagedspec.server.app import create_app
+    except ImportError as e:
+        raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
+                              "pip install 'stagedspec[serve]'") from None
+    from stagedspec.cli import speculation_from
+    from stagedspec.server.engine import Engine, parse_size
+
+    oracle, drafts, spec = speculation_from(args)
+    max_memory = parse_size(args.max_memory) if args.max_memory else None
+    api_key = args.api_key or os.environ.get("STAGEDSPEC_API_KEY") or None
+    _check_port(args.host, args.port)
+
+    def load() -> Engine:
+        return Engine.load(oracle, drafts, spec, dtype=args.dtype, device=args.device, quant=args.quant,
+                           bit_exact=args.bit_exact, model_name=args.model_name)
+
+    server: uvicorn.Server | None = None
+
+    def on_load_error(message: str) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(loader=load, api_key=api_key, max_batch=args.max_batch, max_memory=max_memory,
+                     on_load_error=on_load_error)
+    print(f"stagedspec serve: http://{args.host}:{args.port}/v1 (method {spec.method}"
+          f"{', API key required' if api_key else ''}); loading the model...", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False))
+    server.run()
+    error = app.state.stagedspec.load_error
+    if error:
+        raise StagedSpecError(error)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise StagedSpecError("stagedspec bench-serve needs the openai client: pip install openai") from None
+    from stagedspec.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)

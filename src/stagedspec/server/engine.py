@@ -1,0 +1,184 @@
+"""The models a server holds, the speculation each request may ask for, and what memory a request needs.
+
+One `Engine` is loaded at start and shared read-only by every request: the
+weights never change, and everything that does (KV caches, drafters'
+caches, random generators) is made per request by `Engine.pipeline(...)` /
+`Pipeline.drafter`, which is what keeps a request's output independent of
+its neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.generation import TREE_SLACK, context_budget
+from stagedspec.models.transformer import Transformer
+from stagedspec.pipeline import METHODS, Pipeline, SpeculationConfig
+from stagedspec.server.schemas import SpeculationRequest, bad
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `1234`, `512M`, `1.5G`, `2GiB`, `800MB` (binary multiples, as memory is counted)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise StagedSpecError(f"bad size {text!r}: use e.g. 2G, 512M or a number of bytes")
+    scale = 1024 ** "_kmgt".index(m.group(2).lower() or "_")
+    return int(float(m.group(1)) * scale)
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def model_bytes(model: Transformer) -> int:
+    nb = getattr(model, "num_bytes", None)
+    if callable(nb):
+        return int(nb())
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(model: Transformer) -> int:
+    """Keys and values of one cached token, all layers (`KVCache` layout, model dtype)."""
+    cfg = model.config
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * model.embed.weight.element_size()
+
+
+@dataclass
+class MemoryModel:
+    """weights + KV per token x tokens + tree scratch: what `--max-memory` is checked against.
+
+    KV is counted per request from the cache slots it will really allocate
+    (`context_budget`, the same sizes a solo run uses), for the oracle and
+    for every draft model stage (each keeps its own cache).  Scratch is one
+    pass's activations for a full tree at full key width: the worker runs one
+    pass at a time, so it is counted once, not per request.
+    """
+
+    weights: int
+    oracle_kv_per_token: int
+    draft_kv_per_token: int
+    scratch: int
+
+    def request_kv(self, cache_slots: int, tree_nodes: int, uses_drafts: bool) -> int:
+        draft_slots = cache_slots + tree_nodes + 1 if uses_drafts else 0
+        return self.oracle_kv_per_token * cache_slots + self.draft_kv_per_token * draft_slots
+
+    def describe(self, budget: int, max_batch: int, full_slots: int, tree_nodes: int) -> str:
+        per_seq = self.request_kv(full_slots, tree_nodes, self.draft_kv_per_token > 0)
+        fits = max(0, (budget - self.weights - self.scratch) // max(1, per_seq))
+        return (f"memory model: weights {format_size(self.weights)} + KV "
+                f"{format_size(self.oracle_kv_per_token + self.draft_kv_per_token)}/token x tokens + tree scratch "
+                f"{format_size(self.scratch)}; one full-context sequence ({full_slots} slots) "
+                f"{format_size(per_seq)}; budget {format_size(budget)} holds {fits} full-context sequences "
+                f"(--max-batch {max_batch})")
+
+
+@dataclass
+class Engine:
+    """Loaded models + the server's default speculation; requests get their own pipelines from it."""
+
+    model: Transformer
+    tokenizer: Any  # stagedspec Tokenizer
+    draft_models: list[Transformer] = field(default_factory=list)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    ngram: Any = None
+    model_name: str = "stagedspec"
+    draft_names: list[str] = field(default_factory=list)
+    bit_exact: bool = False
+    # oracle pass costs for --adaptive-budget, measured once (about a second) and shared by every request
+    pass_costs: dict[int, float] | None = None
+    # what `--method auto` has learned (acceptance, step times), shared by every request
+    auto_policy: Any = None
+
+    @classmethod
+    def load(cls, oracle: str, drafts: Sequence[str], speculation: SpeculationConfig, *, dtype: str = "bf16",
+             device: str = "cpu", quant: str = "none", bit_exact: bool = False,
+             model_name: str | None = None) -> "Engine":
+        # Drafts are loaded even for a default of `ar` or `lookup`, so a request can still ask for them.
+        load_spec = speculation
+        if drafts and speculation.method in ("ar", "lookup"):
+            load_spec = dataclasses.replace(speculation, method="tree" if len(drafts) == 1 else "staged")
+        pipe = Pipeline(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant)
+        return cls(pipe.model, pipe.tokenizer, list(pipe.draft_models), speculation, pipe.ngram,
+                   model_name or default_model_name(oracle, quant), list(drafts), bit_exact)
+
+    # ---------------------------------------------------------------- per request
+    def speculation_for(self, req: SpeculationRequest) -> SpeculationConfig:
+        """The server's default speculation with a request's overrides, or a 400 saying why not."""
+        s = self.speculation
+        method = req.method or s.method
+        if method not in METHODS:
+            raise bad(f"unknown speculation method {method!r}: use one of {', '.join(METHODS)}", "speculation.method")
+        if req.draft is not None and req.draft not in self.draft_names:
+            have = ", ".join(self.draft_names) or "none"
+            raise bad(f"draft {req.draft!r} is not loaded by this server (loaded: {have})", "speculation.draft")
+        if method in ("chain", "tree", "staged") and not self.draft_models:
+            raise bad(f"method {method!r} needs a draft model; start the server with --draft", "speculation.method")
+        if method in ("lookup", "staged") and self.ngram is None and not s.context:
+            raise bad(f"method {method!r} needs prompt lookup or an n-gram; this server has neither",
+                      "speculation.method")
+        changes: dict[str, Any] = {"method": method}
+        if req.tree_budget is not None:
+            changes["tree_budget"] = req.tree_budget
+        try:
+            return dataclasses.replace(s, **changes)
+        except StagedSpecError as e:
+            raise bad(str(e), "speculation") from None
+
+    def pipeline(self, spec: SpeculationConfig) -> Pipeline:
+        # Pipeline.drafter takes the first draft for chain/tree and all of them for staged (or any later method)
+        drafts = [] if spec.method in ("ar", "lookup") else self.draft_models
+        pipe = Pipeline.from_loaded(self.model, self.tokenizer, drafts, spec, self.ngram)
+        pipe.bit_exact = self.bit_exact
+        pipe._pass_seconds = self.pass_costs  # noqa: SLF001 - share one measurement (see `remember_costs`)
+        if spec.method == "auto":
+            pipe._auto_policy = self.auto_policy  # noqa: SLF001 - one policy learns from every request
+        return pipe
+
+    def remember_costs(self, pipe: Pipeline) -> None:
+        """Keep what a request's pipeline measured, so the next request does not measure again."""
+        self.pass_costs = pipe._pass_seconds  # noqa: SLF001
+        if pipe.speculation.method == "auto":
+            self.auto_policy = pipe._auto_policy  # noqa: SLF001
+
+    @property
+    def max_context(self) -> int:
+        return self.model.config.max_position
+
+    def cache_slots(self, prompt_len: int, max_tokens: int, spec: SpeculationConfig) -> int:
+        return context_budget(self.model, prompt_len, max_tokens, spec.max_nodes)
+
+    # ---------------------------------------------------------------- memory
+    def memory_model(self) -> MemoryModel:
+        cfg = self.model.config
+        weights = model_bytes(self.model)
+        shared = {id(p) for p in self.model.parameters()}
+        for d in self.draft_models:  # a truncated draft shares the oracle's tensors: count only its own
+            weights += sum(p.numel() * p.element_size() for p in d.parameters() if id(p) not in shared)
+        rows = self.speculation.max_nodes + 2
+        width = cfg.max_position + TREE_SLACK
+        elem = self.model.embed.weight.element_size()
+        # one pass: attention scores (fp32) + hidden/MLP activations + logits rows (fp32)
+        scratch = rows * (cfg.n_heads * width * 4 + (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * elem
+                          + cfg.vocab_size * 4)
+        return MemoryModel(weights, kv_bytes_per_token(self.model),
+                           sum(kv_bytes_per_token(d) for d in self.draft_models), int(scratch))
+
+    def full_context_slots(self) -> int:
+        return context_budget(self.model, 1, self.max_context - 1, self.speculation.max_nodes)
+
+
+def default_model_name(oracle: str, quant: str = "none") -> str:
+    name = "SmolLM2-135M-Instruct" if oracle == "default" else oracle.rstrip("/").rsplit("/", 1)[-1]
+    return name if quant == "none" else f"{name}@{quant}"
+

@@ -1,0 +1,287 @@
+"""Continuous batching over exact per-request decoding loops.
+
+One worker thread owns every model call.  Requests wait in a FIFO queue
+until a running slot is free (`max_batch`) and their KV cache fits the
+memory budget; then they join the running set at the next step boundary.
+Each round the worker advances every running request by one step of its own
+decoding loop (`iter_steps`: propose a tree, verify it in one oracle pass,
+commit the accepted path) and hands the step's text to that request's
+stream.  A request leaves when it finishes, or at the first step boundary
+after its client went away (`Job.cancel`), which frees its slot and memory.
+
+Exactness: a running request owns everything that changes while it decodes:
+its `ModelOracle` (KV cache sized by `context_budget`, exactly as a solo run
+sizes it), its drafter (built by `Pipeline.drafter`, with its own draft
+caches) and its `torch.Generator` (seeded from the request's `seed` inside
+`iter_steps`).  The models' weights are shared but read-only.  So the
+sequence of tensor operations a request runs, with their shapes and inputs,
+is the one its solo `Pipeline.generate` runs, whatever its neighbours do;
+interleaving changes only *when* each step runs, never what it computes.
+(The steps are not yet fused into one batched oracle pass: see
+docs/serving.md, "Batched passes".)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from stagedspec.errors import StagedSpecError, first_line
+from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
+from stagedspec.pipeline import SpeculationConfig, stage_report
+from stagedspec.sampling import SamplingParams
+from stagedspec.server.engine import Engine, format_size
+from stagedspec.server.metrics import Metrics
+from stagedspec.server.schemas import APIError
+from stagedspec.server.text import StopTextStream
+
+Event = tuple  # ("text", str) | ("done", finish_reason, info) | ("error", status, message)
+
+
+@dataclass
+class Job:
+    """One generation request as the scheduler sees it; `deliver` must be callable from any thread."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    stop: list[str]
+    spec: SpeculationConfig
+    deliver: Callable[[Event], None]
+    kv_bytes: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class _Running:
+    """A job's decoding state: built exactly as `Pipeline.generate` builds a solo run's."""
+
+    def __init__(self, job: Job, engine: Engine) -> None:
+        self.job = job
+        pipe = engine.pipeline(job.spec)
+        max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
+        self.oracle = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact)
+        self.drafter = pipe.drafter(max_len, reproducible=job.seed is not None and not job.sampling.greedy)
+        engine.remember_costs(pipe)
+        self.stats = GenerationStats()
+        self.steps = iter_steps(self.oracle, self.drafter, job.prompt_ids, max_new_tokens=job.max_tokens,
+                                sampling=job.sampling, seed=job.seed,
+                                stop_token_ids=engine.tokenizer.eos_token_ids, stats=self.stats)
+        self.text = StopTextStream(engine.tokenizer, job.stop)
+        self.token_ids: list[int] = []
+        self.seconds = 0.0
+        self.first_token_seconds: float | None = None
+        self.t_start = time.perf_counter()
+
+    def step(self) -> tuple[list[int], int] | None:
+        """One step of this request's own loop: (tokens, oracle passes it took), or None when over."""
+        passes = self.oracle.forward_passes
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                tokens = next(self.steps)
+        except StopIteration:
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+        if self.first_token_seconds is None:
+            self.first_token_seconds = time.perf_counter() - self.t_start
+        self.token_ids.extend(tokens)
+        return tokens, self.oracle.forward_passes - passes
+
+    @property
+    def over(self) -> bool:
+        return (self.text.stopped or self.stats.finish_reason == "stop"
+                or len(self.token_ids) >= self.job.max_tokens)
+
+    def summary(self) -> dict[str, Any]:
+        st = self.stats
+        st.seconds, st.new_tokens = self.seconds, len(self.token_ids)
+        st.tokens_per_second = st.new_tokens / st.seconds if st.seconds > 0 else 0.0
+        st.oracle_forward_passes = self.oracle.forward_passes
+        st.draft_forward_passes = getattr(self.drafter, "forward_passes", 0)
+        st.stages = stage_report(st, self.drafter)
+        return {
+            "method": self.job.spec.method,
+            "mean_accepted_length": st.mean_accepted_length,
+            "tokens_by_stage": dict(Counter(st.token_origins)),
+            "oracle_passes": st.oracle_forward_passes,
+            "stages": st.stages,
+            "seconds": st.seconds,
+            "token_ids": list(self.token_ids),
+        }
+
+
+class Scheduler:
+    """Owns the models; runs every admitted request's loop, one step each per round, on one thread."""
+
+    def __init__(self, engine: Engine, *, max_batch: int = 8, max_memory: int | None = None,
+                 metrics: Metrics | None = None, round_pause: float = 0.0) -> None:
+        """`round_pause`: seconds to sleep after each round of steps (0 in service; tests set it through
+        $STAGEDSPEC_SERVE_ROUND_PAUSE to keep tiny models' requests in flight long enough to cancel)."""
+        if max_batch < 1:
+            raise StagedSpecError(f"--max-batch must be >= 1, got {max_batch}")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.memory = engine.memory_model()
+        self.base_bytes = self.memory.weights + self.memory.scratch
+        full = engine.full_context_slots()
+        nodes = engine.speculation.max_nodes
+        uses_drafts = bool(engine.draft_models)
+        default_budget = self.base_bytes + max_batch * self.memory.request_kv(full, nodes, uses_drafts)
+        self.max_memory = default_budget if max_memory is None else max_memory
+        if self.max_memory < self.base_bytes:
+            raise StagedSpecError(f"--max-memory {format_size(self.max_memory)} is below what the models "
+                                  f"need ({format_size(self.base_bytes)})")
+        self.metrics = metrics or Metrics()
+        self.round_pause = round_pause
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: list[_Running] = []
+        self._kv_in_use = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="stagedspec-scheduler", daemon=True)
+        self.metrics.update(memory_budget=self.max_memory, memory_in_use=self.base_bytes)
+
+    def describe(self) -> str:
+        return self.memory.describe(self.max_memory, self.max_batch, self.engine.full_context_slots(),
+                                    self.engine.speculation.max_nodes)
+
+    # ---------------------------------------------------------------- client side (any thread)
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; a job that could never fit the memory budget is refused (400) at once."""
+        uses_drafts = job.spec.method in ("chain", "tree", "staged")
+        slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
+        job.kv_bytes = self.memory.request_kv(slots, job.spec.max_nodes, uses_drafts)
+        if self.base_bytes + job.kv_bytes > self.max_memory:
+            raise APIError(400, f"this request's KV cache ({format_size(job.kv_bytes)}) does not fit the server's "
+                                f"memory budget ({format_size(self.max_memory - self.base_bytes)} after the "
+                                "models): lower max_tokens or the prompt", "max_tokens", "memory_budget_exceeded")
+        with self._cond:
+            self._waiting.append(job)
+            self.metrics.update(queued=len(self._waiting))
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Let the worker see a cancellation now even if it is idle."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- worker
+    def _admit(self) -> list[Job]:
+        """Under the lock: the waiting jobs that join now (FIFO, so a big job is not starved by small ones)."""
+        joining = []
+        while self._waiting and len(self._running) + len(joining) < self.max_batch:
+            job = self._waiting[0]
+            if job.cancelled.is_set():
+                self._waiting.popleft()
+                self.metrics.record_finish("cancelled", [])
+                continue
+            if self.base_bytes + self._kv_in_use + job.kv_bytes > self.max_memory:
+                break
+            self._waiting.popleft()
+            self._kv_in_use += job.kv_bytes
+            joining.append(job)
+        return joining
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._running and not self._waiting:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                joining = self._admit()
+                self._publish()
+            for job in joining:
+                self._start(job)
+            if joining:
+                with self._cond:
+                    self._publish()
+            for r in list(self._running):
+                self._advance(r)
+            if self.round_pause and self._running:
+                time.sleep(self.round_pause)
+            if not joining and not self._running:
+                with self._cond:  # everything waiting was cancelled or cannot fit yet: wait for a change
+                    if self._waiting and not self._stop:
+                        self._cond.wait(0.05)
+
+    def _start(self, job: Job) -> None:
+        try:
+            r = _Running(job, self.engine)
+        except Exception as e:  # noqa: BLE001 - a request must never take the worker down
+            self._release(job, "error")
+            job.deliver(("error", 400 if isinstance(e, StagedSpecError) else 500, first_line(e)))
+            return
+        self.metrics.record_prompt(len(job.prompt_ids))
+        self._running.append(r)
+
+    def _advance(self, r: _Running) -> None:
+        job = r.job
+        if job.cancelled.is_set():
+            self._finish(r, "cancelled")
+            return
+        try:
+            out = r.step()
+        except Exception as e:  # noqa: BLE001
+            if not isinstance(e, StagedSpecError):
+                traceback.print_exc(file=sys.stderr)
+            self._finish(r, "error")
+            job.deliver(("error", 400 if isinstance(e, StagedSpecError) else 500, first_line(e)))
+            return
+        if out is not None:
+            tokens, passes = out
+            st = r.stats
+            self.metrics.record_step(st.token_origins[-len(tokens):], st.accepted_lengths[-1], passes)
+            piece = r.text.push(tokens)
+            if piece:
+                job.deliver(("text", piece))
+        if out is None or r.over:
+            piece = r.text.finish()
+            if piece:
+                job.deliver(("text", piece))
+            stopped = r.text.stopped or r.stats.finish_reason == "stop"
+            info = r.summary()
+            self._finish(r, "completed", info)
+            job.deliver(("done", "stop" if stopped else "length", info))
+
+    def _finish(self, r: _Running, outcome: str, info: dict[str, Any] | None = None) -> None:
+        self._running.remove(r)
+        if info is None:
+            info = r.summary()
+        self.metrics.record_finish(outcome, info["stages"])
+        with self._cond:
+            self._kv_in_use -= r.job.kv_bytes
+            self._publish()
+        del r.oracle, r.drafter, r.steps  # free the KV caches now, not when the HTTP side lets go
+
+    def _release(self, job: Job, outcome: str) -> None:
+        self.metrics.record_finish(outcome, [])
+        with self._cond:
+            self._kv_in_use -= job.kv_bytes
+            self._publish()
+
+    def _publish(self) -> None:
+        self.metrics.update(running=len(self._running), queued=len(self._waiting),
+                            memory_in_use=self.base_bytes + self._kv_in_use)

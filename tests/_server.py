@@ -1,0 +1,77 @@
+"""Run `stagedspec serve` as a subprocess on 127.0.0.1 for the server tests.
+
+The server gets one torch thread (tiny models: threads only add wake-ups on
+a shared 2-core machine) and is always stopped by the fixture that started
+it; every request the tests send goes to 127.0.0.1 with a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model_folder(root: Path) -> Path:
+    from _tiny_models import save_tiny_hf
+
+    folder = root / "tiny-llama"
+    if not (folder / "config.json").exists():
+        save_tiny_hf("llama_gqa", folder)
+    return folder
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout: float = 90) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env["PYTHONPATH"] = SRC + os.pathsep + full_env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stagedspec", "serve", "--port", str(self.port), *args],
+            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server did not become healthy in time")
+            time.sleep(0.2)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(f"stagedspec_{name} "):
+                return float(line.split()[-1])
+        raise KeyError(name)
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.stdout.read() if self.proc.stdout else ""

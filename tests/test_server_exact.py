@@ -1,0 +1,115 @@
+"""Exactness under continuous batching: 8 concurrent streams, each equal to its solo run.
+
+Eight requests of different prompts and lengths start at staggered times and
+stream concurrently through `AsyncOpenAI`; each one's token ids and text must
+equal what `Pipeline.generate` produces for the same request alone, in this
+process, for `ar`, `tree`, `staged` and `auto`, greedy and seeded sampling, in fp32;
+and in bf16 for `staged` (no request shares a kernel call with another, so
+bf16 agrees too: see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from _server import ServerProcess, tiny_model_folder  # noqa: E402
+
+from stagedspec.models.loading import load_model  # noqa: E402
+from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy  # noqa: E402
+from stagedspec.sampling import SamplingParams  # noqa: E402
+
+MODEL = "tiny-llama"
+PROMPTS = ["Hello the", "in the in", "def f(x):", "1 2 3 4", "the cat sat", "import os", "<p>hi", "zzz"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the server runs one thread too: same kernels
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("serve-exact"))
+
+
+def start_server(folder, dtype: str):  # noqa: ANN001, ANN201
+    srv = ServerProcess(["--oracle", str(folder), "--draft", "layers:1", "--method", "tree", "--dtype", dtype,
+                         "--max-batch", "8"], env={"STAGEDSPEC_SERVE_ROUND_PAUSE": "0.002"})
+    yield srv
+    log = srv.stop()
+    assert "Traceback" not in log, log
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    yield from start_server(folder, "fp32")
+
+
+@pytest.fixture(scope="module")
+def server_bf16(folder):
+    yield from start_server(folder, "bf16")
+
+
+def solo_runner(folder, dtype: torch.dtype):  # noqa: ANN001, ANN201
+    model, tok = load_model(folder, dtype=dtype)
+    draft = truncated_copy(model, 1)
+
+    def run(method: str, prompt: str, max_tokens: int, sampling: SamplingParams, seed: int | None):  # noqa: ANN202
+        pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(method=method))
+        out = pipe.generate(prompt, max_new_tokens=max_tokens, sampling=sampling, seed=seed)
+        return out.token_ids, out.text
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def solo(folder):
+    return solo_runner(folder, torch.float32)
+
+
+async def one_stream(client, i: int, method: str, temperature: float):  # noqa: ANN001, ANN201
+    await asyncio.sleep(0.03 * i)  # staggered arrivals: requests join a running batch
+    t0 = time.monotonic()
+    text, ext = "", None
+    stream = await client.completions.create(
+        model=MODEL, prompt=PROMPTS[i], max_tokens=6 + 5 * i, temperature=temperature, seed=100 + i, stream=True,
+        extra_body={"speculation": {"method": method}})
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.finish_reason is not None:
+                ext = chunk.model_extra["stagedspec"]
+    return text, ext, (t0, time.monotonic())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("method", ["ar", "tree", "staged", "auto"])
+def test_eight_concurrent_streams_equal_solo_runs(server, solo, method, temperature):
+    check_concurrent_equals_solo(server, solo, method, temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_bf16_concurrent_streams_equal_solo_runs(server_bf16, folder, temperature):
+    check_concurrent_equals_solo(server_bf16, solo_runner(folder, torch.bfloat16), "staged", temperature)
+
+
+def check_concurrent_equals_solo(server, solo, method: str, temperature: float) -> None:  # noqa: ANN001
+    async def main():  # noqa: ANN202
+        async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", timeout=60,
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(one_stream(client, i, method, temperature) for i in range(8)))
+
+    results = asyncio.run(main())
+    sampling = SamplingParams(temperature=temperature)
+    for i, (text, ext, _) in enumerate(results):
+        ids, solo_text = solo(method, PROMPTS[i], 6 + 5 * i, sampling, 100 + i)
+        assert ext is not None and ext["method"] == method
+        assert ext["token_ids"] == ids, f"request {i} differs from its solo run"
+        assert text == solo_text
+    spans = sorted(span for _, _, span in results)
+    overlapping = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+    assert overlapping >= 2, "the requests did not overlap: the test exercised no batching"
