@@ -102,7 +102,8 @@ def test_report_and_plots_from_synthetic_results(tmp_path) -> None:  # noqa: ANN
 
 def test_method_lists() -> None:
     assert expand_methods(["tree"]) == ["ar", "tree"]
-    assert expand_methods(["ours", "hf-generate"])[:6] == ["ar", "chain", "tree", "tree-adaptive", "lookup", "staged"]
+    assert expand_methods(["ours", "hf-generate"])[:7] == ["ar", "auto", "chain", "tree", "tree-adaptive", "lookup",
+                                                         "staged"]
     with pytest.raises(StagedSpecError, match="unknown bench method"):
         expand_methods(["fast"])
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2

@@ -69,10 +69,21 @@ def parse_weights(name: str) -> tuple[torch.dtype, str]:
 
 
 def check_device(device: str) -> str:
+    """A valid device name, with CUDA set up for our passes.
+
+    On CUDA, cuDNN's SDPA backend is turned off: it builds a new plan for
+    every new (query, key) shape, and speculation makes many shapes (an H100
+    profile of `staged` spent 65% of its CPU time there; without it `tree`
+    went from 21 to 55 tok/s). The flash / memory-efficient / math backends
+    that take over return non-contiguous outputs, which `Attention.forward`
+    reshapes.
+    """
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise StagedSpecError(f"device {device!r} requested but no CUDA GPU is available")
     if not (device == "cpu" or device.startswith("cuda")):
         raise StagedSpecError(f"unknown device {device!r}: use cpu or cuda")
+    if device.startswith("cuda") and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
     return device
 
 
