@@ -307,3 +307,61 @@ def test_init_from_continues_a_saved_draft(distilled, oracle, corpus, tmp_path) 
         distill(oracle, None, corpus, small_cfg(tmp_path / "bad", layers=3, init_from=str(first)), progress=False)
     with pytest.raises(StagedSpecError, match="not a draft folder"):
         distill(oracle, None, corpus, small_cfg(tmp_path / "bad", init_from=str(tmp_path)), progress=False)
+
+
+def test_checkpoint_resumes_across_devices(oracle, corpus, tmp_path, monkeypatch) -> None:
+    """A checkpoint is device-neutral: written by a CUDA run, it resumes on the CPU where it stopped.
+
+    No GPU here, so the CUDA side is simulated: the checkpoint is rewritten to
+    say it came from `cuda:0` with a CUDA generator state, and the load must
+    map everything to the CPU (`map_location="cpu"`) and skip that generator.
+    """
+    steps = 8
+    straight = distill(oracle, None, corpus, small_cfg(tmp_path / "a", tokens=steps * 64, checkpoint_every=4,
+                                                       eval_every=2), progress=False)
+    cfg = small_cfg(tmp_path / "b", tokens=steps * 64, checkpoint_every=4, eval_every=2)
+    distill(oracle, None, corpus, cfg, progress=False, stop_after_steps=steps // 2)
+    path = tmp_path / "b" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["step"] == steps // 2 and state["device"] == "cpu"
+    moments = [v for s in state["optimizer"]["state"].values() for v in s.values() if torch.is_tensor(v)]
+    assert moments and all(v.device.type == "cpu" for v in moments)
+    state["device"] = "cuda:0"
+    state["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)  # a foreign generator state: must not be applied
+    torch.save(state, path)
+
+    seen = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: seen.append(kw.get("map_location")) or real_load(*a, **kw))
+    resumed = distill(oracle, None, corpus, cfg, resume=True, progress=False)
+    assert seen == ["cpu"]
+    assert resumed.training_meta["steps_done"] == steps
+    history = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert [h["step"] for h in history] == [0, 2, 4, 6, 8]  # the step count goes on from 4
+    assert history == json.loads((tmp_path / "a" / "metrics.json").read_text())  # and so do the losses
+    for name, value in straight.own_state_dict().items():
+        assert torch.equal(resumed.own_state_dict()[name], value), name
+
+
+def test_bf16_autocast_training_keeps_fp32_weights_and_learns(oracle, corpus, tmp_path) -> None:
+    """The GPU path's bf16 autocast (forced here on the CPU): fp32 weights and optimizer state, KL still falls."""
+    cfg = small_cfg(tmp_path, tokens=20 * 64, eval_every=10)
+    draft = distill(oracle, None, corpus, cfg, progress=False, autocast=True)
+    assert all(p.dtype == torch.float32 for p in draft.trainable_parameters())
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for s in state["optimizer"]["state"].values()
+               for k, v in s.items() if k != "step")
+    history = json.loads((tmp_path / "metrics.json").read_text())
+    assert history[-1]["heldout_kl"] < 0.95 * history[0]["heldout_kl"], history
+
+
+def test_progress_reports_tokens_per_second_and_eta(oracle, corpus, tmp_path, capsys) -> None:
+    from stagedspec.distill import _duration, _eta_seconds
+
+    distill(oracle, None, corpus, small_cfg(tmp_path, tokens=4 * 64, eval_every=2), progress=True)
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("step ")]
+    assert [l.split(":")[0] for l in lines] == ["step 2/4", "step 4/4"]
+    assert all("tok/s" in l and "ETA" in l and "held-out KL" in l for l in lines)
+    assert _duration(5) == "5s" and _duration(125) == "2m05s" and _duration(3 * 3600 + 60) == "3h01m"
+    assert _eta_seconds(10.0, 5, 20, None) == 40.0
+    assert _eta_seconds(10.0, 5, 20, deadline=0.0) == 0.0  # a time box that has passed

@@ -38,6 +38,8 @@ from typing import Any, Sequence
 from stagedspec.errors import StagedSpecError
 
 TARGETS = {"top1": 0.50, "top4": 0.75, "draft_cost_ratio": 1 / 6}
+# Default --sample-batch per device type: a CPU gains little past 16 rows; an H100 sampled 256 at a time (issue 13).
+SAMPLE_BATCH = {"cpu": 16, "cuda": 256}
 SAMPLES_NAME = "oracle_samples.json"
 
 
@@ -95,6 +97,10 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--batch-size", type=_int_at_least(1), default=8, metavar="B")
     d.add_argument("--seed", type=_int_at_least(0), default=0)
     d.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N", help="torch CPU threads")
+    d.add_argument("--device", default="cpu", metavar="DEV",
+                   help="cpu or cuda: where the oracle (teacher) and the draft train (default: cpu)")
+    d.add_argument("--no-autocast", action="store_true",
+                   help="on CUDA, run the draft's passes in fp32 instead of under bf16 autocast")
     d.add_argument("--max-minutes", type=_float_in(0.0, 1e7, lo_open=True), default=None, metavar="M",
                    help="time box for the training loop: stop after a checkpoint, save the draft so far "
                         "(--resume continues)")
@@ -109,8 +115,9 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--sample-tokens", type=_int_at_least(1), default=160, metavar="N", help="reply length cap")
     d.add_argument("--sample-repeat", type=_int_at_least(1), default=1, metavar="R",
                    help="copies of each oracle sample in the training mix")
-    d.add_argument("--sample-batch", type=_int_at_least(1), default=16, metavar="B",
-                   help="oracle replies generated B at a time (greedy, batched)")
+    d.add_argument("--sample-batch", type=_int_at_least(1), default=None, metavar="B",
+                   help="oracle replies generated B at a time (greedy, batched; default: "
+                        f"{SAMPLE_BATCH['cpu']} on the CPU, {SAMPLE_BATCH['cuda']} on CUDA)")
     d.add_argument("--init-from", default=None, metavar="DRAFT",
                    help="continue training a saved draft ('default' or a draft folder) instead of starting from oracle layers")
     d.add_argument("--teacher-top-k", type=_int_at_least(1), default=64, metavar="K")
@@ -143,6 +150,7 @@ def add_commands(subparsers: Any) -> None:
     e.add_argument("--branching", type=_int_at_least(1), default=4, metavar="B")
     e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
     e.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N")
+    e.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda (default: cpu)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_eval_draft)
 
@@ -272,8 +280,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     )
     from stagedspec.models.draft import save_draft
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import parse_dtype, tokenizer_fingerprint
+    from stagedspec.pipeline import check_device, resolve_dtype, tokenizer_fingerprint
 
+    device = check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     files = _check_files(args.corpus) if args.corpus is not None else default_corpus_files()
@@ -287,7 +296,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.resume and not (work / "checkpoint.pt").is_file():
         raise StagedSpecError(f"nothing to resume: no checkpoint at {work / 'checkpoint.pt'}")
 
-    oracle, tok = load_model(args.oracle, dtype=parse_dtype(args.dtype))
+    oracle, tok = load_model(args.oracle, dtype=resolve_dtype(args.dtype, device)[0], device=device)
+    device_type = torch.device(device).type
+    sample_batch = args.sample_batch or SAMPLE_BATCH[device_type]
+    autocast = device_type == "cuda" and not args.no_autocast
     n_layers = oracle.config.n_layers
     if args.layers > n_layers:
         raise StagedSpecError(f"--layers {args.layers}: the oracle has only {n_layers} layers")
@@ -310,7 +322,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         if not requests:
             raise StagedSpecError("--oracle-samples: the corpus has no documented Python functions to ask about")
         samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, work / SAMPLES_NAME,
-                                        fingerprint, progress=not args.no_progress, batch_size=args.sample_batch)
+                                        fingerprint, progress=not args.no_progress, batch_size=sample_batch)
     unique = plain + chats + samples
     repeats = {len(plain) + len(chats) + i: args.sample_repeat for i in range(len(samples))}
     cfg = DistillConfig(
@@ -324,11 +336,13 @@ def cmd_distill(args: argparse.Namespace) -> int:
     log(f"corpus: {len(files)} files ({len(wrap)} chat-wrapped into {len(chats)} exchanges), "
         f"{len(samples)} oracle samples x{args.sample_repeat}; tokens plain {n_tok[0]}, chat {n_tok[1]}, "
         f"samples {n_tok[2]} ({time.perf_counter() - t0:.0f} s)")
-    log(f"training {cfg.total_steps} steps of {cfg.tokens_per_step} tokens"
+    log(f"training {cfg.total_steps} steps of {cfg.tokens_per_step} tokens on {device}"
+        + (" (bf16 autocast)" if autocast else "")
         + (f", time box {args.max_minutes:g} min" if args.max_minutes else ""))
 
     student = distill(oracle, tok, streams, cfg, resume=args.resume, progress=not args.no_progress,
-                      stop_after_steps=args.stop_after_steps, max_seconds=None if args.max_minutes is None else args.max_minutes * 60)
+                      stop_after_steps=args.stop_after_steps, max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+                      autocast=autocast)
     meta = dict(student.training_meta)
     meta["complete"] = meta.get("steps_done", 0) >= cfg.total_steps
     meta["corpus"] = {"files": len(files), "chat_wrap": args.chat_wrap, "chat_exchanges": len(chats),
@@ -336,6 +350,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
                       "sample_repeat": args.sample_repeat, "tokens_plain": n_tok[0], "tokens_chat": n_tok[1],
                       "tokens_samples": n_tok[2]}
     meta["teacher_dtype"] = args.dtype
+    meta["device"] = device
+    meta["autocast"] = "bf16" if autocast else "off"
     save_draft(student, out, fingerprint, meta, dtype=getattr(torch, cfg.save_dtype))
     last = meta.get("history", [{}])[-1] if meta.get("history") else {}
     state = "complete" if meta["complete"] else "stopped early; continue with --resume"

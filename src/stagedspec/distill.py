@@ -30,6 +30,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -188,11 +189,13 @@ def top_tokens(ids: Tensor, vocab_size: int, n: int, always: Iterable[int] = ())
 
 # ---------------------------------------------------------------------- teacher and loss
 @torch.no_grad()
-def teacher_topk(oracle: Transformer, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def teacher_topk(oracle: Transformer, tokens: Tensor, k: int,
+                 out_device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
     """The oracle's top-k next-token log-probs and ids ([B, T, k] float32, int64) for causal windows.
 
     One batched prefill per chunk of rows; the full [rows, T, V] logits exist
-    only for that chunk.
+    only for that chunk.  The results are returned on `out_device` (the
+    training loop asks for the student's device, so a GPU run keeps them there).
     """
     B, T = tokens.shape
     V = oracle.config.vocab_size
@@ -206,8 +209,8 @@ def teacher_topk(oracle: Transformer, tokens: Tensor, k: int) -> tuple[Tensor, T
             cache = oracle.new_cache(T, batch=chunk.shape[0])
             logits = oracle(chunk, torch.arange(T, device=device), cache)
             top = logits.float().log_softmax(-1).topk(k, dim=-1)
-            logps.append(top.values.cpu())
-            ids.append(top.indices.cpu())
+            logps.append(top.values.to(out_device))
+            ids.append(top.indices.to(out_device))
     return torch.cat(logps).clone(), torch.cat(ids).clone()
 
 
@@ -240,21 +243,35 @@ def bucket_kl(student_logits: Tensor, teacher_logp: Tensor, teacher_cols: Tensor
     return kl_top + torch.xlogy(p_other, p_other) - p_other * lq_other
 
 
-def _train_loss_backward(student: DraftModel, tokens: Tensor, t_logp: Tensor, t_cols: Tensor) -> float:
+def _autocast(device: torch.device, enabled: bool) -> Any:
+    """bf16 autocast of the student's passes on `device` (a no-op context when not enabled)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def _train_loss_backward(student: DraftModel, tokens: Tensor, t_logp: Tensor, t_cols: Tensor,
+                         autocast: bool = False) -> float:
     """Mean bucket KL of a batch, with its gradients accumulated into the student.
 
     The trunk runs once; the head and loss run over chunks of rows on a
     detached copy of the hidden states, whose gradient is then pushed through
     the trunk in one backward.  This bounds the [rows, V] temporaries, which
     for a full 49k-token head would otherwise dominate memory.
+
+    `autocast`: the trunk and head matmuls run under bf16 autocast (GPU
+    training); the weights, their gradients and the optimizer state stay
+    fp32, and the loss is computed in fp32 (`bucket_kl` upcasts the logits).
     """
-    h = student.hidden_train(tokens).flatten(0, 1)
+    ctx = lambda: _autocast(tokens.device, autocast)  # noqa: E731
+    with ctx():
+        h = student.hidden_train(tokens).flatten(0, 1)
     hd = h.detach().requires_grad_(True)
     n, S = hd.shape[0], student.head_weight.shape[0]
     rows = max(1, _LOSS_CHUNK_ELEMENTS // S)
     total = 0.0
     for r in range(0, n, rows):
-        loss = bucket_kl(student.support_logits(hd[r : r + rows]), t_logp[r : r + rows], t_cols[r : r + rows]).sum() / n
+        with ctx():
+            logits = student.support_logits(hd[r : r + rows])
+        loss = bucket_kl(logits, t_logp[r : r + rows], t_cols[r : r + rows]).sum() / n
         loss.backward()
         total += float(loss.item())
     h.backward(hd.grad)
@@ -289,6 +306,7 @@ def distill(
     progress: bool = True,
     stop_after_steps: int | None = None,
     max_seconds: float | None = None,
+    autocast: bool | None = None,
 ) -> DraftModel:
     """Train a draft for `oracle` on `corpus_token_streams`; save it (and checkpoints) under `cfg.out`.
 
@@ -299,6 +317,13 @@ def distill(
     `max_seconds` is a wall-clock time box for this call's training loop: the
     step that crosses it is the last one, and it is checkpointed (resume goes on
     from there with unchanged weights and schedule).
+
+    The student is built on the oracle's device (load the oracle with
+    `device="cuda"` to train on a GPU).  `autocast` runs the student's
+    passes under bf16 autocast; None = on CUDA only (the CPU keeps its fp32
+    passes).  Checkpoints are device-neutral: a run saved on one device
+    resumes on another.  With `progress`, a line per evaluation gives the
+    tokens per second and the ETA of this call.
     Returns the (float32) student.
     """
     out = Path(cfg.out)
@@ -318,7 +343,9 @@ def distill(
     params = student.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     device = student.embed.weight.device
+    use_autocast = device.type == "cuda" if autocast is None else bool(autocast)
     cols_of = support_index(student.support, vocab)
+    cols_dev = cols_of.to(device)
     step, history = 0, []
     if resume:
         step, history = _load_checkpoint(out / CHECKPOINT_NAME, student, opt, cfg, data, head_tokens)
@@ -332,18 +359,18 @@ def distill(
     end = total if stop_after_steps is None else min(total, stop_after_steps)
     bar = _progress_bar(progress, total * cfg.tokens_per_step, step * cfg.tokens_per_step)
     loss_ema: float | None = None
-    t_start, tokens_done = time.perf_counter(), 0
+    t_start, tokens_done, first_step = time.perf_counter(), 0, step
     deadline = None if max_seconds is None else t_start + max_seconds
     timed_out = False
     try:
         while step < end:
             tokens = data.batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)
-            t_logp, t_ids = teacher_topk(oracle, tokens, cfg.teacher_top_k)
+            t_logp, t_ids = teacher_topk(oracle, tokens, cfg.teacher_top_k, out_device=device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
             opt.zero_grad(set_to_none=True)
-            loss = _train_loss_backward(student, tokens.to(device), t_logp.flatten(0, 1).to(device),
-                                        cols_of[t_ids].flatten(0, 1).to(device))
+            loss = _train_loss_backward(student, tokens.to(device), t_logp.flatten(0, 1),
+                                        cols_dev[t_ids].flatten(0, 1), autocast=use_autocast)
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
@@ -351,16 +378,22 @@ def distill(
             if deadline is not None and step < end and time.perf_counter() >= deadline:
                 end, timed_out = step, True  # time box reached: evaluate and checkpoint below, then stop
             loss_ema = loss if loss_ema is None else 0.9 * loss_ema + 0.1 * loss
+            elapsed = max(1e-9, time.perf_counter() - t_start)
+            speed = tokens_done / elapsed
+            eta = _eta_seconds(elapsed, step - first_step, end - step, deadline)
             if step % cfg.eval_every == 0 or step == total or timed_out:
                 metrics = _heldout_metrics(student, windows, h_logp, h_ids, h_cols)
                 history.append({"step": step, "tokens": step * cfg.tokens_per_step, "train_kl": loss, **metrics})
                 _write_json(out / METRICS_NAME, history)
+                if bar is not None:
+                    bar.write(f"step {step}/{total}: {_si(step * cfg.tokens_per_step)} tokens, {_si(speed)} tok/s, "
+                              f"ETA {_duration(eta)}; train KL {loss_ema:.4f}, held-out KL "
+                              f"{metrics['heldout_kl']:.4f}, top-1 {metrics['heldout_top1']:.3f}", file=sys.stderr)
             if step % cfg.checkpoint_every == 0 or step == end:
                 _save_checkpoint(out / CHECKPOINT_NAME, student, opt, cfg, data, head_tokens, step, history)
             if bar is not None:
                 bar.update(cfg.tokens_per_step)
-                post = {"loss": f"{loss_ema:.4f}",
-                        "tok/s": f"{tokens_done / max(1e-9, time.perf_counter() - t_start):.0f}"}
+                post = {"loss": f"{loss_ema:.4f}", "tok/s": f"{speed:.0f}", "eta": _duration(eta)}
                 last = history[-1] if history else None
                 if last is not None:
                     post.update(kl=f"{last['heldout_kl']:.4f}", top1=f"{last['heldout_top1']:.3f}")
@@ -405,6 +438,30 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
     return student.train(), student.head_tokens
 
 
+def _eta_seconds(elapsed: float, steps_done: int, steps_left: int, deadline: float | None) -> float:
+    """Seconds this call still needs at its pace so far (steps to its end, capped by a time box)."""
+    eta = elapsed / max(1, steps_done) * steps_left
+    if deadline is not None:
+        eta = min(eta, max(0.0, deadline - time.perf_counter()))
+    return eta
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"
+
+
 def _progress_bar(enabled: bool, total: int, initial: int) -> Any:
     if not enabled:
         return None
@@ -434,8 +491,9 @@ def _save_checkpoint(path: Path, student: DraftModel, opt: torch.optim.Optimizer
         "step": step,
         "data_position": {"step": step, "tokens_seen": step * cfg.tokens_per_step},
         "model": {k: v.detach().cpu().clone() for k, v in student.own_state_dict().items()},
-        "optimizer": opt.state_dict(),
-        "rng": {"torch": torch.get_rng_state()},
+        "optimizer": _to_cpu(opt.state_dict()),
+        "rng": _rng_state(student.embed.weight.device),
+        "device": str(student.embed.weight.device),
         "config": _recorded_config(cfg),
         "corpus": data.checksum(),
         "head_tokens": None if head_tokens is None else head_tokens.cpu(),
@@ -473,8 +531,53 @@ def _load_checkpoint(path: Path, student: DraftModel, opt: torch.optim.Optimizer
     p = student.embed.weight
     student.load_state_dict({k: v.to(p.device) for k, v in state["model"].items()}, strict=False)
     opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
+    _move_optimizer_state(opt)
+    _set_rng_state(state.get("rng") or {}, p.device)
     return int(state["step"]), list(state["history"])
+
+
+def _to_cpu(obj: Any) -> Any:
+    """`obj` (nested dicts/lists of tensors, e.g. an optimizer state) with every tensor on the CPU."""
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _move_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Put each parameter's optimizer state on that parameter's device (a checkpoint may come from another).
+
+    `load_state_dict` already does this for the moments; a scalar `step` is
+    left where torch keeps it (on the CPU unless the optimizer is capturable/fused).
+    """
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for name, value in opt.state.get(p, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.device != p.device:
+                    opt.state[p][name] = value.to(p.device)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore the CPU generator, and the CUDA one only when resuming on CUDA from a CUDA run.
+
+    A CPU checkpoint resumed on a GPU (or the reverse) keeps the current CUDA
+    generator: training draws no random numbers on the device (batches come
+    from their own seeded CPU generator), so nothing depends on it.
+    """
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -632,9 +735,10 @@ def _greedy_batch(oracle: Transformer, prompts: Sequence[Sequence[int]], n_token
         return [[] for _ in prompts]
     device = oracle.embed.weight.device
     pad = torch.tensor([L - len(p) for p in prompts], device=device)
-    tokens = torch.zeros(B, L, dtype=torch.long, device=device)
+    tokens = torch.zeros(B, L, dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, L - len(p):] = torch.tensor(list(p), dtype=torch.long)
+    tokens = tokens.to(device)
     # valid[b, s]: slot s of sequence b holds a real token (padding is on the left)
     valid = torch.arange(L + n_tokens, device=device)[None] >= pad[:, None]
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril_()
@@ -693,6 +797,9 @@ def oracle_continuation(
 
 
 # ---------------------------------------------------------------------- evaluation
+# First reply positions of the buckets `eval_draft` reports top-k coverage for (0-15, 16-63, 64+).
+POSITION_BUCKETS = (0, 16, 64)
+
 @torch.inference_mode()
 def eval_draft(
     oracle: Transformer,
@@ -701,24 +808,38 @@ def eval_draft(
     n_tokens: int,
     timing_dtype: torch.dtype | None = torch.bfloat16,
     timing_steps: int = 20,
+    continuations: Sequence[Sequence[int]] | None = None,
+    oracle_seconds: float | None = None,
+    position_buckets: Sequence[int] = POSITION_BUCKETS,
 ) -> dict[str, Any]:
     """How well and how cheaply `draft` predicts the oracle's greedy continuations of `prompt_streams`.
 
     Agreement is measured teacher-forced on the oracle's own greedy path,
     which is exactly the context a draft sees while its proposals are being
     accepted.  `topK` = fraction of positions whose oracle token is among the
-    draft's K best.  Costs are median seconds of one single-token decoding
-    step (batch 1) with `timing_dtype` copies of both models (None: as they
-    are); they are benchmark figures, not test assertions.
+    draft's K best; `by_position` gives the same per bucket of reply
+    positions (`position_buckets` are the buckets' first positions: 0-15,
+    16-63 and 64+ by default).  Costs are median seconds of one single-token
+    decoding step (batch 1) with `timing_dtype` copies of both models (None:
+    as they are); they are benchmark figures, not test assertions.
+
+    `continuations` (from `oracle_greedy_continuations`) and `oracle_seconds`
+    let several drafts be compared against one set of oracle replies and one
+    oracle timing.
     """
     ks = (1, 2, 4, 8)
+    starts = sorted(set(position_buckets) | {0})
+    names = [f"{a}-{b - 1}" for a, b in zip(starts, starts[1:])] + [f"{starts[-1]}+"]
     hits = {k: 0 for k in ks}
+    bucket_hits = [{k: 0 for k in ks} for _ in names]
+    bucket_n = [0] * len(names)
     n = 0
     device = draft.embed.weight.device
-    stops = oracle.config.eos_token_ids
-    for prompt in prompt_streams:
-        prompt = list(prompt)
-        cont = oracle_continuation(oracle, prompt, n_tokens, stop_token_ids=stops)
+    if continuations is None:
+        continuations = oracle_greedy_continuations(oracle, prompt_streams, n_tokens)
+    bucket_of = torch.tensor(starts)
+    for prompt, cont in zip(prompt_streams, continuations):
+        prompt, cont = list(prompt), list(cont)
         if not cont:
             continue
         seq = prompt + cont[:-1]
@@ -726,18 +847,48 @@ def eval_draft(
                        draft.new_cache(len(seq)), logits_rows=slice(len(prompt) - 1, None))[0].float()
         target = torch.tensor(cont, device=device)
         top = logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices
+        # bucket index of each reply position
+        which = torch.bucketize(torch.arange(len(cont)), bucket_of, right=True) - 1
         for k in ks:
-            hits[k] += int((top[:, :k] == target[:, None]).any(-1).sum())
+            hit = (top[:, :k] == target[:, None]).any(-1).cpu()
+            hits[k] += int(hit.sum())
+            for b in range(len(names)):
+                bucket_hits[b][k] += int(hit[which == b].sum())
+        for b in range(len(names)):
+            bucket_n[b] += int((which == b).sum())
         n += len(cont)
     result: dict[str, Any] = {"positions": n, **{f"top{k}": hits[k] / n if n else 0.0 for k in ks}}
+    result["by_position"] = {
+        name: {"positions": bucket_n[b], **{f"top{k}": bucket_hits[b][k] / bucket_n[b] if bucket_n[b] else None
+                                             for k in ks}}
+        for b, name in enumerate(names)
+    }
     context = list(prompt_streams[0])[-32:] if prompt_streams and len(prompt_streams[0]) else [0]
-    o_s = decode_step_seconds(oracle, context, timing_dtype, timing_steps)
+    o_s = oracle_seconds if oracle_seconds is not None else decode_step_seconds(oracle, context, timing_dtype, timing_steps)
     d_s = decode_step_seconds(draft, context, timing_dtype, timing_steps)
     result.update(
         oracle_ms_per_token=o_s * 1e3, draft_ms_per_token=d_s * 1e3, draft_cost_ratio=d_s / o_s,
         timing_dtype=str(timing_dtype or draft.embed.weight.dtype).removeprefix("torch."),
     )
     return result
+
+
+def oracle_greedy_continuations(oracle: Transformer, prompt_streams: Sequence[Sequence[int]],
+                                n_tokens: int) -> list[list[int]]:
+    """The oracle's greedy continuation of each prompt (what `eval_draft` measures drafts against)."""
+    stops = oracle.config.eos_token_ids
+    return [oracle_continuation(oracle, list(p), n_tokens, stop_token_ids=stops) for p in prompt_streams]
+
+
+def depth_reach(accepted_lengths: Sequence[int], max_depth: int) -> list[float]:
+    """Fraction of oracle steps whose accepted path reaches depth d, for d = 1..max_depth.
+
+    Depth d is reached when at least d draft tokens are accepted in a step;
+    the mean accepted length (tokens per oracle step) is 1 + the sum of these.
+    """
+    steps = len(accepted_lengths)
+    depth = max([max_depth, *accepted_lengths])
+    return [sum(1 for a in accepted_lengths if a >= d) / steps if steps else 0.0 for d in range(1, depth + 1)]
 
 
 @torch.inference_mode()
@@ -768,5 +919,6 @@ def decode_step_seconds(model: Transformer, context: Sequence[int], dtype: torch
 __all__ = [
     "DistillConfig", "distill", "eval_draft", "default_corpus_files", "corpus_streams_from_files",
     "stdlib_prompts", "oracle_samples", "oracle_continuation", "batched_greedy_continuations", "check_no_human_eval", "bucket_kl",
-    "teacher_topk", "lr_at", "TokenData", "top_tokens", "decode_step_seconds",
+    "teacher_topk", "lr_at", "TokenData", "top_tokens", "decode_step_seconds", "oracle_greedy_continuations",
+    "depth_reach", "POSITION_BUCKETS",
 ]
