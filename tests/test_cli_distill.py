@@ -189,3 +189,72 @@ def test_documented_functions_and_stream_order() -> None:
     counts = [sum(1 for s in ordered if s == streams[i]) for i in range(400)]
     assert set(counts) == {1, 3}  # held-out (tail) streams are never repeated into training
     assert all(counts[s[0]] == 1 for s in ordered[-30:])
+
+
+def test_device_cpu_is_recorded_and_cuda_without_a_gpu_is_a_one_line_error(
+        oracle_dir: Path, corpus: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "draft"
+    assert run(distill_args(oracle_dir, corpus, out, "--device", "cpu", "--oracle-samples", "2",
+                            "--sample-tokens", "3")) == 0  # --sample-batch defaults for the CPU
+    training = json.loads((out / CONFIG_NAME).read_text())["training"]
+    assert training["device"] == "cpu" and training["autocast"] == "off" and training["complete"] is True
+    capsys.readouterr()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--device", "cuda")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stagedspec: error:") and "no CUDA GPU is available" in err and err.count("\n") == 1
+    assert run(["eval-draft", "--oracle", str(oracle_dir), "--draft", str(out), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU is available" in err and err.count("\n") == 1
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--device", "tpu")) == 2
+    assert "unknown device" in capsys.readouterr().err
+
+
+def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, corpus: list[str], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "draft"
+    assert run(distill_args(oracle_dir, corpus, out, "--device", "cpu")) == 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n\n\ndef g(a, b):\n")
+    common = ["eval-draft", "--oracle", str(oracle_dir), "--prompts", str(prompts), "--tokens", "20",
+              "--accept-prompts", "1", "--accept-tokens", "8", "--tree-depth", "3", "--draft-k", "2",
+              "--dtype", "fp32", "--device", "cpu"]
+    capsys.readouterr()
+
+    # One draft: the JSON object as before, with the figures per reply position and per depth.
+    assert run(common + ["--draft", str(out), "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert list(one["by_position"]) == ["0-15", "16-63", "64+"]
+    buckets = one["by_position"]
+    assert buckets["0-15"]["positions"] + buckets["16-63"]["positions"] == one["positions"] > 16
+    assert buckets["64+"]["positions"] == 0 and buckets["64+"]["top1"] is None
+    n = one["positions"]
+    assert abs(sum(b["top1"] * b["positions"] for b in buckets.values() if b["positions"]) / n - one["top1"]) < 1e-9
+    assert len(one["chain_depth_reach"]) == 2 and len(one["tree_depth_reach"]) == 3
+    for kind in ("chain", "tree"):
+        reach = one[f"{kind}_depth_reach"]
+        assert all(1 >= a >= b >= 0 for a, b in zip(reach, reach[1:]))  # deeper is reached no more often
+        assert abs(1 + sum(reach) - one[f"{kind}_mean_accepted_length"]) < 1e-9
+
+    # Two drafts (a repeated flag and a comma list, the duplicate dropped): one table, a column each,
+    # measured on the same oracle replies.
+    assert run(common + ["--draft", str(out), "--draft", f"layers:1,{out}"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("2 drafts vs oracle")
+    header = text.splitlines()[1].split()
+    assert header == ["draft", "layers:1"]
+    for row in ("top-1", "top-4 @ reply 0-15", "mean accepted, tree 16", "tree reaches depth 3", "cost (bfloat16"):
+        assert any(line.strip().startswith(row) for line in text.splitlines()), row
+    assert run(common + ["--draft", f"{out},layers:1", "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert [r["draft"] for r in both["drafts"]] == [str(out), "layers:1"]
+    assert both["drafts"][0]["top1"] == one["top1"] and both["drafts"][0]["by_position"] == one["by_position"]
+    assert both["drafts"][0]["positions"] == both["drafts"][1]["positions"]
+    assert both["drafts"][0]["oracle_ms_per_token"] == both["drafts"][1]["oracle_ms_per_token"]
+
+    # A single draft still prints the readable report.
+    assert run(common + ["--draft", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "top-1 agreement" in text and "by reply position 0-15" in text and "depth reached" in text

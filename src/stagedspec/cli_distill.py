@@ -132,10 +132,14 @@ def add_commands(subparsers: Any) -> None:
     e = subparsers.add_parser(
         "eval-draft", help="quality report of a draft against its oracle (HumanEval prompts, chat-formatted)",
         description="Greedy top-1/top-k agreement with the oracle's own greedy continuations of held-out "
-                    "HumanEval prompts, mean accepted length (chain and tree) and cost per token.",
+                    "HumanEval prompts (overall and by position in the reply), mean accepted length (chain "
+                    "and tree) with how often each depth is reached, and cost per token; several drafts "
+                    "are compared side by side on the same oracle replies.",
     )
     e.add_argument("--oracle", default="default", metavar="SPEC")
-    e.add_argument("--draft", required=True, metavar="SPEC", help="'default', a draft folder, an HF folder, .gguf or layers:N")
+    e.add_argument("--draft", required=True, action="append", metavar="SPEC",
+                   help="'default', a draft folder, an HF folder, .gguf or layers:N; repeat it or give a comma "
+                        "list to compare drafts side by side (one column each)")
     e.add_argument("--prompts", default="humaneval", metavar="SOURCE",
                    help="'humaneval' (default; never trained on) or a prompt file (.jsonl or blank-line separated)")
     e.add_argument("--n-prompts", type=_int_at_least(1), default=20, metavar="N", help="prompts for agreement")
@@ -361,65 +365,170 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- eval-draft
+def draft_specs(values: Sequence[str]) -> list[str]:
+    """The drafts of `--draft A --draft B,C`: in order, comma lists split, repeats dropped."""
+    out: list[str] = []
+    for raw in values:
+        for spec in raw.split(","):
+            spec = spec.strip()
+            if spec and spec not in out:
+                out.append(spec)
+    if not out:
+        raise StagedSpecError("--draft: no draft given")
+    return out
+
+
 def cmd_eval_draft(args: argparse.Namespace) -> int:
     import torch
 
     from stagedspec.bench.prompts import load_prompts
-    from stagedspec.distill import eval_draft
-    from stagedspec.pipeline import Pipeline, SpeculationConfig
-    from stagedspec.sampling import SamplingParams
+    from stagedspec.distill import decode_step_seconds, oracle_greedy_continuations
+    from stagedspec.pipeline import Pipeline, SpeculationConfig, check_device, load_draft_model
 
+    device = check_device(args.device)
+    drafts = draft_specs(args.draft)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.n_prompts, args.offset)
     if not prompts:
         raise StagedSpecError(f"no prompts in {args.prompts} from offset {args.offset}")
     spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching, draft_k=args.draft_k)
-    pipe = Pipeline(args.oracle, args.draft, speculation=SpeculationConfig(method="chain", **spec), dtype=args.dtype)
+    pipe = Pipeline(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec), dtype=args.dtype,
+                    device=device)
+    models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device)
+                                   for d in drafts[1:]]
     streams = [pipe.encode(chat_instruction(p), chat=True) for p in prompts]
+    # One set of oracle replies and one oracle timing for every draft: the columns differ only by the draft.
+    continuations = oracle_greedy_continuations(pipe.model, streams, args.tokens)
+    context = list(streams[0])[-32:] if streams and len(streams[0]) else [0]
+    oracle_s = decode_step_seconds(pipe.model, context, torch.bfloat16)
+    ar_speed = None
+    reports = []
+    for name, model in zip(drafts, models):
+        pipe.draft_models, pipe.draft_model = [model], model
+        report, ar_speed = _eval_one_draft(args, pipe, model, streams, continuations, oracle_s, spec, ar_speed)
+        report.update(oracle=args.oracle, draft=name, prompts=args.prompts, n_prompts=len(streams),
+                      tokens=args.tokens, offset=args.offset, device=device)
+        reports.append(report)
+    if args.json:
+        out: Any = reports[0] if len(reports) == 1 else {"oracle": args.oracle, "drafts": reports}
+        print(json.dumps(out, indent=1))
+        return 0
+    source = "HumanEval" if args.prompts == "humaneval" else args.prompts
+    where = (f"{reports[0]['positions']} positions, {source} prompts {args.offset}..{args.offset + len(streams) - 1} "
+             f"(chat-formatted), oracle greedy continuations of {args.tokens} tokens")
+    if len(reports) == 1:
+        _print_one(args, reports[0], where)
+    else:
+        print(f"{len(reports)} drafts vs oracle {args.oracle}: {where}")
+        print(_comparison_table(args, reports))
+    return 0
+
+
+def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: list[list[int]],
+                    continuations: list[list[int]], oracle_s: float, spec: dict[str, int],
+                    ar_speed: float | None) -> tuple[dict[str, Any], float | None]:
+    """One draft's report: agreement (overall and by reply position), accepted lengths per depth, speed, cost."""
+    import torch
+
+    from stagedspec.distill import depth_reach, eval_draft
+    from stagedspec.pipeline import SpeculationConfig
+    from stagedspec.sampling import SamplingParams
+
     with torch.inference_mode():
-        report: dict[str, Any] = eval_draft(pipe.model, pipe.draft_model, streams, args.tokens,
-                                            timing_dtype=torch.bfloat16)
-    report.update(oracle=args.oracle, draft=args.draft, prompts=args.prompts, n_prompts=len(streams),
-                  tokens=args.tokens, offset=args.offset)
+        report: dict[str, Any] = eval_draft(pipe.model, model, streams, args.tokens, timing_dtype=torch.bfloat16,
+                                            continuations=continuations, oracle_seconds=oracle_s)
     accept: dict[str, Any] = {}
-    for method in (("ar", "chain", "tree") if args.accept_prompts else ()):
+    methods = ("chain", "tree") + (("ar",) if ar_speed is None else ())
+    for method in (methods if args.accept_prompts else ()):
         pipe.speculation = SpeculationConfig(method=method, **spec)
-        steps = accepted = new = 0
-        seconds = 0.0
+        lengths: list[int] = []
+        new, seconds = 0, 0.0
         for ids in streams[: args.accept_prompts]:
             st = pipe.generate(ids, max_new_tokens=args.accept_tokens, sampling=SamplingParams()).stats
-            steps += len(st.accepted_lengths)
-            accepted += sum(st.accepted_lengths)
+            lengths += st.accepted_lengths
             new += st.new_tokens
             seconds += st.seconds
-        accept[method] = {"mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
-                          "tokens_per_second": new / seconds if seconds else 0.0, "new_tokens": new}
+        steps = len(lengths)
+        depth = {"chain": args.draft_k, "tree": args.tree_depth}.get(method, 0)
+        accept[method] = {"mean_accepted_length": (sum(lengths) + steps) / steps if steps else 0.0,
+                          "tokens_per_second": new / seconds if seconds else 0.0, "new_tokens": new,
+                          "depth_reach": depth_reach(lengths, depth) if depth else []}
     if accept:
+        ar_speed = accept.pop("ar")["tokens_per_second"] if "ar" in accept else ar_speed
         report["chain_mean_accepted_length"] = accept["chain"]["mean_accepted_length"]
         report["tree_mean_accepted_length"] = accept["tree"]["mean_accepted_length"]
-        report["speed"] = {m: v["tokens_per_second"] for m, v in accept.items()}
+        # depth_reach[d-1]: share of oracle steps whose accepted path reaches depth d (1 + their sum = the mean)
+        report["chain_depth_reach"] = accept["chain"]["depth_reach"]
+        report["tree_depth_reach"] = accept["tree"]["depth_reach"]
+        report["speed"] = {"ar": ar_speed, **{m: v["tokens_per_second"] for m, v in accept.items()}}
         report["accept_prompts"] = min(args.accept_prompts, len(streams))
     report["targets"] = {k: {"target": v, "met": (report[k] <= v if k == "draft_cost_ratio" else report[k] >= v)}
                          for k, v in TARGETS.items()}
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return 0
+    return report, ar_speed
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _reach(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+def _print_one(args: argparse.Namespace, report: dict[str, Any], where: str) -> None:
     ok = lambda k: "ok" if report["targets"][k]["met"] else "below target"  # noqa: E731
-    print(f"draft {args.draft} vs oracle {args.oracle}: {report['positions']} positions, "
-          f"{'HumanEval' if args.prompts == 'humaneval' else args.prompts} prompts {args.offset}.."
-          f"{args.offset + len(streams) - 1} (chat-formatted), "
-          f"oracle greedy continuations of {args.tokens} tokens")
+    print(f"draft {report['draft']} vs oracle {args.oracle}: {where}")
     print(f"  top-1 agreement   {report['top1']:6.1%}   (target >= 50%: {ok('top1')})")
     print(f"  top-2 coverage    {report['top2']:6.1%}")
     print(f"  top-4 coverage    {report['top4']:6.1%}   (target >= 75%: {ok('top4')})")
     print(f"  top-8 coverage    {report['top8']:6.1%}")
-    if accept:
+    print("  by reply position " + "; ".join(
+        f"{name} ({b['positions']}): top-1 {_pct(b['top1'])}, top-4 {_pct(b['top4'])}"
+        for name, b in report["by_position"].items()))
+    if "speed" in report:
         print(f"  mean accepted length (tokens per oracle step, greedy, {report['accept_prompts']} prompts x "
-              f"{args.accept_tokens} tokens): chain k={args.draft_k} {accept['chain']['mean_accepted_length']:.2f}, "
-              f"tree budget={args.tree_budget} {accept['tree']['mean_accepted_length']:.2f}")
-        print(f"  speed (tokens/s): ar {accept['ar']['tokens_per_second']:.1f}, "
-              f"chain {accept['chain']['tokens_per_second']:.1f}, tree {accept['tree']['tokens_per_second']:.1f}")
+              f"{args.accept_tokens} tokens): chain k={args.draft_k} {report['chain_mean_accepted_length']:.2f}, "
+              f"tree budget={args.tree_budget} {report['tree_mean_accepted_length']:.2f}")
+        print(f"  depth reached (share of steps, depth 1..): chain {_reach(report['chain_depth_reach'])}; "
+              f"tree {_reach(report['tree_depth_reach'])}")
+        sp = report["speed"]
+        print(f"  speed (tokens/s): ar {sp['ar']:.1f}, chain {sp['chain']:.1f}, tree {sp['tree']:.1f}")
     print(f"  cost per token    draft {report['draft_ms_per_token']:.2f} ms / oracle {report['oracle_ms_per_token']:.2f} ms "
           f"= {report['draft_cost_ratio']:.3f} in {report['timing_dtype']} (target <= 0.167: {ok('draft_cost_ratio')})")
-    return 0
+
+
+def _column_names(specs: list[str]) -> list[str]:
+    """Short column headers: a folder's last part where that is unambiguous, else the spec as given."""
+    short = [Path(s).name or s for s in specs]
+    return short if len(set(short)) == len(short) else list(specs)
+
+
+def _comparison_table(args: argparse.Namespace, reports: list[dict[str, Any]]) -> str:
+    """One row per figure, one column per draft."""
+    rows: list[tuple[str, list[str]]] = []
+    col = lambda f: [f(r) for r in reports]  # noqa: E731
+    for k in (1, 2, 4, 8):
+        rows.append((f"top-{k}", col(lambda r, k=k: f"{r[f'top{k}']:.1%}")))
+    for name in reports[0]["by_position"]:
+        for k in (1, 4):
+            label = f"top-{k} @ reply {name} ({reports[0]['by_position'][name]['positions']})"
+            rows.append((label, col(lambda r, n=name, k=k: _pct(r["by_position"][n][f"top{k}"]))))
+    if "speed" in reports[0]:
+        rows.append((f"mean accepted, chain k={args.draft_k}", col(lambda r: f"{r['chain_mean_accepted_length']:.2f}")))
+        for d in range(len(reports[0]["chain_depth_reach"])):
+            rows.append((f"  chain reaches depth {d + 1}", col(lambda r, d=d: _reach(r["chain_depth_reach"][d:d + 1]))))
+        rows.append((f"mean accepted, tree {args.tree_budget}", col(lambda r: f"{r['tree_mean_accepted_length']:.2f}")))
+        for d in range(len(reports[0]["tree_depth_reach"])):
+            rows.append((f"  tree reaches depth {d + 1}", col(lambda r, d=d: _reach(r["tree_depth_reach"][d:d + 1]))))
+        rows.append(("tok/s chain", col(lambda r: f"{r['speed']['chain']:.1f}")))
+        rows.append(("tok/s tree", col(lambda r: f"{r['speed']['tree']:.1f}")))
+        rows.append(("tok/s ar (oracle alone)", col(lambda r: f"{r['speed']['ar']:.1f}")))
+    rows.append((f"cost ({reports[0]['timing_dtype']}, draft/oracle)", col(lambda r: f"{r['draft_cost_ratio']:.3f}")))
+    rows.append(("draft ms/token", col(lambda r: f"{r['draft_ms_per_token']:.2f}")))
+    headers = _column_names([r["draft"] for r in reports])
+    width0 = max(len(label) for label, _ in rows)
+    widths = [max(len(h), *(len(vals[i]) for _, vals in rows)) for i, h in enumerate(headers)]
+    lines = ["  " + " " * width0 + "".join(f"  {h:>{w}}" for h, w in zip(headers, widths))]
+    lines += ["  " + f"{label:<{width0}}" + "".join(f"  {v:>{w}}" for v, w in zip(vals, widths)) for label, vals in rows]
+    return "\n".join(lines)
