@@ -12,6 +12,7 @@ from it by `stagedspec.bench.report`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -462,6 +463,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     t_start = time.perf_counter()
     models = BenchModels(cfg.oracle, cfg.dtype, cfg.device)
+    if cfg.dtype == "auto":  # the report names what ran: bf16 or fp32, as `--dtype auto` chose it here
+        cfg = dataclasses.replace(cfg, dtype=models.dtype_name)
     raw_prompts, prompt_ids, chat = encode_prompts(cfg, models)
     max_context = max(len(x) for x in prompt_ids) + cfg.max_new_tokens + 64
     methods, skipped, notes = build_methods(cfg, models, max_context)
