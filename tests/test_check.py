@@ -15,7 +15,9 @@ import torch
 from stagedspec.check import chi_square, detectable_tv, wrong_q_distribution
 from stagedspec.cli import main
 from stagedspec.sampling import SamplingParams
-from stagedspec.verification import VerifyResult, deterministic_node_rule, verify, walk_tree
+from stagedspec.verification import deterministic_node_rule, verify, walk_tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +121,7 @@ def test_statistics_helpers() -> None:
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # ~30 s alone, but `auto` re-measures its cost profile in the private cache: ~100 s shared
 def test_check_quick_on_the_default_models(capsys) -> None:  # noqa: ANN001
     code, out, err = run_check(["--quick"], capsys)
     assert code == 0, out + err
