@@ -1,0 +1,128 @@
+"""`stagedspec check` on a tiny random Llama (GQA) with a one-layer truncated draft.
+
+The command must pass on a correct pair, exit 1 with FAIL rows when a wrong verifier is put into the
+real (non-control) path, flag its own negative control, and give one-line errors for bad input.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagedspec.check import chi_square, detectable_tv, wrong_q_distribution
+from stagedspec.cli import main
+from stagedspec.sampling import SamplingParams
+from stagedspec.verification import deterministic_node_rule, verify, walk_tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:  # noqa: ANN001
+    from _tiny_models import save_tiny_hf  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("check") / "tiny-llama"
+    save_tiny_hf("llama_gqa", folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def private_cost_cache(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`auto` measures pass costs at first use: keep them out of the user's cache."""
+    monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
+
+
+def run_check(args: list[str], capsys) -> tuple[int, str, str]:  # noqa: ANN001
+    code = main(["check", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def rows(out: str, part: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(part + " ")]
+
+
+def test_check_passes_on_a_correct_pair_and_flags_its_control(tiny: Path, capsys) -> None:  # noqa: ANN001
+    t0 = time.perf_counter()
+    code, out, err = run_check(["--oracle", str(tiny), "--draft", "layers:1", "--quick"], capsys)
+    assert code == 0, out + err
+    greedy = rows(out, "greedy")
+    assert len(greedy) == 5 and all(" PASS " in r for r in greedy), greedy  # chain tree lookup staged auto
+    sampling = rows(out, "sampling")
+    assert len(sampling) == 2 and all(" PASS " in r for r in sampling), sampling
+    assert all("detects TV >=" in r for r in sampling)
+    control = rows(out, "control")
+    assert len(control) == 2 and all(" FLAGGED " in r for r in control), control
+    assert len(rows(out, "speed")) == 6
+    assert "result: PASS" in out
+    assert time.perf_counter() - t0 < 30
+
+
+def biased_deterministic_verify(tree, logits, sampling, generator):  # noqa: ANN001, ANN201
+    """WRONG: a fixed proposal accepted w.p. p(x), but a rejection draws from p itself, not p without x."""
+    if sampling.greedy:
+        return verify(tree, logits, sampling, generator)
+
+    def rule(p, tokens, q, gen):  # noqa: ANN001, ANN202
+        return deterministic_node_rule(p, tokens, None, gen)[0], p
+
+    return walk_tree(tree, logits, sampling, generator, rule)
+
+
+def test_a_wrong_verifier_in_the_real_path_fails(tiny: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr("stagedspec.generation.verify", biased_deterministic_verify)
+    code, out, err = run_check(["--oracle", str(tiny), "--draft", "layers:1", "--quick"], capsys)
+    assert code == 1, out + err
+    assert all(" FAIL " in r for r in rows(out, "sampling")), rows(out, "sampling")
+    assert all(" PASS " in r for r in rows(out, "greedy"))  # greedy goes through the real rule
+    assert "result: FAIL" in out
+
+
+def test_no_draft_skips_draft_methods(tiny: Path, capsys) -> None:  # noqa: ANN001
+    code, out, err = run_check(["--oracle", str(tiny), "--quick", "--samples", "300", "--top-k", "0",
+                                "--temperature", "1"], capsys)
+    assert code == 0, out + err
+    skipped = [r for r in rows(out, "greedy") if " SKIP " in r]
+    assert len(skipped) == 3 and all("needs a draft" in r for r in skipped)
+    assert len(rows(out, "sampling")) == 1  # the user's sampling equals T=1: one row
+    assert "lookup first token" in rows(out, "sampling")[0]
+    assert "oracle's first layer" in rows(out, "control")[0]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--oracle", "/no/such/model"], "/no/such/model"),
+    (["--draft", "layers:x"], "layers:N"),
+    (["--temperature", "0"], "temperature"),
+    (["--top-p", "2"], "top-p"),
+    (["--samples", "5"], "samples"),
+    (["--device", "cuda"], "cuda"),
+])
+def test_bad_input_is_a_one_line_error(tiny: Path, extra: list[str], needle: str, capsys) -> None:  # noqa: ANN001
+    args = ["--oracle", str(tiny), "--quick", *extra] if "--oracle" not in extra else ["--quick", *extra]
+    code, _, err = run_check(args, capsys)
+    assert code == 2, err
+    assert "error:" in err and needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_statistics_helpers() -> None:
+    # The toy suite's figure: about 4,000 samples detect TV ~0.07 in the worst case (df 7 to 103).
+    assert 0.04 < detectable_tv(4000, 7) < detectable_tv(4000, 100) < 0.08
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    assert chi_square({3: 1, 0: 10}, p)[0] == 0.0  # a draw where p = 0 fails outright
+    assert chi_square({0: 500, 1: 300, 2: 200}, p)[0] > 0.99
+    # The wrong-q rule on one fixed proposal: x is emitted w.p. min(1, p/q), not p.
+    q = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    assert wrong_q_distribution(p, [0], q)[0] == pytest.approx(1.0)
+    assert float(wrong_q_distribution(p, [2], q).sum()) == pytest.approx(1.0)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow  # ~30 s alone, but `auto` re-measures its cost profile in the private cache: ~100 s shared
+def test_check_quick_on_the_default_models(capsys) -> None:  # noqa: ANN001
+    code, out, err = run_check(["--quick"], capsys)
+    assert code == 0, out + err
+    assert all(" FLAGGED " in r for r in rows(out, "control"))
