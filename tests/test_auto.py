@@ -29,6 +29,12 @@ from stagedspec.tree import TokenTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
+@pytest.fixture(autouse=True)
+def private_cost_cache(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Cost profiles and learned state go to a temporary folder, not the user's cache."""
+    monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
+
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 FLAT = CostProfile(oracle={r: 0.010 for r in ROWS}, drafts=[{r: 0.0005 for r in (1, 2, 4, 8)}])
 STEEP = CostProfile(oracle={r: 0.010 * r for r in ROWS}, drafts=[{r: 0.0005 for r in (1, 2, 4, 8)}])
@@ -130,6 +136,7 @@ def test_profiles_are_measured_once_and_cached(tmp_path, monkeypatch, capsys) ->
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.transformer import Transformer, init_random
 
+    monkeypatch.undo()  # the real cache location, under a temporary $STAGEDSPEC_CACHE
     monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path))
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1,
                       intermediate_size=32, max_position=320)
@@ -205,3 +212,31 @@ def test_auto_greedy_is_ar_and_seeded_sampling_reproduces(tiny_pipeline) -> None
     again = pipe.generate(prompt, max_new_tokens=30, sampling=sampling, seed=7)
     assert again.token_ids == first.token_ids
     assert len(pipe.auto_policy().choices) >= 2 and first.stats.dtype == "fp32"
+
+
+def test_what_auto_learned_is_kept_for_the_next_process(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A new pipeline on the same machine and models starts from the saved statistics, not the priors."""
+    from stagedspec.models.config import ModelConfig
+    from stagedspec.models.transformer import Transformer, init_random
+    from stagedspec.pipeline import Pipeline, SpeculationConfig, auto_state_path, truncated_copy
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                      intermediate_size=32, max_position=400)
+    model = init_random(Transformer(cfg), seed=3).eval()
+
+    class Tok:  # the little a pipeline needs from a tokenizer when given token ids
+        eos_token_ids: list[int] = []
+
+        def decode(self, ids, skip_special_tokens=False):  # noqa: ANN001, ANN202
+            return ""
+
+    def pipeline() -> Pipeline:
+        return Pipeline.from_loaded(model, Tok(), [truncated_copy(model, 1)], SpeculationConfig(method="auto"))
+
+    first = pipeline()
+    first.generate([1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=24)
+    learned = first.auto_policy().greedy_stats.chains["context"].tries
+    assert learned and auto_state_path(first.auto_policy().profile.key).exists()
+    second = pipeline()
+    assert second.auto_policy().greedy_stats.chains["context"].tries == learned
+    assert second.auto_policy().state()["version"] == 1

@@ -63,6 +63,7 @@ LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measur
 STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself sped up by lookup
 PLAIN_STREAK = 8  # after this many `ar` steps in a row, lookup chains are computed only ...
 LOOKUP_PROBE_EVERY = 4  # ... every this many steps
+STATE_CAP = 200.0  # observations per series kept when the learned state is saved for the next process
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,48 @@ class AutoPolicy:
         self.greedy_stats, self.sampled_stats = AcceptanceStats(), AcceptanceStats()
         self.costs = StepCosts()
         self.choices: dict[str, int] = {}
+
+    def state(self, cap: float = STATE_CAP) -> dict[str, Any]:
+        """What was learned, as JSON-able data, counts scaled down to at most `cap` observations per series
+        so that a restored policy still adapts to new text."""
+        def chains(stats: AcceptanceStats) -> dict[str, Any]:
+            out = {}
+            for name, c in stats.chains.items():
+                f = min(1.0, cap / c.tries[0]) if c.tries and c.tries[0] > 0 else 1.0
+                out[name] = {"hits": [h * f for h in c.hits], "tries": [t * f for t in c.tries]}
+            return out
+
+        def arms(stats: AcceptanceStats) -> dict[str, Any]:
+            out = {}
+            for arm, steps in stats.arm_steps.items():
+                f = min(1.0, cap / steps)
+                out[arm.name] = [steps * f, stats.arm_tokens.get(arm, 0.0) * f, stats.arm_predicted.get(arm, 0.0) * f]
+            return out
+
+        return {"version": 1, "greedy": {"chains": chains(self.greedy_stats), "arms": arms(self.greedy_stats)},
+                "sampled": {"chains": chains(self.sampled_stats), "arms": arms(self.sampled_stats)},
+                "draft_seconds": {a.name: v for a, v in self.costs.draft_seconds.items()},
+                "verify_scale": self.costs.verify_scale}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Start from what an earlier process learned on this machine (see `state`); unknown arms are ignored."""
+        if state.get("version") != 1:
+            return
+        by_name = {a.name: a for a in self.arms}
+        for key, stats in (("greedy", self.greedy_stats), ("sampled", self.sampled_stats)):
+            part = state.get(key, {})
+            for name, c in part.get("chains", {}).items():
+                if name in stats.chains:
+                    stats.chains[name].hits = [float(x) for x in c["hits"]]
+                    stats.chains[name].tries = [float(x) for x in c["tries"]]
+            for name, (steps, tokens, predicted) in part.get("arms", {}).items():
+                if name in by_name:
+                    arm = by_name[name]
+                    stats.arm_steps[arm], stats.arm_tokens[arm], stats.arm_predicted[arm] = steps, tokens, predicted
+        for name, seconds in state.get("draft_seconds", {}).items():
+            if name in by_name:
+                self.costs.draft_seconds[by_name[name]] = float(seconds)
+        self.costs.verify_scale = float(state.get("verify_scale", 1.0))
 
     def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
         return self.greedy_stats if sampling.greedy else self.sampled_stats

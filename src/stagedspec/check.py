@@ -589,7 +589,9 @@ def add_check_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, metavar="SPEC",
                    help="draft model (distilled folder, HF folder, .gguf, layers:N); default: the shipped draft "
                         "for the default oracle, else none (chain/tree/staged rows are then skipped)")
-    p.add_argument("--ngram", default=None, metavar="SPEC", help="n-gram for lookup/staged/auto ('default' or a file)")
+    p.add_argument("--ngram", default="default", metavar="SPEC",
+                   help="n-gram for lookup/staged/auto: 'default' (as `generate` uses for staged and auto), a file, "
+                        "or 'none'")
     p.add_argument("--quant", default="none", choices=["none", "int8", "int4"], help="oracle weights")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
@@ -614,7 +616,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             raise StagedSpecError(f"--samples must be >= 100, got {args.samples}")
         budget.samples = args.samples
     draft = args.draft if args.draft is not None else ("default" if args.oracle == "default" else None)
-    cfg = CheckConfig(oracle=args.oracle, draft=draft, ngram=args.ngram, quant=args.quant, device=args.device,
+    ngram = None if args.ngram in ("none", "") else args.ngram
+    cfg = CheckConfig(oracle=args.oracle, draft=draft, ngram=ngram, quant=args.quant, device=args.device,
                       dtype=args.dtype, quick=args.quick, user_sampling=sampling, budget=budget)
     report = run_check(cfg, out=lambda s: print(s, flush=True))
     print()

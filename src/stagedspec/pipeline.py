@@ -7,6 +7,7 @@ means the same thing everywhere.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -373,7 +374,25 @@ class Pipeline:
             s = self.speculation
             arms = arms_for(self.ngram is not None or s.context, bool(self.draft_models), self.device)
             self._auto_policy = AutoPolicy(arms, self.cost_profile())
+            try:  # what an earlier process learned on this machine with these models
+                self._auto_policy.restore(json.loads(auto_state_path(self._auto_policy.profile.key).read_text()))
+            except (OSError, ValueError, TypeError, KeyError, AttributeError):
+                pass  # none yet, or unreadable: start from the priors
         return self._auto_policy
+
+    def save_auto_state(self) -> None:
+        """Keep what `--method auto` learned for the next process (a small JSON file beside the cost profile)."""
+        policy = self._auto_policy
+        if policy is None or not policy.profile.key:  # a hand-made profile (tests) belongs to no machine
+            return
+        path = auto_state_path(policy.profile.key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(policy.state()))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache costs a little exploration next time, nothing else
 
     def _stage_chain(self, below: Drafter, max_len: int, chain_length: int) -> Drafter:
         """The draft models as stages, top one first, each decoding speculatively against the one below."""
@@ -524,11 +543,21 @@ class Pipeline:
         if not hit_stop:
             emit(held + stream.flush())
         result.stats.stages = stage_report(result.stats, drafter)
+        if getattr(drafter, "policy", None) is not None and drafter.policy is self._auto_policy:
+            self.save_auto_state()  # the shared policy learned something (a seeded run's own policy is dropped)
         result.stats.dtype = dtype_name(self.dtype)
         if hasattr(drafter, "request_choices"):
             result.stats.auto_choices = dict(drafter.request_choices)
         result.text = "".join(text_parts)
         return result
+
+
+def auto_state_path(profile_key: str) -> Path:
+    """Where `--method auto`'s learned state lives: beside the cost profile it was learned with."""
+    from stagedspec.costs import profile_path
+
+    path = profile_path(profile_key)
+    return path.with_name(path.stem + ".auto.json")
 
 
 def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - GenerationStats
