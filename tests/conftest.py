@@ -37,3 +37,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def private_cost_cache(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    """`auto`'s cost profiles and learned state go to a temporary folder, not the user's cache."""
+    monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")

@@ -27,13 +27,7 @@ from stagedspec.auto import (
 from stagedspec.costs import CostProfile, interpolate, load_or_measure, monotone, profile_path
 from stagedspec.tree import TokenTree
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def private_cost_cache(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """Cost profiles and learned state go to a temporary folder, not the user's cache."""
-    monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
+pytestmark = pytest.mark.usefixtures("one_thread", "private_cost_cache")
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 FLAT = CostProfile(oracle={r: 0.010 for r in ROWS}, drafts=[{r: 0.0005 for r in (1, 2, 4, 8)}])

@@ -17,7 +17,7 @@ from stagedspec.cli import main
 from stagedspec.sampling import SamplingParams
 from stagedspec.verification import deterministic_node_rule, verify, walk_tree
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
+pytestmark = pytest.mark.usefixtures("one_thread", "private_cost_cache")  # tiny tensors; no cache writes
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +27,6 @@ def tiny(tmp_path_factory) -> Path:  # noqa: ANN001
     folder = tmp_path_factory.mktemp("check") / "tiny-llama"
     save_tiny_hf("llama_gqa", folder)
     return folder
-
-
-@pytest.fixture(autouse=True)
-def private_cost_cache(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """`auto` measures pass costs at first use: keep them out of the user's cache."""
-    monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
 
 
 def run_check(args: list[str], capsys) -> tuple[int, str, str]:  # noqa: ANN001

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from _tiny_models import VOCAB, make_hf_model, save_tiny_gemma3_gguf, save_tiny_hf
+from test_cache_tree_forward import TREE, sequential_logits
 from stagedspec.errors import StagedSpecError
 from stagedspec.models import ModelConfig, Transformer
 from stagedspec.models.loading import config_from_hf, load_model, load_model_from_state
 from stagedspec.models.transformer import init_random
-from stagedspec.tree import TokenTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
@@ -106,15 +106,6 @@ def tiny_gemma(window: int = 4) -> Transformer:
     return init_random(Transformer(cfg), seed=1, std=0.2).eval()
 
 
-def sequential_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
-    cache = model.new_cache(64)
-    for i, t in enumerate(ids):
-        out = model(torch.tensor([[t]]), torch.tensor([i]), cache)
-        cache.commit()
-    return out[0, -1]
-
-
-TREE = TokenTree([11, 21, 22, 23, 31, 32, 41], [-1, 0, 1, 2, 0, 4, 0])
 PREFIX = [5, 9, 13, 2, 7, 40, 3]  # longer than the window of 4
 
 

@@ -409,7 +409,6 @@ class AutoDrafter:
         self.request_choices: dict[str, int] = {}
         self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
         self._sampling = SamplingParams()
-        self.telemetry: dict[str, float] = {}
 
     @property
     def forward_passes(self) -> int:

@@ -154,10 +154,10 @@ class SpeculationConfig:
     @property
     def max_nodes(self) -> int:
         """Most tree nodes the oracle may be asked to verify in one step."""
-        if self.method == "auto":
-            from stagedspec.auto import CUDA_TREE_SIZES, LOOKUP_SIZES, STAGE_SIZES
+        if self.method == "auto":  # the biggest arm auto may run on any device
+            from stagedspec.auto import arms_for
 
-            return max(max(CUDA_TREE_SIZES), 3 * max(LOOKUP_SIZES), 2 * max(STAGE_SIZES))
+            return max(arm.max_nodes for arm in arms_for(True, True, "cuda"))
         staged = self.stage_k * self.stage_branching + (self.lookup_k if self.oracle_lookup else 0)
         return max(self.tree_budget, self.draft_k, staged, self.lookup_k * 3)
 
