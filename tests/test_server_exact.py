@@ -38,7 +38,7 @@ def folder(tmp_path_factory):
 
 def start_server(folder, dtype: str):  # noqa: ANN001, ANN201
     srv = ServerProcess(["--oracle", str(folder), "--draft", "layers:1", "--method", "tree", "--dtype", dtype,
-                         "--max-batch", "8"], env={"STAGEDSPEC_SERVE_ROUND_PAUSE": "0.002"})
+                         "--max-batch", "8"], env={"STAGEDSPEC_SERVE_ROUND_PAUSE": "0.01"})
     yield srv
     log = srv.stop()
     assert "Traceback" not in log, log
