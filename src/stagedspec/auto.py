@@ -179,6 +179,15 @@ class StepCosts:
 
     draft_seconds: dict[Arm, float] = field(default_factory=dict)  # running mean per arm
     verify_scale: float = 1.0  # measured verification time / the cost curve's prediction
+    # Per arm kind, measured drafting time / the cost curves' prediction: an arm not run yet is priced
+    # by what its siblings taught (a GPU draft pass costs far more than its graph replay once the tree
+    # building around it is counted), so every size need not be tried to learn that.
+    draft_scale: dict[str, float] = field(default_factory=dict)
+
+    def draft_estimate(self, arm: Arm, predicted: float) -> float:
+        """Seconds of `arm`'s drafting: its own record, else the prediction scaled by its kind's record."""
+        seen = self.draft_seconds.get(arm)
+        return seen if seen is not None else predicted * self.draft_scale.get(arm.kind, 1.0)
 
     def observe(self, arm: Arm, draft_seconds: float, verify_seconds: float, predicted_verify: float,
                 predicted_draft: float) -> None:
@@ -188,6 +197,10 @@ class StepCosts:
         before the first observation): a draft that catches up on tokens
         decoded while other arms ran pays that once, not every step.
         """
+        if predicted_draft > 0 and draft_seconds > 0:
+            ratio = min(20.0, max(0.05, draft_seconds / predicted_draft))
+            scale = self.draft_scale.get(arm.kind)
+            self.draft_scale[arm.kind] = ratio if scale is None else 0.8 * scale + 0.2 * ratio
         old = self.draft_seconds.get(arm)
         first = old is None
         old = predicted_draft if first else old
@@ -261,7 +274,7 @@ def expected_rates(
     rates = {}
     for arm in arms:
         seconds = costs.verify_scale * profile.oracle_seconds(verify_rows(arm, lookup_lengths))
-        seconds += costs.draft_seconds.get(arm, predicted_draft_seconds(arm, profile))
+        seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile))
         rates[arm] = expected_tokens(arm, stats, lookup_lengths) / seconds
     return rates
 
@@ -317,7 +330,7 @@ class AutoPolicy:
         return {"version": 1, "greedy": {"chains": chains(self.greedy_stats), "arms": arms(self.greedy_stats)},
                 "sampled": {"chains": chains(self.sampled_stats), "arms": arms(self.sampled_stats)},
                 "draft_seconds": {a.name: v for a, v in self.costs.draft_seconds.items()},
-                "verify_scale": self.costs.verify_scale}
+                "verify_scale": self.costs.verify_scale, "draft_scale": dict(self.costs.draft_scale)}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Start from what an earlier process learned on this machine (see `state`); unknown arms are ignored."""
@@ -338,6 +351,7 @@ class AutoPolicy:
             if name in by_name:
                 self.costs.draft_seconds[by_name[name]] = float(seconds)
         self.costs.verify_scale = float(state.get("verify_scale", 1.0))
+        self.costs.draft_scale = {str(k): float(v) for k, v in state.get("draft_scale", {}).items()}
 
     def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
         return self.greedy_stats if sampling.greedy else self.sampled_stats

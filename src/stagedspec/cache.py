@@ -30,13 +30,17 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         track_positions: bool = False,
+        spare: int = 0,
     ) -> None:
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        """`spare`: slots past `max_len` that no entry is ever kept in.  A static-shape pass (see
+        `stagedspec.runner`) writes its padding rows there, so a bucket of rows always fits."""
+        self.slots = max_len + spare  # physical slots; the static passes attend over all of them
+        shape = (n_layers, batch, n_kv_heads, self.slots, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # The position of each slot's token [batch, max_len], written by the model's forward.  Only
         # sliding-window models need it (slot order is not position order once trees are cached).
-        self.positions = torch.zeros(batch, max_len, dtype=torch.long, device=device) if track_positions else None
+        self.positions = torch.zeros(batch, self.slots, dtype=torch.long, device=device) if track_positions else None
         self.max_len = max_len
         self.length = 0  # committed entries, slots [0, length)
         self.pending = 0  # entries of the last forward, slots [length, length + pending)

@@ -30,6 +30,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights/activations dtype; auto (default): bf16 where the hardware computes it natively "
                         "(AVX-512 BF16 or AMX CPUs, CUDA GPUs with bf16), else fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: replay each static-shape pass as a CUDA graph (default on; --no-cuda-graphs "
+                        "launches the same passes eagerly)")
+    p.add_argument("--compile", action="store_true",
+                   help="static-shape passes (CUDA, or --static-passes on a CPU) through torch.compile: fewer, fused "
+                        "kernels; tens of seconds of compiling per pass shape the first time (cached on disk)")
+    p.add_argument("--static-passes", action="store_true",
+                   help="CPU: run the static-shape pass path (fixed row buckets, the whole cache as keys), as on CUDA")
 
 
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -332,9 +340,22 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _apply_pass_flags(args: argparse.Namespace) -> None:
+    """`--no-cuda-graphs`, `--compile`, `--static-passes`: how models' passes run (`stagedspec.runner`)."""
+    from stagedspec import runner
+
+    if getattr(args, "cuda_graphs", True) is False:
+        runner.use_cuda_graphs(False)
+    if getattr(args, "compile", False):
+        runner.use_compile(True)
+    if getattr(args, "static_passes", False):
+        runner.use_static_on_cpu(True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _apply_pass_flags(args)
     try:
         return args.func(args)
     except StagedSpecError as e:

@@ -28,6 +28,7 @@ import torch
 
 from stagedspec import hardware
 from stagedspec.models.transformer import Transformer
+from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capacity
 
 # Row counts measured on each kind of device (a GPU's curve stays flat much longer).
 CPU_ORACLE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -83,12 +84,20 @@ def forward_cost_curve(
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    runner = None
+    if pass_mode(model) != "eager":  # time the static-shape passes (CUDA graphs) the loop runs
+        runner = StaticRunner(model, runner_capacity(context + max(sizes) + 1), graphs=pass_mode(model) == "graphs",
+                              min_rows=2 if fixed and device.type == "cpu" else 1)
+        cache = runner.cache
     with torch.inference_mode():
         prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
-        model(prompt, torch.arange(context, device=device), cache, logits_rows=slice(-1, None))
+        if runner is not None:
+            runner.run(prompt[0].tolist(), torch.arange(context), None, logits_rows=slice(-1, None))
+        else:
+            model(prompt, torch.arange(context, device=device), cache, logits_rows=slice(-1, None))
         cache.commit()
         for n in sizes:
-            rows = max(n, 2) if fixed else n
+            rows = max(n, 2) if fixed and runner is None else n
             toks = torch.randint(0, vocab, (1, rows), generator=g).to(device)
             mask, depth = _tree_mask(rows)
             pos = torch.tensor(depth, device=device) + context
@@ -96,8 +105,11 @@ def forward_cost_curve(
             for r in range(repeats + 1):  # the first pass of a new shape warms caches and kernels
                 sync()
                 t = time.perf_counter()
-                model(toks, pos, cache, tree_mask=mask.to(device) if rows > 1 else None, logits_rows=slice(0, n),
-                      key_width=cache.max_len if fixed else None)
+                if runner is not None:
+                    runner.run(toks[0].tolist(), pos.cpu(), mask, logits_rows=slice(0, n))
+                else:
+                    model(toks, pos, cache, tree_mask=mask.to(device) if rows > 1 else None, logits_rows=slice(0, n),
+                          key_width=cache.max_len if fixed else None)
                 sync()
                 if r:
                     times.append(time.perf_counter() - t)
@@ -186,6 +198,8 @@ def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str)
     """The cache key: the models, their dtype and format, the device, the thread count, the machine."""
     parts = [model_fingerprint(oracle), *(model_fingerprint(d) for d in drafts), device,
              hardware.fingerprint(device)]
+    if pass_mode(oracle) != "eager":  # static passes and CUDA graphs cost differently (`stagedspec.runner`)
+        parts.append(pass_mode(oracle) + ("+compiled" if is_compiled(oracle) else ""))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from stagedspec.costs import wants_fixed_width
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
+from stagedspec.runner import acquire_runner, pass_mode
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 from stagedspec.verification import VerifyResult, verify
@@ -80,13 +81,21 @@ class ModelOracle:
         method's output is bit-identical to one-token decoding with the same flag; it costs about
         10-20% of `ar`'s speed and most of what speculation gains (README, Benchmarks)."""
         self.model = model
-        self.cache = model.new_cache(max_len)
         if fixed_width is None:
             fixed_width = wants_fixed_width(model)
-        self.key_width = max_len if fixed_width else None
         # Attention runs one token at a time (`Transformer.forward`, row_independent), and greedy
         # steps keep only what was verified on slot-aligned rows (`keep_slot_aligned`, in the loop).
         self.bit_exact = bit_exact and fixed_width
+        # Static-shape passes (CUDA graphs on a GPU; `stagedspec.runner`) always attend over the
+        # whole cache, and their smallest bucket replaces the throwaway second row below.
+        self.runner = None
+        if pass_mode(model) != "eager" and not self.bit_exact:
+            min_rows = 2 if fixed_width and model.embed.weight.device.type == "cpu" else 1
+            self.runner = acquire_runner(model, max_len, self, min_rows=min_rows)
+            self.cache = self.runner.cache
+        else:
+            self.cache = model.new_cache(max_len)
+        self.key_width = self.cache.max_len if fixed_width else None
         self.forward_passes = 0
         self.device = model.embed.weight.device
         self.cached_tokens: list[int] = []  # tokens whose KV entries are committed, in order
@@ -122,6 +131,10 @@ class ModelOracle:
         else:
             mask = torch.ones(P + N, P + N, dtype=torch.bool).tril_()
             mask[P:, P:] = tree.attention_mask()
+        if self.runner is not None:
+            self.forward_passes += 1
+            self._tree = tree
+            return self.runner.run(tokens, pos, mask, logits_rows=slice(P, P + N))
         if self.key_width is not None and P + N == 1:
             # CPU matmul kernels for a single row can round differently from those for
             # several rows (seen for bf16 with K=1536); a throwaway second row (after the
@@ -146,10 +159,13 @@ class ModelOracle:
         """
         lead = self._catch_up
         start = self.cache.length
-        toks = torch.tensor([lead], device=self.device)
-        pos = torch.arange(start, start + len(lead), device=self.device)
-        self.model(toks, pos, self.cache, tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
-                   logits_rows=slice(-1, None), key_width=self.key_width)
+        if self.runner is not None:
+            self.runner.run(lead, torch.arange(start, start + len(lead)), None, logits_rows=slice(-1, None))
+        else:
+            toks = torch.tensor([lead], device=self.device)
+            pos = torch.arange(start, start + len(lead), device=self.device)
+            self.model(toks, pos, self.cache, tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
+                       logits_rows=slice(-1, None), key_width=self.key_width)
         self.forward_passes += 1  # counted: the bench's passes per token and memory traffic include it
         self.cache.commit()
         self.cached_tokens.extend(lead)

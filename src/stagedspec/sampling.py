@@ -56,5 +56,19 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a 1-D distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """Draw one token id from a 1-D distribution (unnormalised is fine) by inverting its CDF.
+
+    One uniform from `generator` (where it lives, the CPU in the loop), the
+    cumulative sum where `probs` lives, one value back: `torch.multinomial`
+    on the CPU costs about 1 ms over a 49k vocabulary, and on a GPU it would
+    need the probabilities copied over first.  A token of probability 0 is
+    never drawn: its CDF step is empty.
+    """
+    u = float(torch.rand((), generator=generator, dtype=torch.float64,
+                         device=generator.device if generator is not None else None))
+    cdf = probs.double().cumsum(-1)
+    x = cdf[-1:] * u
+    index = int(torch.searchsorted(cdf, x, right=True).clamp_max_(cdf.shape[-1] - 1))
+    if float(probs[index]) <= 0:  # rounding put x at the very top: take the last token with mass
+        index = int(torch.nonzero(probs > 0)[-1])
+    return index

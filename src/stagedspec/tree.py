@@ -292,6 +292,9 @@ def _grow_topk(
                 probs = probs_from_logits(logits, sampling)
             most = max(branching[depth[node]] for node in to_expand)
             values, tokens = probs.topk(min(most, probs.shape[-1]), dim=-1)
+            if values.device.type != "cpu":  # one device-to-host copy per expansion, not two
+                both = torch.stack([values.double(), tokens.double()]).cpu()
+                values, tokens = both[0], both[1].long()
             for node, vals, toks in zip(to_expand, values.tolist(), tokens.tolist()):
                 k = branching[depth[node]]
                 for q, tok in zip(vals[:k], toks[:k]):

@@ -81,7 +81,7 @@ import torch
 from torch import Tensor
 
 from stagedspec.errors import StagedSpecError
-from stagedspec.sampling import SamplingParams, probs_from_logits
+from stagedspec.sampling import SamplingParams, probs_from_logits, sample
 from stagedspec.tree import TokenTree
 
 # Residual mass below which a rejection is treated as (numerically) impossible.
@@ -219,6 +219,4 @@ def _uniform(generator: torch.Generator | None) -> float:
 
 
 def _draw(probs: Tensor, generator: torch.Generator | None) -> int:
-    if generator is not None:  # the draw happens where the generator lives (CPU in the loop)
-        probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return sample(probs, generator)

@@ -548,6 +548,10 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, metavar="K", help="top-k for sampled runs (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="top-p for sampled runs")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: replay static-shape passes as CUDA graphs (default on)")
+    p.add_argument("--compile", action="store_true", help="static passes through torch.compile (see generate --help)")
+    p.add_argument("--static-passes", action="store_true", help="CPU: the static-shape pass path, as on CUDA")
     p.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
     p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
                    help="wrap prompts in the chat template (auto: when the oracle has one)")
@@ -579,6 +583,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from stagedspec.bench import report
 
     cfg = config_from_args(args)
+    from stagedspec.cli import _apply_pass_flags
+
+    _apply_pass_flags(args)
     results = run_bench(cfg)
     print(report.console_summary(results))
     print(f"\nwrote {Path(cfg.out) / 'report.md'}, {Path(cfg.out) / 'results.json'}"

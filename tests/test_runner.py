@@ -1,0 +1,219 @@
+"""The static-shape pass path (`stagedspec.runner`) on the CPU, with CUDA graphs off.
+
+The same code runs on a GPU, where each bucket's pass is replayed as a CUDA
+graph (tests/test_cuda.py); here it must compute what the eager forward
+computes, keep greedy output identical to `ar` for every method, and keep
+sampled output distributed as the oracle's (chi-square, with a negative
+control that must fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections import Counter
+
+import pytest
+import torch
+
+from stagedspec import runner as runner_mod
+from stagedspec.drafters.lookup import LookupDrafter
+from stagedspec.drafters.merged import MergedDrafter
+from stagedspec.drafters.model import ModelDrafter
+from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+from stagedspec.models.config import ModelConfig
+from stagedspec.models.transformer import Transformer, init_random
+from stagedspec.runner import StaticRunner, acquire_runner, pass_mode, runner_capacity, set_pass_mode
+from stagedspec.sampling import SamplingParams, probs_from_logits
+from stagedspec.stages import StageDrafter
+from stagedspec.verification import VerifyResult
+from tests.test_distribution_exactness import chi_square_pvalue
+
+
+def tiny(seed: int, layers: int = 2, vocab: int = 24, dtype: torch.dtype = torch.float32) -> Transformer:
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=32, n_layers=layers, n_heads=4, n_kv_heads=2,
+                      intermediate_size=64, max_position=256)
+    return init_random(Transformer(cfg), seed=seed, std=0.3).to(dtype).eval()
+
+
+def test_cpu_models_default_to_eager_and_modes_are_checked() -> None:
+    m = tiny(0)
+    assert pass_mode(m) == "eager"
+    set_pass_mode(m, "graphs")  # no CUDA here: graphs become static passes
+    assert pass_mode(m) == "static"
+    with pytest.raises(ValueError, match="unknown pass mode"):
+        set_pass_mode(m, "fast")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 64, 70, 150])
+def test_static_pass_computes_what_the_eager_forward_computes(rows: int) -> None:
+    """Padded buckets, a tree mask, a complete mask, and more rows than the biggest bucket (chunked)."""
+    m = tiny(1, layers=3)
+    eager_cache = m.new_cache(256)
+    runner = StaticRunner(m, 256)
+    g = torch.Generator().manual_seed(rows)
+    prompt = torch.randint(0, 24, (12,), generator=g).tolist()
+    with torch.inference_mode():
+        m(torch.tensor([prompt]), torch.arange(12), eager_cache)
+        eager_cache.commit()
+        runner.run(prompt, torch.arange(12), None)
+        runner.cache.commit()
+        toks = torch.randint(0, 24, (rows,), generator=g).tolist()
+        parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, rows)]
+        tree = torch.zeros(rows, rows, dtype=torch.bool)
+        depth = [0] * rows
+        for i, p in enumerate(parents):
+            tree[i, i] = True
+            if p >= 0:
+                tree[i] |= tree[p]
+                depth[i] = depth[p] + 1
+        pos = torch.tensor(depth) + 12
+        a = m(torch.tensor([toks]), pos, eager_cache, tree_mask=tree)[0]
+        b = runner.run(toks, pos, tree)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        full = torch.cat([torch.ones(rows, 12, dtype=torch.bool), tree], dim=1)
+        full[:, 3] = False  # hide one prefix token: the complete-mask form
+        eager_cache.discard()
+        a = m(torch.tensor([toks]), pos, eager_cache, tree_mask=full)[0]
+        first = min(1, rows - 1)
+        b = runner.run(toks, pos, full, logits_rows=slice(first, None))
+        torch.testing.assert_close(b, a[first:], rtol=1e-4, atol=1e-5)
+        # kept entries are the same too
+        eager_cache.commit(list(range(0, rows, 2)))
+        runner.cache.commit(list(range(0, rows, 2)))
+        n = eager_cache.length
+        torch.testing.assert_close(runner.cache.k[:, :, :, :n], eager_cache.k[:, :, :, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_static_pass_on_sliding_window_layers() -> None:
+    from tests.test_gemma3 import tiny_gemma
+
+    m = tiny_gemma(window=4)
+    eager_cache = m.new_cache(96)
+    runner = StaticRunner(m, 96)
+    prompt = list(range(5, 25))
+    with torch.inference_mode():
+        a = m(torch.tensor([prompt]), torch.arange(20), eager_cache)[0]
+        b = runner.run(prompt, torch.arange(20), None)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def _all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, list[int]]:
+    out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n).token_ids}
+    out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, budget=16, max_len=300),
+                                       prompt, max_new_tokens=n).token_ids
+    staged = StageDrafter(ModelOracle(draft, 300), LookupDrafter(None, context=True, chain_length=4),
+                          chain_length=4, branching=2)
+    out["staged"] = speculative_generate(ModelOracle(oracle, 300), staged, prompt, max_new_tokens=n).token_ids
+    merged = MergedDrafter(staged, LookupDrafter(None, context=True, chain_length=4))
+    out["staged+lookup"] = speculative_generate(ModelOracle(oracle, 300), merged, prompt, max_new_tokens=n).token_ids
+    out["lookup"] = speculative_generate(ModelOracle(oracle, 300), LookupDrafter(None, context=True, chain_length=5),
+                                         prompt, max_new_tokens=n).token_ids
+    return out
+
+
+def test_static_greedy_fp32_every_method_identical_to_eager_ar() -> None:
+    for seed in range(4):
+        oracle, draft = tiny(seed, layers=3), tiny(seed + 50)
+        prompt = torch.randint(0, 24, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        reference = generate_ar(oracle, prompt, max_new_tokens=40).token_ids  # the eager path
+        set_pass_mode(oracle, "static")
+        set_pass_mode(draft, "static")
+        for name, tokens in _all_methods(oracle, draft, prompt, 40).items():
+            assert tokens == reference, f"seed {seed}: {name}"
+
+
+def test_static_bf16_prompt_longer_than_a_bucket() -> None:
+    """A 100-token prompt runs as two bucket passes; greedy methods still agree with static ar."""
+    oracle, draft = tiny(3, layers=3, dtype=torch.bfloat16), tiny(7, dtype=torch.bfloat16)
+    set_pass_mode(oracle, "static")
+    set_pass_mode(draft, "static")
+    prompt = torch.randint(0, 24, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = _all_methods(oracle, draft, prompt, 24)
+    assert all(len(t) == 24 for t in out.values())
+
+
+def test_runners_are_pooled_per_model_and_released_with_their_owner() -> None:
+    m = tiny(2)
+    set_pass_mode(m, "static")
+    assert runner_capacity(10) == 256 and runner_capacity(257) == 512
+
+    class Owner:
+        pass
+
+    a_owner, b_owner = Owner(), Owner()
+    a = acquire_runner(m, 300, a_owner)
+    b = acquire_runner(m, 300, b_owner)
+    assert a is not b and a.busy and b.busy  # a busy runner is never shared
+    del a_owner
+    gc.collect()
+    assert not a.busy
+    c_owner = Owner()
+    assert acquire_runner(m, 400, c_owner) is a  # same capacity (512): reused, graphs and all
+    assert acquire_runner(m, 100, Owner()).capacity == 256  # never a bigger one: equal widths, equal numbers
+
+
+def _exact_two_tokens(oracle: Transformer, prompt: list[int], sampling: SamplingParams) -> dict[tuple[int, int], float]:
+    V = oracle.config.vocab_size
+    with torch.inference_mode():
+        cache = oracle.new_cache(16)
+        first = probs_from_logits(oracle(torch.tensor([prompt]), torch.arange(len(prompt)), cache)[0, -1], sampling)
+        cache.commit()
+        dist = {}
+        for a in range(V):
+            if first[a] <= 0:
+                continue
+            cache.truncate(len(prompt))
+            second = probs_from_logits(oracle(torch.tensor([[a]]), torch.tensor([len(prompt)]), cache)[0, -1], sampling)
+            for b in range(V):
+                dist[(a, b)] = float(first[a] * second[b])
+    return dist
+
+
+def _sample_counts(oracle: Transformer, draft: Transformer, prompt: list[int], sampling: SamplingParams, n: int,
+                   verifier=None) -> Counter:  # noqa: ANN001
+    counts: Counter = Counter()
+    with torch.inference_mode():
+        for i in range(n):
+            stage = StageDrafter(ModelOracle(draft, 32), LookupDrafter(None, context=True, chain_length=2),
+                                 chain_length=2)
+            out = speculative_generate(ModelOracle(oracle, 32), stage, prompt, max_new_tokens=2, sampling=sampling,
+                                       seed=i, verifier=verifier).token_ids
+            counts[tuple(out)] += 1
+    return counts
+
+
+def _accept_first_children(tree, logits, sampling, generator) -> VerifyResult:  # noqa: ANN001
+    """A broken verifier: takes the draft's first chain whatever the oracle says."""
+    kids = tree.children_lists()
+    node, accepted = 0, []
+    while kids[node]:
+        node = kids[node][0]
+        accepted.append(node)
+    return VerifyResult(accepted, int(probs_from_logits(logits[node], sampling).argmax()))
+
+
+def test_static_staged_sampling_keeps_the_oracle_distribution() -> None:
+    oracle, draft = tiny(11, layers=2, vocab=6), tiny(12, layers=1, vocab=6)
+    set_pass_mode(oracle, "static")
+    set_pass_mode(draft, "static")
+    prompt, sampling = [1, 2, 3], SamplingParams(temperature=1.0)
+    exact = _exact_two_tokens(oracle, prompt, sampling)
+    p, df = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500), exact)
+    assert df > 5 and p > 1e-3, p
+    # negative control: a verifier that ignores the oracle must be caught
+    p_bad, _ = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, _accept_first_children), exact)
+    assert p_bad < 1e-6, p_bad
+
+
+def test_cuda_graphs_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stagedspec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--no-cuda-graphs"])
+    assert args.cuda_graphs is False
+    assert isinstance(build_parser().parse_args(["generate", "hi"]).cuda_graphs, bool)
+    monkeypatch.setattr(runner_mod, "_cuda_graphs", True)
+    assert runner_mod.default_pass_mode("cuda") == "graphs" and runner_mod.default_pass_mode("cpu") == "eager"
+    runner_mod.use_cuda_graphs(False)
+    assert runner_mod.default_pass_mode("cuda:0") == "static"
+    assert isinstance(argparse.Namespace, type)
