@@ -28,22 +28,13 @@ import torch
 
 from stagedspec import hardware
 from stagedspec.models.transformer import Transformer
-from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capacity
+from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capacity, wants_fixed_width
 
 # Row counts measured on each kind of device (a GPU's curve stays flat much longer).
 CPU_ORACLE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 CUDA_ORACLE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8)
 PROFILE_VERSION = 1
-
-
-def wants_fixed_width(model: Transformer) -> bool:
-    """Whether the oracle runs `model` with a fixed key width and >= 2 rows by default (bf16/fp16).
-
-    See `stagedspec.generation.ModelOracle`; the cost curve must time passes
-    the way the loop runs them.
-    """
-    return model.embed.weight.dtype in (torch.bfloat16, torch.float16)
 
 
 def _tree_mask(rows: int) -> tuple[torch.Tensor, list[int]]:

@@ -18,19 +18,23 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from stagedspec.costs import wants_fixed_width
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
-from stagedspec.runner import acquire_runner, pass_mode
+from stagedspec.runner import ModelOracle  # noqa: F401 - re-exported: the loop's model runner lives there
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 from stagedspec.verification import VerifyResult, verify
 
 
 class Oracle(Protocol):
-    """The model whose output must be reproduced exactly."""
+    """The model whose output must be reproduced exactly.
+
+    `bit_exact` (optional, False when absent): greedy steps keep only what was
+    verified on slot-aligned rows (`keep_slot_aligned`); `ModelOracle` sets it.
+    """
 
     forward_passes: int
+    bit_exact: bool
 
     def prefill(self, prompt_ids: Sequence[int]) -> None: ...
 
@@ -55,130 +59,6 @@ class Drafter(Protocol):
     ) -> TokenTree:
         """A tree rooted at `context[-1]`; paths longer than `max_tokens` are wasted work."""
         ...
-
-
-class ModelOracle:
-    """Runs a `Transformer` with its own static KV cache as the oracle of the loop.
-
-    The cache survives across calls: `prefill` keeps the longest cached prefix
-    of the new context and runs only the rest, which is what lets a model be
-    a stage that is re-entered every step of the loop above it.
-    """
-
-    def __init__(self, model: Transformer, max_len: int, fixed_width: bool | None = None,
-                 bit_exact: bool = False) -> None:
-        """`fixed_width` (default: on for bf16/fp16 weights): run every pass over the whole cache's key
-        width, with at least two rows, and the uncached prompt in a pass of its own, so that a row's
-        logits depend as little as possible on the pass it is in (see `Transformer.forward` and
-        `score`).  That removes most near-tie flips between a k-token verification and one-token
-        decoding in bf16, for about 7% of decoding speed, but not all: the attention kernel's
-        rounding still depends on how many rows share a call.  fp32 is left alone: there the
-        rounding differences are far below any logit gap the tests ever met, and a two-row pass
-        would cost a third more.
-
-        `bit_exact` (with the fixed width): attention runs one token at a time, and greedy steps
-        drop what was accepted off the tree's first-child chain (`keep_slot_aligned`), so every
-        method's output is bit-identical to one-token decoding with the same flag; it costs about
-        10-20% of `ar`'s speed and most of what speculation gains (README, Benchmarks)."""
-        self.model = model
-        if fixed_width is None:
-            fixed_width = wants_fixed_width(model)
-        # Attention runs one token at a time (`Transformer.forward`, row_independent), and greedy
-        # steps keep only what was verified on slot-aligned rows (`keep_slot_aligned`, in the loop).
-        self.bit_exact = bit_exact and fixed_width
-        # Static-shape passes (CUDA graphs on a GPU; `stagedspec.runner`) always attend over the
-        # whole cache, and their smallest bucket replaces the throwaway second row below.
-        self.runner = None
-        if pass_mode(model) != "eager" and not self.bit_exact:
-            min_rows = 2 if fixed_width and model.embed.weight.device.type == "cpu" else 1
-            self.runner = acquire_runner(model, max_len, self, min_rows=min_rows)
-            self.cache = self.runner.cache
-        else:
-            self.cache = model.new_cache(max_len)
-        self.key_width = self.cache.max_len if fixed_width else None
-        self.forward_passes = 0
-        self.device = model.embed.weight.device
-        self.cached_tokens: list[int] = []  # tokens whose KV entries are committed, in order
-        self._catch_up: list[int] = []  # context tokens to run in front of the next tree
-        self._tree: TokenTree | None = None
-
-    def prefill(self, prompt_ids: Sequence[int]) -> None:
-        """Make every context token but the last (the first step's root) part of the cache.
-
-        Tokens not cached yet are run lazily, in front of the next scored
-        tree, so catching up costs no forward pass of its own.
-        """
-        target = list(prompt_ids[:-1])
-        keep = 0
-        for a, b in zip(self.cached_tokens, target):
-            if a != b:
-                break
-            keep += 1
-        self.cache.truncate(keep)
-        self.cached_tokens = target[:keep]
-        self._catch_up = target[keep:]
-
-    def score(self, tree: TokenTree) -> Tensor:
-        if self._catch_up and self.key_width is not None and not self.bit_exact:
-            self._run_catch_up()
-        lead = self._catch_up
-        P, N = len(lead), len(tree)
-        tokens = [*lead, *tree.tokens]
-        start = self.cache.length
-        pos = torch.cat([torch.arange(start, start + P), tree.positions(start + P)])
-        if P == 0:
-            mask = None if N == 1 else tree.attention_mask()
-        else:
-            mask = torch.ones(P + N, P + N, dtype=torch.bool).tril_()
-            mask[P:, P:] = tree.attention_mask()
-        if self.runner is not None:
-            self.forward_passes += 1
-            self._tree = tree
-            return self.runner.run(tokens, pos, mask, logits_rows=slice(P, P + N))
-        if self.key_width is not None and P + N == 1:
-            # CPU matmul kernels for a single row can round differently from those for
-            # several rows (seen for bf16 with K=1536); a throwaway second row (after the
-            # real one, so invisible to it, and never committed) keeps every pass multi-row.
-            tokens.append(tokens[0])
-            pos = torch.cat([pos, pos])  # same position: never past the rope table
-            mask = torch.ones(2, 2, dtype=torch.bool).tril_()
-        self.forward_passes += 1
-        self._tree = tree
-        toks = torch.tensor([tokens], device=self.device)
-        mask = None if mask is None else mask.to(self.device)
-        return self.model(toks, pos.to(self.device), self.cache, tree_mask=mask, logits_rows=slice(P, P + N),
-                          key_width=self.key_width, row_independent=self.bit_exact)[0]
-
-    def _run_catch_up(self) -> None:
-        """Run the uncached context in a pass of its own, before the first tree.
-
-        The attention kernel's rounding of a row depends on how many rows share
-        its pass; a prompt run alone is the same pass for every method, so the
-        cache it leaves, and the tree rows scored after it, do not depend on
-        the method's tree size.  One extra pass per request (at the first step).
-        """
-        lead = self._catch_up
-        start = self.cache.length
-        if self.runner is not None:
-            self.runner.run(lead, torch.arange(start, start + len(lead)), None, logits_rows=slice(-1, None))
-        else:
-            toks = torch.tensor([lead], device=self.device)
-            pos = torch.arange(start, start + len(lead), device=self.device)
-            self.model(toks, pos, self.cache, tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
-                       logits_rows=slice(-1, None), key_width=self.key_width)
-        self.forward_passes += 1  # counted: the bench's passes per token and memory traffic include it
-        self.cache.commit()
-        self.cached_tokens.extend(lead)
-        self._catch_up = []
-
-    def commit(self, accepted: Sequence[int]) -> None:
-        P = len(self._catch_up)
-        self.cache.commit([*range(P), *(P + i for i in (0, *accepted))])
-        tree = self._tree
-        assert tree is not None
-        self.cached_tokens.extend(self._catch_up)
-        self.cached_tokens.extend(tree.tokens[i] for i in (0, *accepted))
-        self._catch_up = []
 
 
 class NoDrafter:
