@@ -146,7 +146,7 @@ def test_profiles_are_measured_once_and_cached(tmp_path, monkeypatch, capsys) ->
     assert load_or_measure(oracle, [], "cpu").key != first.key  # other models, other key
     path.write_text("{not json")
     assert load_or_measure(oracle, [draft], "cpu").oracle  # a corrupt entry is measured again
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2 and "draft_overhead" in json.loads(path.read_text())
 
 
 # --- dtype auto ----------------------------------------------------------------------------------------------------

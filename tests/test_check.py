@@ -46,7 +46,8 @@ def test_check_passes_on_a_correct_pair_and_flags_its_control(tiny: Path, capsys
     code, out, err = run_check(["--oracle", str(tiny), "--draft", "layers:1", "--quick"], capsys)
     assert code == 0, out + err
     greedy = rows(out, "greedy")
-    assert len(greedy) == 5 and all(" PASS " in r for r in greedy), greedy  # chain tree lookup staged auto
+    # chain tree lookup staged auto, in fp32 (and in bf16 bit-exact where --dtype auto picks bf16)
+    assert len(greedy) in (5, 10) and all(" PASS " in r for r in greedy), greedy
     sampling = rows(out, "sampling")
     assert len(sampling) == 2 and all(" PASS " in r for r in sampling), sampling
     assert all("detects TV >=" in r for r in sampling)
@@ -82,7 +83,7 @@ def test_no_draft_skips_draft_methods(tiny: Path, capsys) -> None:  # noqa: ANN0
                                 "--temperature", "1"], capsys)
     assert code == 0, out + err
     skipped = [r for r in rows(out, "greedy") if " SKIP " in r]
-    assert len(skipped) == 3 and all("needs a draft" in r for r in skipped)
+    assert len(skipped) in (3, 6) and all("needs a draft" in r for r in skipped)  # (6: fp32 and bf16 rows)
     assert len(rows(out, "sampling")) == 1  # the user's sampling equals T=1: one row
     assert "lookup first token" in rows(out, "sampling")[0]
     assert "oracle's first layer" in rows(out, "control")[0]

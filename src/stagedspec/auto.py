@@ -251,40 +251,46 @@ def verify_rows(arm: Arm, lookup_lengths: Mapping[str, int]) -> int:
     return 1 + arm.size
 
 
-def predicted_draft_seconds(arm: Arm, profile: CostProfile) -> float:
-    """Drafting time of one step of `arm`, from the drafts' measured cost curves (before any is measured)."""
+def predicted_draft_seconds(arm: Arm, profile: CostProfile, sampled: bool = False) -> float:
+    """Drafting time of one step of `arm`, from the drafts' measured cost curves (before any is measured).
+
+    Each draft pass also costs the host work around it (growing the tree,
+    sampling, bookkeeping), measured once with the curves
+    (`CostProfile.draft_overhead`): on a GPU that is most of a draft pass.
+    """
     if arm.kind == "ar":
         return 0.0
     if arm.kind == "lookup" or not profile.drafts:
         return LOOKUP_SECONDS
     curve = profile.drafts[0]
+    extra = profile.draft_pass_overhead(sampled)
     catch_up = interpolate(curve, 2)  # the last step's accepted tokens, run through the draft
     if arm.kind == "tree":
         depth = tree_depth_for(arm.size)
-        return catch_up + depth * interpolate(curve, min(8, math.ceil(arm.size / depth) + 1))
+        return catch_up + depth * (interpolate(curve, min(8, math.ceil(arm.size / depth) + 1)) + extra)
     passes = math.ceil(arm.size / STAGE_INNER_ACCEPT)
-    return LOOKUP_SECONDS + catch_up + passes * interpolate(curve, 3)
+    return LOOKUP_SECONDS + catch_up + passes * (interpolate(curve, 3) + extra)
 
 
 def expected_rates(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
-    lookup_lengths: Mapping[str, int],
+    lookup_lengths: Mapping[str, int], sampled: bool = False,
 ) -> dict[Arm, float]:
     """Expected tokens per second of each arm: a pure function of the costs and the statistics."""
     rates = {}
     for arm in arms:
         seconds = costs.verify_scale * profile.oracle_seconds(verify_rows(arm, lookup_lengths))
-        seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile))
+        seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile, sampled))
         rates[arm] = expected_tokens(arm, stats, lookup_lengths) / seconds
     return rates
 
 
 def choose_arm(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
-    lookup_lengths: Mapping[str, int],
+    lookup_lengths: Mapping[str, int], sampled: bool = False,
 ) -> Arm:
     """The arm with the highest expected tokens per second; `ar` unless another beats it by `MARGIN`."""
-    rates = expected_rates(arms, profile, stats, costs, lookup_lengths)
+    rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled)
     best = max(rates, key=lambda a: rates[a])
     plain = Arm("ar")
     if plain in rates and best != plain and rates[best] < (1.0 + MARGIN) * rates[plain]:
@@ -357,7 +363,8 @@ class AutoPolicy:
         return self.greedy_stats if sampling.greedy else self.sampled_stats
 
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int]) -> Arm:
-        arm = choose_arm(self.arms, self.profile, self.stats_for(sampling), self.costs, lookup_lengths)
+        arm = choose_arm(self.arms, self.profile, self.stats_for(sampling), self.costs, lookup_lengths,
+                         not sampling.greedy)
         self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
         return arm
 
@@ -376,6 +383,7 @@ class _Step:
     rows: int
     draft_seconds: float
     verify_seconds: float | None = None  # the oracle's pass and verification, reported by the loop
+    sampled: bool = False
 
 
 def spine(tree: TokenTree) -> list[int]:
@@ -458,7 +466,7 @@ class AutoDrafter:
         tree = drafter.propose(context, sampling, generator, max_tokens)
         stats = self.policy.stats_for(sampling)
         self._last = _Step(len(context), arm, tree, expected_tokens(arm, stats, lengths), len(tree),
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, sampled=not sampling.greedy)
         return tree
 
     def verified(self, seconds: float) -> None:
@@ -504,4 +512,4 @@ class AutoDrafter:
             return
         predicted_verify = self.policy.profile.oracle_seconds(last.rows)
         self.policy.costs.observe(last.arm, last.draft_seconds, last.verify_seconds, predicted_verify,
-                                  predicted_draft_seconds(last.arm, self.policy.profile))
+                                  predicted_draft_seconds(last.arm, self.policy.profile, last.sampled))

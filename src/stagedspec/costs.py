@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capac
 CPU_ORACLE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 CUDA_ORACLE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8)
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: draft_overhead
 
 
 def _tree_mask(rows: int) -> tuple[torch.Tensor, list[int]]:
@@ -157,9 +158,15 @@ class CostProfile:
     machine: str = ""
     key: str = ""
     measured_seconds: float = 0.0
+    # Host seconds around each pass of the top draft when it grows a tree ("greedy", "sampled"): top-k,
+    # sampling, masks, device-to-host copies.  Next to a 0.3 ms CUDA-graph pass they are most of the cost.
+    draft_overhead: dict[str, float] = field(default_factory=dict)
 
     def oracle_seconds(self, rows: float) -> float:
         return interpolate(self.oracle, rows)
+
+    def draft_pass_overhead(self, sampled: bool) -> float:
+        return self.draft_overhead.get("sampled" if sampled else "greedy", 0.0)
 
     def draft_seconds(self, index: int, rows: float) -> float:
         return interpolate(self.drafts[index], rows)
@@ -182,7 +189,8 @@ class CostProfile:
             return out
 
         return cls(oracle=curve(d["oracle"]), drafts=[curve(c) for c in d["drafts"]], machine=d.get("machine", ""),
-                   key=d.get("key", ""), measured_seconds=float(d.get("measured_seconds", 0.0)))
+                   key=d.get("key", ""), measured_seconds=float(d.get("measured_seconds", 0.0)),
+                   draft_overhead={str(k): float(v) for k, v in d.get("draft_overhead", {}).items()})
 
 
 def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str) -> str:
@@ -211,8 +219,42 @@ def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: 
     oracle_curve = forward_cost_curve(oracle, sizes=rows, context=256, repeats=repeats)
     draft_curves = [forward_cost_curve(d, sizes=DRAFT_ROWS, context=256, repeats=repeats, fixed_width=False)
                     for d in drafts]
+    overhead = draft_pass_overhead(drafts[0], draft_curves[0], repeats=repeats) if drafts else {}
     return CostProfile(oracle_curve, draft_curves, hardware.describe(device), profile_key(oracle, drafts, device),
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, overhead)
+
+
+def draft_pass_overhead(draft: Transformer, curve: Mapping[int, float], repeats: int = 5) -> dict[str, float]:
+    """Host seconds per draft pass beyond the pass itself, when the draft grows small trees.
+
+    Times real tree proposals (8 nodes, depth 4, as `auto`'s tree arms grow
+    them), greedy and sampled (T=1, top-k 50), one new context token each
+    time, and subtracts the passes' cost from `curve`; the fastest of
+    `repeats`.
+    """
+    from stagedspec.drafters.model import ModelDrafter
+    from stagedspec.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    vocab = draft.config.vocab_size
+    out = {}
+    with torch.inference_mode():
+        for key, sampling in (("greedy", SamplingParams()), ("sampled", SamplingParams(temperature=1.0, top_k=50))):
+            drafter = ModelDrafter(draft, method="tree", budget=8, max_depth=4, branching=2, max_len=256)
+            context = torch.randint(0, vocab, (32,), generator=g).tolist()
+            drafter.begin(context)
+            drafter.propose(context, sampling, g, 8)  # the context's own catch-up pass, not timed
+            best = math.inf
+            for _ in range(repeats):
+                context.append(int(torch.randint(0, vocab, (), generator=g)))
+                passes = drafter.forward_passes
+                t = time.perf_counter()
+                drafter.propose(context, sampling, g, 8)
+                seconds = time.perf_counter() - t
+                passes = drafter.forward_passes - passes
+                best = min(best, max(0.0, seconds - passes * interpolate(curve, 3)) / max(1, passes))
+            out[key] = best
+    return out
 
 
 def load_or_measure(oracle: Transformer, drafts: Sequence[Transformer], device: str, *, remeasure: bool = False,

@@ -356,11 +356,8 @@ def _grow_sampled(
             break
         logits = _expand_checked(tree, expand, [node for node, _ in parents])
         q = probs_from_logits(logits, sampling)
-        # log q + Gumbel(0, 1) noise, with Gumbel = -log(Exp(1)); -inf where q == 0.
-        keys = q.log() - _exponential_noise(q, generator).log()
         most = max(len(template[t]) for _, t in parents)
-        order = keys.topk(min(most, q.shape[-1]), dim=-1).indices.tolist()
-        support = (q > 0).sum(-1).tolist()
+        order, support = _gumbel_top_k(q, most, generator)
         next_level = []
         for i, (node, t) in enumerate(parents):
             planned = template[t]
@@ -369,6 +366,28 @@ def _grow_sampled(
                 next_level.append((tree.add(node, tok, proposer), child_t))
         level = next_level
     return tree
+
+
+def _gumbel_top_k(q: Tensor, k: int, generator: torch.Generator | None) -> tuple[list[list[int]], list[int]]:
+    """Per row of q [n, V]: up to k draws without replacement, in draw order, and the support size.
+
+    The indices of the k largest log q + Gumbel(0, 1) noise (Gumbel =
+    -log Exp(1); -inf where q == 0).  Tokens without mass can never be drawn,
+    so when top-k or top-p narrowed q, the noise is drawn for the support
+    alone (found on q's device, brought back in one copy): 50 values instead
+    of a whole vocabulary drawn on the CPU per row.
+    """
+    width = int((q > 0).sum(-1).max())
+    if width >= q.shape[-1]:
+        keys = q.log() - _exponential_noise(q, generator).log()
+        order = keys.topk(min(k, q.shape[-1]), dim=-1).indices.tolist()
+        return order, (q > 0).sum(-1).tolist()
+    values, tokens = q.topk(width, dim=-1)  # every token with mass; narrower rows end in zeros
+    both = torch.stack([values.double(), tokens.double()]).cpu()
+    values, tokens = both[0], both[1].long()
+    keys = values.log() - _exponential_noise(values, generator).log()
+    picks = keys.topk(min(k, width), dim=-1).indices
+    return tokens.gather(-1, picks).tolist(), (values > 0).sum(-1).tolist()
 
 
 def _exponential_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
