@@ -217,3 +217,23 @@ def test_cuda_graphs_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> No
     runner_mod.use_cuda_graphs(False)
     assert runner_mod.default_pass_mode("cuda:0") == "static"
     assert isinstance(argparse.Namespace, type)
+
+
+def test_bit_exact_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX bf16 kernels round a row by the pass's row count: `--bit-exact` caps oneDNN's ISA at start-up."""
+    import os
+
+    from stagedspec import hardware
+    from stagedspec.cli import _apply_pass_flags
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")  # restored after the test
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    assert hardware.amx_rounds_by_rows()
+    _apply_pass_flags(argparse.Namespace(bit_exact=False, device="cpu"))
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"  # AMX stays on without --bit-exact (it makes trees cheap)
+    _apply_pass_flags(argparse.Namespace(bit_exact=True, device="cpu"))
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == hardware.AMX_ISA_CAP and not hardware.amx_rounds_by_rows()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    _apply_pass_flags(argparse.Namespace(bit_exact=True, device="cpu"))
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"  # no AMX: nothing to cap

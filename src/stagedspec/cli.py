@@ -180,7 +180,7 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         method = args.method or "auto"
         if method in ("staged", "auto") and ngram is None and not args.no_context:
             ngram = "default"
-    spec = SpeculationConfig.tuned(method, args.quant, tree_budget=args.tree_budget,
+    spec = SpeculationConfig.tuned(method, args.quant, getattr(args, "device", "cpu"), tree_budget=args.tree_budget,
                                    tree_depth=args.tree_depth, branching=args.branching, draft_k=args.draft_k,
                                    ngram=ngram, context=context, lookup_k=args.lookup_k, stage_k=args.stage_k,
                                    stage_branching=args.stage_branching, oracle_lookup=not args.no_oracle_lookup,
@@ -350,6 +350,12 @@ def _apply_pass_flags(args: argparse.Namespace) -> None:
         runner.use_compile(True)
     if getattr(args, "static_passes", False):
         runner.use_static_on_cpu(True)
+    if getattr(args, "bit_exact", False) and getattr(args, "device", "cpu") == "cpu":
+        from stagedspec.hardware import AMX_ISA_CAP, cap_isa_for_bit_exact
+
+        if cap_isa_for_bit_exact():
+            print(f"stagedspec: --bit-exact on an AMX CPU: oneDNN capped at {AMX_ISA_CAP} for this run "
+                  "(AMX kernels round a row differently by the pass's row count)", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,6 +65,37 @@ def cpu_has_native_bf16() -> bool:
     return "AMX" in cap or "BF16" in cap
 
 
+AMX_ISA_CAP = "AVX512_CORE_BF16"  # oneDNN's ISA cap below AMX (ONEDNN_MAX_CPU_ISA)
+
+
+def amx_rounds_by_rows() -> bool:
+    """Whether oneDNN may run bf16 matmuls on AMX here, i.e. without the ISA capped below it.
+
+    Measured on an AMX CPU (this work's session 5): a 7-row bf16 pass of the
+    default model differs from 7 one-row passes by up to 0.3 logits, because
+    AMX kernels are chosen by the row count; capped at AVX-512 BF16 the rows
+    are bit-identical.  AMX also makes multi-row passes nearly free (16 rows
+    cost 1.1x one row, against 1.7x capped), so it stays on unless
+    `--bit-exact` asks for bit-identity.
+    """
+    if "amx_bf16" not in cpu_flags():
+        return False
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("", "ALL", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16")
+
+
+def cap_isa_for_bit_exact() -> bool:
+    """`--bit-exact` on an AMX CPU: cap oneDNN below AMX for this process (before its first bf16 pass).
+
+    Returns whether the cap was set.  oneDNN reads the variable once, at its
+    first primitive, so this only works at start-up (the CLI calls it before
+    loading anything); library users set ONEDNN_MAX_CPU_ISA themselves.
+    """
+    if not amx_rounds_by_rows():
+        return False
+    os.environ["ONEDNN_MAX_CPU_ISA"] = AMX_ISA_CAP
+    return True
+
+
 def describe(device: str = "cpu") -> str:
     """One line naming the device: the CPU model and its bf16 support, or the GPU."""
     if device.startswith("cuda") and torch.cuda.is_available():

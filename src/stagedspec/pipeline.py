@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ from stagedspec.generation import (
     speculative_generate,
 )
 from stagedspec.models.transformer import Transformer
+from stagedspec.runner import draft_cache_len
 from stagedspec.sampling import SamplingParams
 
 METHODS = ("auto", "ar", "chain", "tree", "lookup", "staged")
@@ -90,6 +92,10 @@ def check_device(device: str) -> str:
 
 # Speculation defaults on int4/int8 oracle weights (see `SpeculationConfig.tuned`).
 QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "draft_k": 2, "lookup_k": 2, "stage_k": 1}
+# On a GPU with CUDA graphs a 16-row oracle pass costs 1.2x a 1-row one and 64 rows 1.3x (H100, docs/gpu.md),
+# while each draft pass costs about as much host work as an oracle pass: so wider trees at the same depth
+# (more nodes per draft pass) and longer lookup chains (free to propose).
+CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_k": 8}
 
 
 @dataclass
@@ -136,8 +142,12 @@ class SpeculationConfig:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
 
     @classmethod
-    def tuned(cls, method: str, quant: str = "none", **overrides: Any) -> "SpeculationConfig":
-        """The defaults for `method` on `quant` oracle weights, with `overrides` (None = keep the default).
+    def tuned(cls, method: str, quant: str = "none", device: str = "cpu", **overrides: Any) -> "SpeculationConfig":
+        """The defaults for `method` on `quant` oracle weights and `device`, with `overrides` (None = keep them).
+
+        On CUDA (`CUDA_DEFAULTS`), verification rows are nearly free and draft
+        passes are not, so trees are wider at the same depth and lookup chains
+        longer.
 
         Quantised layers make extra rows dear: PyTorch's int4 CPU kernel runs
         rows in blocks of four, so a pass over 5-8 tokens costs about twice one
@@ -146,6 +156,8 @@ class SpeculationConfig:
         draft's.  On int4/int8 the proposals therefore stay within four rows.
         """
         values: dict[str, Any] = dict(QUANTISED_DEFAULTS) if quant != "none" else {}
+        if str(device).startswith("cuda") and quant == "none":
+            values.update(CUDA_DEFAULTS)
         if quant != "none" and method == "lookup":
             values["lookup_k"] = 1
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -403,7 +415,7 @@ class Pipeline:
         for i in reversed(range(n)):
             name = "draft" if n == 1 else f"draft{i + 1}"
             # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
-            stage = ModelOracle(self.draft_models[i], max_len + s.max_nodes + 1, fixed_width=False)
+            stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_nodes), fixed_width=False)
             below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
         return below
 
@@ -508,6 +520,8 @@ class Pipeline:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
+        if self.bit_exact and str(self.device) == "cpu" and not _warned_amx:
+            _warn_amx_bit_exact()
         oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
         drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
@@ -550,6 +564,20 @@ class Pipeline:
             result.stats.auto_choices = dict(drafter.request_choices)
         result.text = "".join(text_parts)
         return result
+
+
+_warned_amx = False
+
+
+def _warn_amx_bit_exact() -> None:
+    """`bit_exact` cannot hold on AMX kernels: say so once (the CLI caps the ISA at start-up instead)."""
+    global _warned_amx
+    from stagedspec.hardware import AMX_ISA_CAP, amx_rounds_by_rows
+
+    _warned_amx = True
+    if amx_rounds_by_rows():
+        print(f"stagedspec: warning: bit_exact on an AMX CPU is not bit-identical unless the process starts "
+              f"with ONEDNN_MAX_CPU_ISA={AMX_ISA_CAP} (the CLI's --bit-exact sets it)", file=sys.stderr)
 
 
 def auto_state_path(profile_key: str) -> Path:

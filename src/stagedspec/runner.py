@@ -291,6 +291,15 @@ class StaticRunner:
 _POOL_LOCK = threading.Lock()
 
 
+def draft_cache_len(max_len: int, tree_nodes: int) -> int:
+    """Cache entries of a drafter or draft stage: the request's context, its own tree nodes and the root.
+
+    The one place a draft's cache is sized (`Pipeline`, `ModelDrafter`); the
+    oracle's comes from `generation.context_budget`.
+    """
+    return max_len + tree_nodes + 1
+
+
 def runner_capacity(max_len: int) -> int:
     """The cache size a pooled runner holds for `max_len` entries: the next power of two >= 256.
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from stagedspec.budget import AdaptiveBudget
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
-from stagedspec.runner import acquire_runner, pass_mode
+from stagedspec.runner import acquire_runner, draft_cache_len, pass_mode
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree, grow_tree
 
@@ -57,10 +57,10 @@ class ModelDrafter:
         self.max_len = max_len or model.config.max_position
         self.runner = None
         if pass_mode(model) != "eager":  # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
-            self.runner = acquire_runner(model, self.max_len + self.max_nodes + 1, self)
+            self.runner = acquire_runner(model, draft_cache_len(self.max_len, self.max_nodes), self)
             self.cache = self.runner.cache
         else:
-            self.cache = model.new_cache(self.max_len + self.max_nodes + 1)
+            self.cache = model.new_cache(draft_cache_len(self.max_len, self.max_nodes))
         self.device = model.embed.weight.device
         self.forward_passes = 0
         self.adaptive = adaptive if method == "tree" else None
@@ -111,13 +111,16 @@ class ModelDrafter:
             n = len(nodes)
             mask = torch.zeros(n, start + n, dtype=torch.bool)
             mask[:, :base] = True
+            rows, cols = [], []  # each node's ancestors' slots, set in one indexed write
             for r, node in enumerate(nodes):
                 slot[node] = start + r
                 depth_of[node] = depth_of[tree.parents[node]] + 1
                 a = node
                 while a > 0:
-                    mask[r, slot[a]] = True
+                    rows.append(r)
+                    cols.append(slot[a])
                     a = tree.parents[a]
+            mask[rows, cols] = True
             positions = torch.tensor([base - 1 + depth_of[x] for x in nodes])
             return self._run([tree.tokens[x] for x in nodes], positions, mask, None)
 

@@ -33,9 +33,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in fp32 like the reference implementation, so bf16 and
         # fp32 runs differ only by the storage precision of activations.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # `F.rms_norm` is x * rsqrt(mean(x^2) + eps) in one kernel where PyTorch
+        # fuses it (five fewer launches per norm; 60 norms per SmolLM2 pass).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 class OffsetRMSNorm(nn.Module):
@@ -53,8 +53,7 @@ class OffsetRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
