@@ -163,13 +163,22 @@ class CostProfile:
     draft_overhead: dict[str, float] = field(default_factory=dict)
 
     def oracle_seconds(self, rows: float) -> float:
-        return interpolate(self.oracle, rows)
+        return self._lookup(-1, self.oracle, rows)
 
     def draft_pass_overhead(self, sampled: bool) -> float:
         return self.draft_overhead.get("sampled" if sampled else "greedy", 0.0)
 
     def draft_seconds(self, index: int, rows: float) -> float:
-        return interpolate(self.drafts[index], rows)
+        return self._lookup(index, self.drafts[index], rows)
+
+    def _lookup(self, which: int, curve: Mapping[int, float], rows: float) -> float:
+        """`interpolate`, remembered: `--method auto` prices every arm from these curves every step."""
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (which, rows)
+        seconds = memo.get(key)
+        if seconds is None:
+            seconds = memo[key] = interpolate(curve, rows)
+        return seconds
 
     def to_json(self) -> str:
         d = asdict(self)
