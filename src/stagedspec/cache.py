@@ -69,13 +69,12 @@ class KVCache:
             self.length += self.pending
             self.pending = 0
             return
-        idx = torch.as_tensor(keep, dtype=torch.long)
-        n = int(idx.numel())
-        if n and (int(idx.max()) >= self.pending or int(idx.min()) < 0):
-            raise ValueError(f"keep indices {idx.tolist()} outside the {self.pending} pending entries")
-        is_prefix = n == 0 or bool(torch.equal(idx, torch.arange(n)))
-        if not is_prefix:
-            src = (idx + self.length).to(self.k.device)
+        keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)  # checked in Python: no tensor ops
+        n = len(keep)
+        if n and (max(keep) >= self.pending or min(keep) < 0):
+            raise ValueError(f"keep indices {keep} outside the {self.pending} pending entries")
+        if keep != list(range(n)):  # not already in place: one device-side gather of the kept entries
+            src = torch.tensor([self.length + i for i in keep], device=self.k.device)
             dst = slice(self.length, self.length + n)
             self.k[:, :, :, dst] = self.k.index_select(3, src)
             self.v[:, :, :, dst] = self.v.index_select(3, src)

@@ -190,6 +190,12 @@ class StaticRunner:
         """
         T = len(tokens)
         start = self.cache.reserve(T)
+        if T <= self.buckets[-1] and (mask is None or mask.shape[-1] != start + T):
+            # one bucket and a mask over the new tokens (the common case): written straight into the
+            # pinned buffer, no full-width mask built first
+            pos = torch.as_tensor(positions, dtype=torch.long).cpu()
+            out = self._pass(torch.as_tensor(tokens, dtype=torch.long), pos, None, start, new_mask=mask)
+            return out if logits_rows is None else out[logits_rows]
         full = self._full_mask(T, start, mask)
         pos = torch.as_tensor(positions, dtype=torch.long).cpu()
         toks = torch.as_tensor(tokens, dtype=torch.long)
@@ -217,8 +223,13 @@ class StaticRunner:
         full[:, start:] = torch.ones(T, T, dtype=torch.bool).tril_() if mask is None else mask.cpu()
         return full
 
-    def _pass(self, tokens: Tensor, positions: Tensor, mask: Tensor, first_slot: int) -> Tensor:
-        """One bucket pass of n <= max-bucket rows written from `first_slot`; logits [n, V]."""
+    def _pass(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, first_slot: int,
+              new_mask: Tensor | None = None) -> Tensor:
+        """One bucket pass of n <= max-bucket rows written from `first_slot`; logits [n, V].
+
+        `mask` [n, first_slot + n] is the rows' complete mask; when it is None,
+        the rows see every slot before `first_slot` and, among themselves,
+        `new_mask` [n, n] (None: causal)."""
         n = len(tokens)
         rows = self.bucket(n)
         assert rows is not None
@@ -231,7 +242,14 @@ class StaticRunner:
         index[1, :n] = positions
         index[1, n:] = positions[-1]  # a valid position: never past the RoPE table
         torch.arange(first_slot, first_slot + rows, out=index[2])
-        host_mask[:n, :mask.shape[-1]] = mask
+        if mask is not None:
+            host_mask[:n, :mask.shape[-1]] = mask
+        else:
+            host_mask[:n, :first_slot] = True
+            if new_mask is None:
+                host_mask[:n, first_slot:first_slot + n] = torch.ones(n, n, dtype=torch.bool).tril_()
+            else:
+                host_mask[:n, first_slot:first_slot + n] = new_mask
         if rows > n:  # padding rows: what precedes this pass, and themselves, so no softmax row is empty
             host_mask[n:, :first_slot] = True
             pad = torch.arange(n, rows)
