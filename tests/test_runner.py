@@ -38,7 +38,7 @@ def tiny(seed: int, layers: int = 2, vocab: int = 24, dtype: torch.dtype = torch
 
 def test_cpu_models_default_to_eager_and_modes_are_checked() -> None:
     m = tiny(0)
-    assert pass_mode(m) == "eager"
+    assert pass_mode(m) == ("static" if runner_mod._static_on_cpu else "eager")  # STAGEDSPEC_STATIC_PASSES=1
     set_pass_mode(m, "graphs")  # no CUDA here: graphs become static passes
     assert pass_mode(m) == "static"
     with pytest.raises(ValueError, match="unknown pass mode"):
@@ -213,6 +213,7 @@ def test_cuda_graphs_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert args.cuda_graphs is False
     assert isinstance(build_parser().parse_args(["generate", "hi"]).cuda_graphs, bool)
     monkeypatch.setattr(runner_mod, "_cuda_graphs", True)
+    monkeypatch.setattr(runner_mod, "_static_on_cpu", False)
     assert runner_mod.default_pass_mode("cuda") == "graphs" and runner_mod.default_pass_mode("cpu") == "eager"
     runner_mod.use_cuda_graphs(False)
     assert runner_mod.default_pass_mode("cuda:0") == "static"

@@ -84,11 +84,14 @@ def set_pass_mode(model: Transformer, mode: str) -> None:
     model.__dict__["_runner_pool"] = []
 
 
-_static_on_cpu = False
+_static_on_cpu = os.environ.get("STAGEDSPEC_STATIC_PASSES", "0") not in ("0", "false", "no", "off", "")
 
 
 def use_static_on_cpu(enabled: bool) -> None:
-    """`--static-passes`: CPU models (mode not set explicitly) run the static-shape path too."""
+    """`--static-passes`: CPU models (mode not set explicitly) run the static-shape path too.
+
+    The environment variable STAGEDSPEC_STATIC_PASSES=1 sets the same default
+    (the whole test suite can run through the static path with it)."""
     global _static_on_cpu
     _static_on_cpu = bool(enabled)
 
