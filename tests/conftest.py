@@ -10,6 +10,10 @@ import os
 import pytest
 import torch
 
+# oneDNN fixes its ISA at its first primitive, from the environment the process started with; tests that
+# run the CLI in-process may change the variable later (`--bit-exact` caps AMX), so keep the original.
+ONEDNN_ISA_AT_START = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
@@ -43,3 +47,13 @@ def one_thread():
 def private_cost_cache(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
     """`auto`'s cost profiles and learned state go to a temporary folder, not the user's cache."""
     monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
+
+
+@pytest.fixture(autouse=True)
+def _keep_onednn_isa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Undo a cap an in-process `--bit-exact` run sets, so it does not leak into later tests' subprocesses."""
+    name = "ONEDNN_MAX_CPU_ISA"
+    value = os.environ.get(name)
+    monkeypatch.setenv(name, value if value is not None else "")
+    if value is None:
+        monkeypatch.delenv(name)

@@ -101,7 +101,9 @@ def test_bf16_chain_verification_reproduces_one_token_logits_bit_for_bit(bf16_se
     from stagedspec.hardware import AMX_ISA_CAP, amx_rounds_by_rows
     from stagedspec.tree import TokenTree
 
-    if amx_rounds_by_rows():  # oneDNN's ISA is fixed per process: check in one capped as --bit-exact caps it
+    from tests.conftest import ONEDNN_ISA_AT_START
+
+    if amx_rounds_by_rows(ONEDNN_ISA_AT_START):  # oneDNN's ISA is fixed per process: check in a capped one
         import os
         import subprocess
         import sys

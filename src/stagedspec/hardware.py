@@ -68,7 +68,7 @@ def cpu_has_native_bf16() -> bool:
 AMX_ISA_CAP = "AVX512_CORE_BF16"  # oneDNN's ISA cap below AMX (ONEDNN_MAX_CPU_ISA)
 
 
-def amx_rounds_by_rows() -> bool:
+def amx_rounds_by_rows(isa: str | None = None) -> bool:
     """Whether oneDNN may run bf16 matmuls on AMX here, i.e. without the ISA capped below it.
 
     Measured on an AMX CPU (this work's session 5): a 7-row bf16 pass of the
@@ -77,10 +77,15 @@ def amx_rounds_by_rows() -> bool:
     are bit-identical.  AMX also makes multi-row passes nearly free (16 rows
     cost 1.1x one row, against 1.7x capped), so it stays on unless
     `--bit-exact` asks for bit-identity.
+
+    `isa`: the ONEDNN_MAX_CPU_ISA value oneDNN started with (default: the
+    current environment's; a process that already ran bf16 passes keeps the
+    value it started with).
     """
     if "amx_bf16" not in cpu_flags():
         return False
-    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("", "ALL", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16")
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "") if isa is None else isa
+    return isa.upper() in ("", "ALL", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16")
 
 
 def cap_isa_for_bit_exact() -> bool:
