@@ -14,14 +14,10 @@ import importlib.util
 import pytest
 import torch
 
-from stagedspec.drafters.lookup import LookupDrafter
-from stagedspec.drafters.merged import MergedDrafter
-from stagedspec.drafters.model import ModelDrafter
-from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.runner import StaticRunner, pass_mode, set_pass_mode
-from stagedspec.stages import StageDrafter
+from tests.test_runner import all_methods
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -65,23 +61,6 @@ def test_graph_replay_is_bit_identical_to_the_eager_static_pass(dtype: torch.dty
     assert graphed.graphs and not eager.graphs
 
 
-def _methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, list[int]]:
-    out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n).token_ids}
-    out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, budget=16, max_len=300),
-                                       prompt, max_new_tokens=n).token_ids
-    out["chain"] = speculative_generate(ModelOracle(oracle, 300),
-                                        ModelDrafter(draft, method="chain", chain_length=4, max_len=300),
-                                        prompt, max_new_tokens=n).token_ids
-    staged = StageDrafter(ModelOracle(draft, 300), LookupDrafter(None, context=True, chain_length=4),
-                          chain_length=4, branching=2)
-    out["staged"] = speculative_generate(ModelOracle(oracle, 300), staged, prompt, max_new_tokens=n).token_ids
-    merged = MergedDrafter(staged, LookupDrafter(None, context=True, chain_length=4))
-    out["staged+lookup"] = speculative_generate(ModelOracle(oracle, 300), merged, prompt, max_new_tokens=n).token_ids
-    out["lookup"] = speculative_generate(ModelOracle(oracle, 300), LookupDrafter(None, context=True, chain_length=5),
-                                         prompt, max_new_tokens=n).token_ids
-    return out
-
-
 @pytest.mark.parametrize("mode", ["graphs", "static"])
 def test_greedy_fp32_every_method_identical_to_ar(mode: str) -> None:
     for seed in range(3):
@@ -90,7 +69,7 @@ def test_greedy_fp32_every_method_identical_to_ar(mode: str) -> None:
         set_pass_mode(draft, mode)
         prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
         with torch.inference_mode():
-            out = _methods(oracle, draft, prompt, 40)
+            out = all_methods(oracle, draft, prompt, 40)
         for name, tokens in out.items():
             assert tokens == out["ar"], f"{mode}, seed {seed}: {name}"
 

@@ -98,10 +98,14 @@ def test_static_pass_on_sliding_window_layers() -> None:
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-def _all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, list[int]]:
+def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, list[int]]:
+    """Greedy tokens of ar, tree, chain, staged, staged + lookup and lookup (also used by tests/test_cuda.py)."""
     out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n).token_ids}
     out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, budget=16, max_len=300),
                                        prompt, max_new_tokens=n).token_ids
+    out["chain"] = speculative_generate(ModelOracle(oracle, 300),
+                                        ModelDrafter(draft, method="chain", chain_length=4, max_len=300),
+                                        prompt, max_new_tokens=n).token_ids
     staged = StageDrafter(ModelOracle(draft, 300), LookupDrafter(None, context=True, chain_length=4),
                           chain_length=4, branching=2)
     out["staged"] = speculative_generate(ModelOracle(oracle, 300), staged, prompt, max_new_tokens=n).token_ids
@@ -119,7 +123,7 @@ def test_static_greedy_fp32_every_method_identical_to_eager_ar() -> None:
         reference = generate_ar(oracle, prompt, max_new_tokens=40).token_ids  # the eager path
         set_pass_mode(oracle, "static")
         set_pass_mode(draft, "static")
-        for name, tokens in _all_methods(oracle, draft, prompt, 40).items():
+        for name, tokens in all_methods(oracle, draft, prompt, 40).items():
             assert tokens == reference, f"seed {seed}: {name}"
 
 
@@ -129,7 +133,7 @@ def test_static_bf16_prompt_longer_than_a_bucket() -> None:
     set_pass_mode(oracle, "static")
     set_pass_mode(draft, "static")
     prompt = torch.randint(0, 24, (100,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = _all_methods(oracle, draft, prompt, 24)
+    out = all_methods(oracle, draft, prompt, 24)
     assert all(len(t) == 24 for t in out.values())
 
 

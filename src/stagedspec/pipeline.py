@@ -424,7 +424,7 @@ class Pipeline:
 
         `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
         seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
-        from stagedspec.auto import LOOKUP_SIZES, STAGE_SIZES, Arm, AutoDrafter, AutoPolicy, tree_depth_for
+        from stagedspec.auto import LOOKUP_SIZES, STAGE_SIZES, AutoDrafter, AutoPolicy, tree_depth_for
         from stagedspec.drafters.lookup import LookupDrafter
 
         s = self.speculation

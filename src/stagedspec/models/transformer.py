@@ -307,16 +307,7 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         start = cache.reserve(T)
-        x = self.embed(tokens)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        rope = local_rope = None
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        else:
-            rope = _rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
-            if any(self.local):
-                local_rope = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, x.dtype)
+        x, rope, local_rope = self._embed(tokens, positions)
         if cache.positions is not None:
             cache.positions[:, start:start + T] = positions
         bool_mask = self._attention_mask(T, start, tree_mask, x.device)
@@ -334,14 +325,7 @@ class Transformer(nn.Module):
                 x = layer(x, local_rope, cache.k[i], cache.v[i], start, local_mask, row_independent)
             else:
                 x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
-        if logits_rows is not None:
-            x = x[:, logits_rows]
-        h = self.norm(x)
-        logits = F.linear(h, self.head_weight) if self.head_q is None else self.head_q(h)
-        cap = self.config.final_logit_softcap
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return (logits, h) if return_hidden else logits
+        return self._head(x, logits_rows, return_hidden)
 
     def forward_static(
         self,
@@ -362,16 +346,7 @@ class Transformer(nn.Module):
         (`stagedspec.runner`).  The cache's length bookkeeping is the caller's.
         """
         B, T = tokens.shape
-        x = self.embed(tokens)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        rope = local_rope = None
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        else:
-            rope = _rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
-            if any(self.local):
-                local_rope = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, x.dtype)
+        x, rope, local_rope = self._embed(tokens, positions)
         groups = self.config.n_heads // self.config.n_kv_heads
         bias = self._attention_bias(mask, x.dtype, groups)
         local_bias = bias
@@ -383,6 +358,24 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             local = bool(self.local) and self.local[i]
             x = layer(x, local_rope if local else rope, cache.k[i], cache.v[i], slots, local_bias if local else bias)
+        return self._head(x, logits_rows, return_hidden)
+
+    def _embed(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, tuple | None, tuple | None]:
+        """Token (and GPT-2 position) embeddings, and the RoPE angles of `positions` (global, local layers)."""
+        x = self.embed(tokens)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        rope = local_rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:
+            rope = _rope_at(self.rope_cos, self.rope_sin, positions, x.dtype)
+            if any(self.local):
+                local_rope = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, x.dtype)
+        return x, rope, local_rope
+
+    def _head(self, x: Tensor, logits_rows: Tensor | slice | None, return_hidden: bool) -> Tensor | tuple[Tensor, Tensor]:
+        """Final norm and vocabulary head over the selected rows (Gemma's logit soft-cap included)."""
         if logits_rows is not None:
             x = x[:, logits_rows]
         h = self.norm(x)
