@@ -77,6 +77,7 @@ class Outcome:
     token_origins: list[str] | None = None  # who proposed each emitted token, when known
     stage_seconds: dict[str, float] | None = None  # time per stage, when known
     finish_reason: str = "length"
+    auto_choices: dict[str, int] | None = None  # `auto`: steps run per configuration
 
     @property
     def new_tokens(self) -> int:
@@ -237,7 +238,8 @@ def ours(
                       for i, r in enumerate(rows[1:])]
         return Outcome(result.token_ids, seconds, st.oracle_forward_passes, passes,
                        accepted_lengths=list(st.accepted_lengths), token_origins=list(st.token_origins),
-                       stage_seconds={r["stage"]: r["seconds"] for r in rows}, finish_reason=st.finish_reason)
+                       stage_seconds={r["stage"]: r["seconds"] for r in rows}, finish_reason=st.finish_reason,
+                       auto_choices=dict(st.auto_choices) or None)
 
     kind = {"ar": "baseline", "auto": "auto", "chain": "spec", "tree": "spec", "lookup": "lookup",
             "staged": "staged"}[s.method]

@@ -298,6 +298,7 @@ def run_record(method: Method, outcome: Outcome, temperature: float, prompt_inde
         "weight_bytes_read": bytes_read, "accepted_lengths": outcome.accepted_lengths,
         "token_origins": outcome.token_origins, "stage_seconds": outcome.stage_seconds,
         "finish_reason": outcome.finish_reason, "token_ids": outcome.token_ids,
+        "auto_choices": outcome.auto_choices,
     }
 
 
