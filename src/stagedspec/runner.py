@@ -45,7 +45,7 @@ from torch import Tensor
 from stagedspec.models.transformer import Transformer
 from stagedspec.tree import TokenTree
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows of a static pass; a pass over more rows runs eagerly, unpadded
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows of a static pass; more rows run as several passes of the biggest
 PASS_MODES = ("eager", "static", "graphs")
 MIN_CAPACITY = 256  # the smallest cache a pooled runner holds (capacities are powers of two from here)
 POOL_LIMIT = 8  # runners kept per model (one per concurrent request or stage, per capacity)
@@ -174,7 +174,7 @@ class StaticRunner:
         return self.cache.max_len
 
     def bucket(self, rows: int) -> int | None:
-        """The smallest bucket holding `rows`, or None (the pass then runs eagerly at its own size)."""
+        """The smallest bucket holding `rows`, or None (more rows than the biggest: `run` splits them)."""
         return next((b for b in self.buckets if b >= rows), None)
 
     def release(self) -> None:
