@@ -23,7 +23,7 @@ pass must not depend on where in the cache it runs or how many rows it has:
 `StaticRunner` owns those buffers, one cache, and one graph per bucket,
 captured at first use.  Graphs bake in addresses, so runners are pooled per
 model and reused by later requests (`acquire_runner`): the capture cost
-(about 0.1-0.3 s per bucket) is paid once per process, not per request.
+is paid once per process, not per request.
 
 The mode of a model's passes is a property of the loaded model
 (`set_pass_mode`): "eager" (the CPU default: the original variable-shape
