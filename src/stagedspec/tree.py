@@ -291,10 +291,7 @@ def _grow_topk(
             else:
                 probs = probs_from_logits(logits, sampling)
             most = max(branching[depth[node]] for node in to_expand)
-            values, tokens = probs.topk(min(most, probs.shape[-1]), dim=-1)
-            if values.device.type != "cpu":  # one device-to-host copy per expansion, not two
-                both = torch.stack([values.double(), tokens.double()]).cpu()
-                values, tokens = both[0], both[1].long()
+            values, tokens = _on_host(*probs.topk(min(most, probs.shape[-1]), dim=-1))
             for node, vals, toks in zip(to_expand, values.tolist(), tokens.tolist()):
                 k = branching[depth[node]]
                 for q, tok in zip(vals[:k], toks[:k]):
@@ -368,6 +365,14 @@ def _grow_sampled(
     return tree
 
 
+def _on_host(values: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Top-k values (as float64) and their token ids on the CPU, in one device-to-host copy."""
+    if values.device.type == "cpu":
+        return values.double(), tokens
+    both = torch.stack([values.double(), tokens.double()]).cpu()  # ids < 2^53: exact in float64
+    return both[0], both[1].long()
+
+
 def _gumbel_top_k(q: Tensor, k: int, generator: torch.Generator | None) -> tuple[list[list[int]], list[int]]:
     """Per row of q [n, V]: up to k draws without replacement, in draw order, and the support size.
 
@@ -382,9 +387,7 @@ def _gumbel_top_k(q: Tensor, k: int, generator: torch.Generator | None) -> tuple
         keys = q.log() - _exponential_noise(q, generator).log()
         order = keys.topk(min(k, q.shape[-1]), dim=-1).indices.tolist()
         return order, (q > 0).sum(-1).tolist()
-    values, tokens = q.topk(width, dim=-1)  # every token with mass; narrower rows end in zeros
-    both = torch.stack([values.double(), tokens.double()]).cpu()
-    values, tokens = both[0], both[1].long()
+    values, tokens = _on_host(*q.topk(width, dim=-1))  # every token with mass; narrower rows end in zeros
     keys = values.log() - _exponential_noise(values, generator).log()
     picks = keys.topk(min(k, width), dim=-1).indices
     return tokens.gather(-1, picks).tolist(), (values > 0).sum(-1).tolist()

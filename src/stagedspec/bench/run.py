@@ -585,10 +585,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from stagedspec.bench import report
 
     cfg = config_from_args(args)
-    from stagedspec.cli import _apply_pass_flags
-
-    _apply_pass_flags(args)
-    results = run_bench(cfg)
+    results = run_bench(cfg)  # --cuda-graphs/--compile/--static-passes were applied by `cli.main`
     print(report.console_summary(results))
     print(f"\nwrote {Path(cfg.out) / 'report.md'}, {Path(cfg.out) / 'results.json'}"
           + (f" and {len(results.get('plots', []))} plots" if results.get("plots") else ""), file=sys.stderr)
