@@ -30,6 +30,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
     serve.add_argument("--max-memory", default=None, metavar="SIZE",
                        help="memory budget, e.g. 2G: requests whose KV cache would not fit wait (default: the "
                             "models + KV for --max-batch sequences at full context)")
+    serve.add_argument("--batch-passes", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the running requests' model passes together, one ragged pass per model per "
+                            "step (default); --no-batch-passes interleaves their steps, one pass at a time")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' (default: $STAGEDSPEC_API_KEY, else none)")
     serve.add_argument("--model-name", default=None, metavar="NAME",
@@ -93,8 +96,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(loader=load, api_key=api_key, max_batch=args.max_batch, max_memory=max_memory,
-                     on_load_error=on_load_error)
+                     on_load_error=on_load_error, batch_passes=args.batch_passes)
     print(f"stagedspec serve: http://{args.host}:{args.port}/v1 (method {spec.method}"
+          f"{', batched passes' if args.batch_passes else ', interleaved steps'}"
           f"{', API key required' if api_key else ''}); loading the model...", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False))

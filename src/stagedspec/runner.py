@@ -309,6 +309,34 @@ class StaticRunner:
         return graph
 
 
+_route = threading.local()
+
+
+class PassRouter:
+    """Where a thread's eager model passes go instead of straight to the model (see `routed_passes`)."""
+
+    def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache, **kwargs) -> Tensor:  # noqa: ANN001
+        raise NotImplementedError
+
+
+def routed_passes(router: PassRouter | None) -> None:
+    """Send this thread's eager passes (`run_model`) to `router` from now on (None: to the model again).
+
+    Why: the server's batched scheduler runs each request's decoding loop on
+    its own thread and gathers their passes into one ragged pass
+    (`stagedspec.server.batching`); the loop itself stays the solo code.
+    """
+    _route.router = router
+
+
+def run_model(model: Transformer, tokens: Tensor, positions: Tensor, cache, **kwargs) -> Tensor:  # noqa: ANN001
+    """`model(tokens, positions, cache, **kwargs)`, or through this thread's router when one is set."""
+    router = getattr(_route, "router", None)
+    if router is None:
+        return model(tokens, positions, cache, **kwargs)
+    return router(model, tokens, positions, cache, **kwargs)
+
+
 _POOL_LOCK = threading.Lock()
 
 
@@ -453,8 +481,8 @@ class ModelOracle:
         self._tree = tree
         toks = torch.tensor([tokens], device=self.device)
         mask = None if mask is None else mask.to(self.device)
-        return self.model(toks, pos.to(self.device), self.cache, tree_mask=mask, logits_rows=slice(P, P + N),
-                          key_width=self.key_width, row_independent=self.bit_exact)[0]
+        return run_model(self.model, toks, pos.to(self.device), self.cache, tree_mask=mask,
+                         logits_rows=slice(P, P + N), key_width=self.key_width, row_independent=self.bit_exact)[0]
 
     def _run_catch_up(self) -> None:
         """Run the uncached context in a pass of its own, before the first tree.
@@ -471,8 +499,9 @@ class ModelOracle:
         else:
             toks = torch.tensor([lead], device=self.device)
             pos = torch.arange(start, start + len(lead), device=self.device)
-            self.model(toks, pos, self.cache, tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
-                       logits_rows=slice(-1, None), key_width=self.key_width)
+            run_model(self.model, toks, pos, self.cache,
+                      tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
+                      logits_rows=slice(-1, None), key_width=self.key_width)
         self.forward_passes += 1  # counted: the bench's passes per token and memory traffic include it
         self.cache.commit()
         self.cached_tokens.extend(lead)

@@ -20,7 +20,7 @@ from torch import Tensor
 from stagedspec.budget import AdaptiveBudget
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
-from stagedspec.runner import acquire_runner, draft_cache_len, pass_mode
+from stagedspec.runner import acquire_runner, draft_cache_len, pass_mode, run_model
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree, grow_tree
 
@@ -81,7 +81,8 @@ class ModelDrafter:
             logits = self.runner.run(tokens, positions, mask, logits_rows=rows)
         else:
             toks = torch.tensor([tokens], device=self.device)
-            logits = self.model(toks, positions.to(self.device), self.cache, tree_mask=mask, logits_rows=rows)[0]
+            logits = run_model(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
+                               logits_rows=rows)[0]
         self.cache.commit()
         return logits
 

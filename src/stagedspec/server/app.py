@@ -57,7 +57,7 @@ class ServerState:
 def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | None = None,
                api_key: str | None = None, max_batch: int = 8, max_memory: int | None = None,
                max_body: int = DEFAULT_MAX_BODY, log: Callable[[str], None] | None = None,
-               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[str], None] | None = None, batch_passes: bool = True) -> FastAPI:
     """An app serving `engine`, or the engine `loader()` returns (loaded in the background).
 
     `on_load_error(message)` is called (on the loader thread) if loading fails: the CLI stops the
@@ -71,7 +71,7 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
         try:
             pause = float(os.environ.get("STAGEDSPEC_SERVE_ROUND_PAUSE", "0") or 0)  # a test hook, see Scheduler
             sched = Scheduler(get_engine(), max_batch=max_batch, max_memory=max_memory, metrics=state.metrics,
-                              round_pause=pause)
+                              round_pause=pause, batch_passes=batch_passes)
         except Exception as e:  # noqa: BLE001 - reported by /health and on stderr
             state.load_error = first_line(e)
             say(f"stagedspec serve: error: {state.load_error}")
@@ -262,7 +262,8 @@ class Reply:
         mal = info["mean_accepted_length"]
         return {"method": info["method"], "mean_accepted_length": mal if math.isfinite(mal) else None,
                 "tokens_by_stage": info["tokens_by_stage"], "oracle_passes": info["oracle_passes"],
-                "stages": info["stages"], "seconds": info["seconds"], "token_ids": info["token_ids"]}
+                "stages": info["stages"], "seconds": info["seconds"], "token_ids": info["token_ids"],
+                "speculation_off_steps": info.get("speculation_off_steps", 0)}
 
     def whole(self, text: str, finish_reason: str, info: dict[str, Any]) -> dict[str, Any]:
         if self.chat:

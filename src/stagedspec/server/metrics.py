@@ -26,6 +26,9 @@ class Metrics:
         self.tokens_by_stage: dict[str, int] = defaultdict(int)  # who proposed each emitted token
         self.seconds_by_stage: dict[str, float] = defaultdict(float)
         self.passes_by_stage: dict[str, int] = defaultdict(int)
+        self.ragged_passes = 0  # batched passes: one per model per barrier, however many requests they carry
+        self.ragged_segments = 0  # request passes those carried
+        self.trees_off = 0  # running requests whose trees are off for memory (`server.pressure`)
 
     def update(self, **gauges: int) -> None:
         with self._lock:
@@ -85,6 +88,12 @@ class Metrics:
                    by("stage", {k: float(v) for k, v in self.seconds_by_stage.items()}))
             metric("stage_forward_passes_total", "counter", "Forward passes per stage (finished requests).",
                    by("stage", self.passes_by_stage))
+            metric("batched_passes_total", "counter", "Ragged passes run for several requests at once.",
+                   [("", self.ragged_passes)])
+            metric("batched_request_passes_total", "counter", "Request passes carried by the ragged passes.",
+                   [("", self.ragged_segments)])
+            metric("requests_speculation_off", "gauge", "Running requests whose trees are off under memory "
+                   "pressure.", [("", self.trees_off)])
             metric("memory_in_use_bytes", "gauge", "Weights + scratch + KV of admitted requests (memory model).",
                    [("", self.memory_in_use)])
             metric("memory_budget_bytes", "gauge", "--max-memory.", [("", self.memory_budget)])

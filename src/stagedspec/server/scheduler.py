@@ -1,24 +1,29 @@
-"""Continuous batching over exact per-request decoding loops.
+"""Continuous batching over exact per-request decoding loops, with batched model passes.
 
-One worker thread owns every model call.  Requests wait in a FIFO queue
-until a running slot is free (`max_batch`) and their KV cache fits the
-memory budget; then they join the running set at the next step boundary.
-Each round the worker advances every running request by one step of its own
-decoding loop (`iter_steps`: propose a tree, verify it in one oracle pass,
-commit the accepted path) and hands the step's text to that request's
-stream.  A request leaves when it finishes, or at the first step boundary
-after its client went away (`Job.cancel`), which frees its slot and memory.
+One worker thread owns the scheduling.  Requests wait in a FIFO queue until
+a running slot is free (`max_batch`) and their KV cache fits the memory
+budget; then they join the running set at the next step boundary.  Each
+round advances every running request by one step of its own decoding loop
+(`iter_steps`: propose a tree, verify it in one oracle pass, commit the
+accepted path) and hands the step's text to that request's stream.  A
+request leaves when it finishes, or at the first step boundary after its
+client went away (`Job.cancel`), which frees its slot and memory.
+
+With `batch_passes` (the default) a round's steps run on their requests'
+lanes (`stagedspec.server.batching`) and all their model passes that are
+ready at the same time run as one ragged pass per model: every request's
+tree is verified in one oracle pass, each against its own KV cache.
+Without it (`--no-batch-passes`) the worker runs the steps one after the
+other, each with its own passes (the interleaved scheduler).
 
 Exactness: a running request owns everything that changes while it decodes:
 its `ModelOracle` (KV cache sized by `context_budget`, exactly as a solo run
 sizes it), its drafter (built by `Pipeline.drafter`, with its own draft
 caches) and its `torch.Generator` (seeded from the request's `seed` inside
-`iter_steps`).  The models' weights are shared but read-only.  So the
-sequence of tensor operations a request runs, with their shapes and inputs,
-is the one its solo `Pipeline.generate` runs, whatever its neighbours do;
-interleaving changes only *when* each step runs, never what it computes.
-(The steps are not yet fused into one batched oracle pass: see
-docs/serving.md, "Batched passes".)
+`iter_steps`).  The models' weights are shared but read-only.  Interleaved,
+the tensor operations a request runs are its solo run's; batched, they are
+too except that its rows share the row-wise matmuls with its neighbours'
+(docs/serving.md, "Batched passes", has the measured agreement).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
 from stagedspec.pipeline import SpeculationConfig, stage_report
 from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
+from stagedspec.server.batching import Lane, PassBatcher
 from stagedspec.server.metrics import Metrics
+from stagedspec.server.pressure import SwitchableDrafter
 from stagedspec.server.schemas import APIError
 from stagedspec.server.text import StopTextStream
 
@@ -66,17 +73,23 @@ class Job:
 class _Running:
     """A job's decoding state: built exactly as `Pipeline.generate` builds a solo run's."""
 
-    def __init__(self, job: Job, engine: Engine) -> None:
+    def __init__(self, job: Job, engine: Engine, lane: Lane | None = None, trees: bool = True) -> None:
+        """`lane`: where the steps run with batched passes (None: on the caller's thread); `trees`: whether
+        the request starts with speculation on (off under memory pressure, see `server.pressure`)."""
         self.job = job
         pipe = engine.pipeline(job.spec)
         max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         self.oracle = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact)
         self.drafter = pipe.drafter(max_len, reproducible=job.seed is not None and not job.sampling.greedy)
+        self.switch = SwitchableDrafter(self.drafter)
+        self.switch.enabled = trees
         engine.remember_costs(pipe)
         self.stats = GenerationStats()
-        self.steps = iter_steps(self.oracle, self.drafter, job.prompt_ids, max_new_tokens=job.max_tokens,
+        self.steps = iter_steps(self.oracle, self.switch, job.prompt_ids, max_new_tokens=job.max_tokens,
                                 sampling=job.sampling, seed=job.seed,
                                 stop_token_ids=engine.tokenizer.eos_token_ids, stats=self.stats)
+        self.lane = lane
+        self.outcome: tuple[tuple[list[int], int] | None, BaseException | None] = (None, None)
         self.text = StopTextStream(engine.tokenizer, job.stop)
         self.token_ids: list[int] = []
         self.seconds = 0.0
@@ -99,6 +112,17 @@ class _Running:
         self.token_ids.extend(tokens)
         return tokens, self.oracle.forward_passes - passes
 
+    def run_step(self) -> None:
+        """`step`, keeping its result or error in `outcome` (a lane's task must not raise)."""
+        try:
+            self.outcome = (self.step(), None)
+        except Exception as e:  # noqa: BLE001 - handed to the request by the scheduler
+            self.outcome = (None, e)
+
+    @property
+    def trees(self) -> bool:
+        return self.switch.enabled
+
     @property
     def over(self) -> bool:
         return (self.text.stopped or self.stats.finish_reason == "stop"
@@ -112,6 +136,7 @@ class _Running:
         st.draft_forward_passes = getattr(self.drafter, "forward_passes", 0)
         st.stages = stage_report(st, self.drafter)
         return {
+            "speculation_off_steps": self.switch.skipped_steps,
             "method": self.job.spec.method,
             "mean_accepted_length": st.mean_accepted_length,
             "tokens_by_stage": dict(Counter(st.token_origins)),
@@ -123,39 +148,55 @@ class _Running:
 
 
 class Scheduler:
-    """Owns the models; runs every admitted request's loop, one step each per round, on one thread."""
+    """Owns the models; runs every admitted request's loop, one step each per round (see the module docstring)."""
 
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_memory: int | None = None,
-                 metrics: Metrics | None = None, round_pause: float = 0.0) -> None:
+                 metrics: Metrics | None = None, round_pause: float = 0.0, batch_passes: bool = True,
+                 step_timeout: float = 300.0) -> None:
         """`round_pause`: seconds to sleep after each round of steps (0 in service; tests set it through
-        $STAGEDSPEC_SERVE_ROUND_PAUSE to keep tiny models' requests in flight long enough to cancel)."""
+        $STAGEDSPEC_SERVE_ROUND_PAUSE to keep tiny models' requests in flight long enough to cancel).
+        `batch_passes`: gather the round's passes into ragged passes (`--no-batch-passes`: interleave).
+        `step_timeout`: seconds a batched step may compute between passes before its request is failed."""
         if max_batch < 1:
             raise StagedSpecError(f"--max-batch must be >= 1, got {max_batch}")
         self.engine = engine
         self.max_batch = max_batch
+        self.batch_passes = batch_passes
         self.memory = engine.memory_model()
-        self.base_bytes = self.memory.weights + self.memory.scratch
-        full = engine.full_context_slots()
         nodes = engine.speculation.max_nodes
+        # Tree scratch: one pass's activations.  Interleaved, one request's pass runs at a time, so it is
+        # counted once; batched, every running request's tree rows share the pass, so each request is
+        # charged for its own rows (`_charge`), and those are what shrink under pressure (`server.pressure`).
+        self.row_bytes = self.memory.scratch // (nodes + 2)
+        self.base_bytes = self.memory.weights + (0 if batch_passes else self.memory.scratch)
+        full = engine.full_context_slots()
         uses_drafts = bool(engine.draft_models)
-        default_budget = self.base_bytes + max_batch * self.memory.request_kv(full, nodes, uses_drafts)
+        per_request = self.memory.request_kv(full, nodes, uses_drafts) + (self.memory.scratch if batch_passes else 0)
+        default_budget = self.memory.weights + self.memory.scratch + max_batch * per_request
+        if batch_passes:
+            default_budget -= self.memory.scratch
         self.max_memory = default_budget if max_memory is None else max_memory
-        if self.max_memory < self.base_bytes:
+        if self.max_memory < self.base_bytes + (2 * self.row_bytes if batch_passes else 0):
             raise StagedSpecError(f"--max-memory {format_size(self.max_memory)} is below what the models "
-                                  f"need ({format_size(self.base_bytes)})")
+                                  f"need ({format_size(self.memory.weights + self.memory.scratch)})")
         self.metrics = metrics or Metrics()
         self.round_pause = round_pause
+        self.batcher = PassBatcher(step_timeout, last=engine.model) if batch_passes else None
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[_Running] = []
-        self._kv_in_use = 0
+        self._kv_in_use = 0  # KV (and, batched, tree rows) charged to admitted requests
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="stagedspec-scheduler", daemon=True)
         self.metrics.update(memory_budget=self.max_memory, memory_in_use=self.base_bytes)
 
     def describe(self) -> str:
-        return self.memory.describe(self.max_memory, self.max_batch, self.engine.full_context_slots(),
+        text = self.memory.describe(self.max_memory, self.max_batch, self.engine.full_context_slots(),
                                     self.engine.speculation.max_nodes)
+        if self.batch_passes:
+            text += (f"; batched passes: tree scratch {format_size(self.row_bytes)}/row charged per request "
+                     "(trees shrink under memory pressure)")
+        return text
 
     # ---------------------------------------------------------------- client side (any thread)
     def start(self) -> None:
@@ -173,7 +214,7 @@ class Scheduler:
         uses_drafts = job.spec.method in ("chain", "tree", "staged")
         slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         job.kv_bytes = self.memory.request_kv(slots, job.spec.max_nodes, uses_drafts)
-        if self.base_bytes + job.kv_bytes > self.max_memory:
+        if self.base_bytes + self._charge(job, trees=False) > self.max_memory:
             raise APIError(400, f"this request's KV cache ({format_size(job.kv_bytes)}) does not fit the server's "
                                 f"memory budget ({format_size(self.max_memory - self.base_bytes)} after the "
                                 "models): lower max_tokens or the prompt", "max_tokens", "memory_budget_exceeded")
@@ -187,21 +228,58 @@ class Scheduler:
         with self._cond:
             self._cond.notify_all()
 
+    # ---------------------------------------------------------------- memory
+    def _charge(self, job: Job, trees: bool) -> int:
+        """What a request holds: its KV, plus (batched) its tree rows of the shared pass (2 with no tree)."""
+        if not self.batch_passes:
+            return job.kv_bytes
+        rows = job.spec.max_nodes + 2 if trees else 2
+        return job.kv_bytes + rows * self.row_bytes
+
+    def _free(self) -> int:
+        return self.max_memory - self.base_bytes - self._kv_in_use
+
+    def _make_room(self, need: int) -> bool:
+        """Turn running requests' trees off, newest first, until `need` bytes are free; False if they cannot be."""
+        full = self._charge
+        saving = [r for r in reversed(self._running) if r.trees]
+        if self._free() + sum(full(r.job, True) - full(r.job, False) for r in saving) < need:
+            return False
+        for r in saving:
+            if self._free() >= need:
+                break
+            self._kv_in_use -= full(r.job, True) - full(r.job, False)
+            r.switch.enabled = False
+        return True
+
+    def _regrow(self) -> None:
+        """Give trees back, oldest request first, while they fit."""
+        for r in self._running:
+            extra = self._charge(r.job, True) - self._charge(r.job, False)
+            if not r.trees and extra <= self._free():
+                self._kv_in_use += extra
+                r.switch.enabled = True
+
     # ---------------------------------------------------------------- worker
-    def _admit(self) -> list[Job]:
-        """Under the lock: the waiting jobs that join now (FIFO, so a big job is not starved by small ones)."""
-        joining = []
+    def _admit(self) -> list[tuple[Job, bool]]:
+        """Under the lock: the waiting jobs that join now, and whether each starts with its tree.
+
+        FIFO, so a big job is not starved by small ones; with batched passes, trees shrink (the
+        newcomer's first, then running requests', newest first) before a job is kept waiting."""
+        joining: list[tuple[Job, bool]] = []
         while self._waiting and len(self._running) + len(joining) < self.max_batch:
             job = self._waiting[0]
             if job.cancelled.is_set():
                 self._waiting.popleft()
                 self.metrics.record_finish("cancelled", [])
                 continue
-            if self.base_bytes + self._kv_in_use + job.kv_bytes > self.max_memory:
-                break
+            trees = self._charge(job, True) <= self._free()
+            if not trees:
+                if not self.batch_passes or not self._make_room(self._charge(job, False)):
+                    break
             self._waiting.popleft()
-            self._kv_in_use += job.kv_bytes
-            joining.append(job)
+            self._kv_in_use += self._charge(job, trees)
+            joining.append((job, trees))
         return joining
 
     def _run(self) -> None:
@@ -210,16 +288,18 @@ class Scheduler:
                 while not self._stop and not self._running and not self._waiting:
                     self._cond.wait()
                 if self._stop:
+                    for r in list(self._running):
+                        if r.lane is not None:
+                            r.lane.close()
                     return
                 joining = self._admit()
                 self._publish()
-            for job in joining:
-                self._start(job)
+            for job, trees in joining:
+                self._start(job, trees)
             if joining:
                 with self._cond:
                     self._publish()
-            for r in list(self._running):
-                self._advance(r)
+            self._round()
             if self.round_pause and self._running:
                 time.sleep(self.round_pause)
             if not joining and not self._running:
@@ -227,28 +307,50 @@ class Scheduler:
                     if self._waiting and not self._stop:
                         self._cond.wait(0.05)
 
-    def _start(self, job: Job) -> None:
+    def _round(self) -> None:
+        """One step of every running request: batched on their lanes, or one after the other."""
+        active = []
+        for r in list(self._running):
+            if r.job.cancelled.is_set():
+                self._finish(r, "cancelled")
+            else:
+                active.append(r)
+        if self.batcher is not None:
+            abandoned = set(map(id, self.batcher.run_round([(r.lane, r.run_step) for r in active])))
+            for r in active:
+                if id(r.lane) in abandoned:
+                    r.outcome = (None, StagedSpecError("this request's step took too long and was stopped"))
+                self._after_step(r)
+            self.metrics.update(ragged_passes=self.batcher.ragged_passes, ragged_segments=self.batcher.segments)
+        else:
+            for r in active:
+                r.run_step()
+                self._after_step(r)
+
+    def _start(self, job: Job, trees: bool = True) -> None:
+        lane = None
         try:
-            r = _Running(job, self.engine)
+            if self.batcher is not None:
+                lane = self.batcher.lane(f"stagedspec-request-{id(job):x}")
+            r = _Running(job, self.engine, lane, trees)
         except Exception as e:  # noqa: BLE001 - a request must never take the worker down
-            self._release(job, "error")
+            if lane is not None:
+                lane.close()
+            self._release(job, "error", trees)
             job.deliver(("error", 400 if isinstance(e, StagedSpecError) else 500, first_line(e)))
             return
         self.metrics.record_prompt(len(job.prompt_ids))
         self._running.append(r)
 
-    def _advance(self, r: _Running) -> None:
+    def _after_step(self, r: _Running) -> None:
         job = r.job
-        if job.cancelled.is_set():
-            self._finish(r, "cancelled")
-            return
-        try:
-            out = r.step()
-        except Exception as e:  # noqa: BLE001
-            if not isinstance(e, StagedSpecError):
-                traceback.print_exc(file=sys.stderr)
+        out, error = r.outcome
+        r.outcome = (None, None)
+        if error is not None:
+            if not isinstance(error, StagedSpecError):
+                traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
             self._finish(r, "error")
-            job.deliver(("error", 400 if isinstance(e, StagedSpecError) else 500, first_line(e)))
+            job.deliver(("error", 400 if isinstance(error, StagedSpecError) else 500, first_line(error)))
             return
         if out is not None:
             tokens, passes = out
@@ -268,20 +370,25 @@ class Scheduler:
 
     def _finish(self, r: _Running, outcome: str, info: dict[str, Any] | None = None) -> None:
         self._running.remove(r)
+        if r.lane is not None:
+            r.lane.close()
         if info is None:
             info = r.summary()
         self.metrics.record_finish(outcome, info["stages"])
         with self._cond:
-            self._kv_in_use -= r.job.kv_bytes
+            self._kv_in_use -= self._charge(r.job, r.trees)
+            if self.batch_passes:
+                self._regrow()
             self._publish()
-        del r.oracle, r.drafter, r.steps  # free the KV caches now, not when the HTTP side lets go
+        del r.oracle, r.drafter, r.switch, r.steps  # free the KV caches now, not when the HTTP side lets go
 
-    def _release(self, job: Job, outcome: str) -> None:
+    def _release(self, job: Job, outcome: str, trees: bool = True) -> None:
         self.metrics.record_finish(outcome, [])
         with self._cond:
-            self._kv_in_use -= job.kv_bytes
+            self._kv_in_use -= self._charge(job, trees)
             self._publish()
 
     def _publish(self) -> None:
         self.metrics.update(running=len(self._running), queued=len(self._waiting),
-                            memory_in_use=self.base_bytes + self._kv_in_use)
+                            memory_in_use=self.base_bytes + self._kv_in_use,
+                            trees_off=sum(1 for r in self._running if not r.trees))

@@ -1,0 +1,146 @@
+"""One forward pass over several sequences' passes at once, each over its own KV cache ("ragged" batching).
+
+Why: on a memory-bound CPU, a pass over 8 rows costs little more than a pass
+over 1, because the weights are streamed once either way.  A server with 8
+requests decoding at once should therefore run each layer's matmuls once for
+all of them.  The requests' caches differ in length and their trees in size,
+so padding them into a [B, T] batch would change every request's attention
+shapes (and so its rounding).  Instead the rows of all passes are
+concatenated into one [1, sum T] sequence for every row-wise operation
+(embedding, norms, QKV/O/MLP matmuls, RoPE, the head), and attention runs
+per segment, against that segment's own cache, with exactly the mask, key
+width and call shape `Transformer.forward` would use for it alone.
+
+So a segment differs from its solo pass only in how many rows share the
+row-wise matmuls; attention (the only op that mixes rows) is the solo call.
+`tests/test_ragged.py` checks a one-segment pass is bit-identical to
+`Transformer.forward`, and several segments agree with their solo passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from stagedspec.cache import KVCache
+from stagedspec.models.transformer import Transformer, _attend_row_by_row, apply_rope
+
+
+@dataclass
+class Segment:
+    """One sequence's pass, with `Transformer.forward`'s arguments (batch 1)."""
+
+    tokens: Tensor  # [1, T]
+    positions: Tensor  # [T]
+    cache: KVCache
+    tree_mask: Tensor | None = None
+    logits_rows: slice | None = None
+    key_width: int | None = None
+    row_independent: bool = False
+
+
+@dataclass
+class _Prepared:
+    """A segment's per-pass attention inputs, built once and used by every layer."""
+
+    start: int
+    rows: slice  # its rows in the concatenated sequence
+    mask: Tensor | None  # additive bias of the global layers
+    local_mask: Tensor | None  # of the sliding-window layers
+
+
+def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor]:
+    """Run every segment's pass in one go; returns each segment's logits [1, T', V], as `forward` would."""
+    if not segments:
+        return []
+    if model.head_q is not None or any(s.tokens.shape[0] != 1 for s in segments):
+        raise ValueError("ragged passes take batch-1 segments of an unquantised model")
+    prepared, offset = [], 0
+    for s in segments:
+        T = s.tokens.shape[1]
+        prepared.append(_prepare(model, s, offset))
+        offset += T
+    tokens = torch.cat([s.tokens for s in segments], dim=1)
+    positions = torch.cat([s.positions for s in segments])
+    x, rope, local_rope = model._embed(tokens, positions)  # noqa: SLF001 - row-wise, like forward's
+    for i, layer in enumerate(model.layers):
+        local = bool(model.local) and model.local[i]
+        h = _attention(layer.attn, layer.attn_norm(x), local_rope if local else rope, segments, prepared, i, local)
+        if layer.post_attn_norm is not None:
+            h = layer.post_attn_norm(h)
+        x = x + h
+        h = layer.mlp(layer.mlp_norm(x))
+        if layer.post_mlp_norm is not None:
+            h = layer.post_mlp_norm(h)
+        x = x + h
+    picked = []
+    for s, p in zip(segments, prepared):
+        rows = range(p.rows.start, p.rows.stop)
+        picked.append(rows[s.logits_rows] if s.logits_rows is not None else rows)
+    index = torch.tensor([r for rows in picked for r in rows], dtype=torch.long, device=x.device)
+    logits = model._head(x[:, index], None, False)  # noqa: SLF001
+    out, at = [], 0
+    for rows in picked:
+        out.append(logits[:, at:at + len(rows)])
+        at += len(rows)
+    return out
+
+
+def _prepare(model: Transformer, s: Segment, offset: int) -> _Prepared:
+    """Reserve the segment's cache slots and build its masks exactly as `Transformer.forward` does."""
+    T = s.tokens.shape[1]
+    cache, positions = s.cache, s.positions
+    device = model.embed.weight.device
+    dtype = model.embed.weight.dtype
+    start = cache.reserve(T)
+    if cache.positions is not None:
+        cache.positions[:, start:start + T] = positions
+    bool_mask = model._attention_mask(T, start, s.tree_mask, device)  # noqa: SLF001
+    if s.key_width is not None:
+        bool_mask = model._widen(bool_mask, T, start, s.key_width, device)  # noqa: SLF001
+    groups = 1 if s.row_independent else model.config.n_heads // model.config.n_kv_heads
+    mask = None if bool_mask is None else model._attention_bias(bool_mask, dtype, groups)  # noqa: SLF001
+    local_mask = mask
+    if any(model.local):
+        local = model._local_mask(bool_mask, positions, cache, start + T)  # noqa: SLF001
+        if local is not None:
+            local_mask = model._attention_bias(local, dtype, groups)  # noqa: SLF001
+    return _Prepared(start, slice(offset, offset + T), mask, local_mask)
+
+
+def _attention(attn, x: Tensor, rope, segments: list[Segment], prepared: list[_Prepared],  # noqa: ANN001
+               layer: int, local: bool) -> Tensor:
+    """`Attention.forward` with the projections over all rows and SDPA per segment."""
+    _, T, _ = x.shape
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    qkv = attn.wqkv(x).view(1, T, H + 2 * Hkv, D).transpose(1, 2)  # [1, heads, T, D]
+    qk, v = qkv.split([H + Hkv, Hkv], dim=1)
+    if attn.q_norm is not None:
+        qk = attn._norm_qk(qk)  # noqa: SLF001
+    if attn.use_rope and rope is not None:
+        cos, sin = rope
+        qk = apply_rope(qk, cos, sin).to(x.dtype)
+    q, k = qk.split([H, Hkv], dim=1)
+    G = H // Hkv
+    outs = []
+    for s, p in zip(segments, prepared):
+        n = p.rows.stop - p.rows.start
+        k_cache, v_cache = s.cache.k[layer], s.cache.v[layer]
+        end = p.start + n
+        k_cache[:, :, p.start:end] = k[:, :, p.rows]
+        v_cache[:, :, p.start:end] = v[:, :, p.rows]
+        mask = p.local_mask if local else p.mask
+        width = end if mask is None else mask.shape[-1]
+        keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
+        qs = q[:, :, p.rows]
+        if s.row_independent and mask is not None:
+            o = _attend_row_by_row(qs, keys, values, mask, G, attn.scale)
+        else:
+            o = F.scaled_dot_product_attention(qs.reshape(1, Hkv, G * n, D), keys, values, attn_mask=mask,
+                                               scale=attn.scale)
+        outs.append(o.reshape(1, H, n, D).transpose(1, 2).reshape(1, n, H * D))
+    return attn.wo(torch.cat(outs, dim=1))
+

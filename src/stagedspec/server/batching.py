@@ -1,0 +1,180 @@
+"""Batched passes across requests: each request's step on its own thread, their passes run as one.
+
+Why this shape: a request's decoding step (`iter_steps`: propose, verify,
+commit) calls its models deep inside drafters and verification, a different
+number of times per method.  Rewriting every drafter as resumable phases
+would duplicate the solo loop; instead each running request gets a *lane*:
+a thread that runs its step with the solo code, and whose eager model passes
+(`stagedspec.runner.run_model`) are routed here instead of to the model.
+
+The scheduler thread is the batcher.  A round dispatches one step to every
+lane, then repeats: wait until no lane is computing (each is either waiting
+for a pass or done with its step: a barrier), take the waiting passes, run
+them as one ragged pass per model (`forward_ragged`: each draft model's
+passes together; the oracle's together, once no draft pass is waiting), and
+hand each lane its logits.  The
+round ends when every lane is done.  Only the scheduler thread runs model
+arithmetic while lanes wait, so there is no contention for the cores.
+
+Exactness: a lane's pass is its solo pass (same cache, positions, mask, key
+width), sharing only the row-wise matmuls with its neighbours; its random
+draws come from its own generator on its own thread.  So batching changes a
+request's numbers only through the matmuls' row count (see docs/serving.md).
+
+Robustness: an error in a ragged pass is raised in every lane that took part
+(each request then ends with an error event); a lane that neither asks for a
+pass nor finishes within `timeout` seconds is abandoned (its request ends
+with an error, and any pass it asks for later fails), so the server never
+hangs on one request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.ragged import Segment, forward_ragged
+from stagedspec.models.transformer import Transformer
+from stagedspec.runner import PassRouter, routed_passes
+
+IDLE, RUNNING, WAITING, DONE, ABANDONED = "idle", "running", "waiting", "done", "abandoned"
+
+
+class _Call:
+    """One lane's pass, waiting for the next ragged pass of its model."""
+
+    __slots__ = ("lane", "model", "segment", "out", "error", "done")
+
+    def __init__(self, lane: "Lane", model: Transformer, segment: Segment) -> None:
+        self.lane, self.model, self.segment = lane, model, segment
+        self.out: Tensor | None = None
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class PassBatcher:
+    """Runs the steps of several requests as rounds whose model passes are gathered into ragged passes."""
+
+    def __init__(self, timeout: float = 300.0, last: Transformer | None = None) -> None:
+        """`timeout`: seconds a lane may compute without asking for a pass or finishing its step.
+        `last` (the oracle): its passes wait while any other model's are pending.  A step drafts
+        before it verifies, so holding the oracle's passes until every lane has finished drafting
+        puts all the round's verifications in one pass, rather than one pass per drafting phase."""
+        self.timeout = timeout
+        self.last = last
+        self._cond = threading.Condition()
+        self._calls: list[_Call] = []
+        self.ragged_passes = 0  # ragged passes run (one per model per barrier)
+        self.segments = 0  # lane passes they carried
+
+    def lane(self, name: str) -> "Lane":
+        return Lane(self, name)
+
+    def run_round(self, work: list[tuple["Lane", Callable[[], None]]]) -> list["Lane"]:
+        """Run one step on every lane (`task` must catch its own errors); returns the lanes abandoned."""
+        lanes = [lane for lane, _ in work]
+        with self._cond:
+            for lane, task in work:
+                lane._task, lane.state = task, RUNNING  # noqa: SLF001
+        for lane in lanes:
+            lane._wake.release()  # noqa: SLF001
+        abandoned: list[Lane] = []
+        while True:
+            with self._cond:
+                idle = self._cond.wait_for(lambda: all(lane.state != RUNNING for lane in lanes), self.timeout)
+                if not idle:
+                    for lane in lanes:
+                        if lane.state == RUNNING:
+                            lane.state = ABANDONED
+                            abandoned.append(lane)
+                calls = [c for c in self._calls if c.model is not self.last] or self._calls
+                self._calls = [c for c in self._calls if c not in calls]
+            if not calls:
+                return abandoned
+            self._execute(calls)
+            with self._cond:
+                for call in calls:
+                    call.done = True
+                    if call.lane.state == WAITING:
+                        call.lane.state = RUNNING
+                self._cond.notify_all()
+
+    def _execute(self, calls: list[_Call]) -> None:
+        """One ragged pass per model; an error is handed to every call of that pass."""
+        by_model: dict[int, list[_Call]] = defaultdict(list)
+        for call in calls:
+            by_model[id(call.model)].append(call)
+        for group in by_model.values():
+            try:
+                with torch.inference_mode():
+                    outs = forward_ragged(group[0].model, [c.segment for c in group])
+                for call, out in zip(group, outs):
+                    call.out = out
+                self.ragged_passes += 1
+                self.segments += len(group)
+            except Exception as e:  # noqa: BLE001 - raised again in each lane's own thread
+                for call in group:
+                    call.error = e
+
+
+class Lane(PassRouter):
+    """One request's side of the batcher: a thread for its steps, and its passes' way into the ragged pass."""
+
+    def __init__(self, batcher: PassBatcher, name: str) -> None:
+        self._batcher = batcher
+        self.state = IDLE
+        self._task: Callable[[], None] | None = None
+        self._wake = threading.Semaphore(0)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """End the lane's thread once its current step (if any) is over."""
+        self._closed = True
+        self._wake.release()
+
+    def _loop(self) -> None:
+        routed_passes(self)
+        while True:
+            self._wake.acquire()
+            if self._closed:
+                return
+            task = self._task
+            try:
+                if task is not None:
+                    with torch.inference_mode():
+                        task()
+            finally:
+                with self._batcher._cond:  # noqa: SLF001
+                    if self.state != ABANDONED:
+                        self.state = DONE
+                    self._batcher._cond.notify_all()  # noqa: SLF001
+
+    def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache,  # noqa: ANN001
+                 tree_mask: Tensor | None = None, logits_rows: slice | None = None, return_hidden: bool = False,
+                 key_width: int | None = None, row_independent: bool = False) -> Tensor:
+        if return_hidden or tokens.shape[0] != 1 or positions.dim() != 1:  # not a lane pass: run it here
+            return model(tokens, positions, cache, tree_mask=tree_mask, logits_rows=logits_rows,
+                         return_hidden=return_hidden, key_width=key_width, row_independent=row_independent)
+        b = self._batcher
+        call = _Call(self, model, Segment(tokens, positions, cache, tree_mask, logits_rows, key_width,
+                                          row_independent))
+        with b._cond:  # noqa: SLF001
+            if self.state == ABANDONED:
+                raise StagedSpecError("this request's step took too long and was stopped")
+            b._calls.append(call)  # noqa: SLF001
+            self.state = WAITING
+            b._cond.notify_all()  # noqa: SLF001
+            while not call.done:
+                b._cond.wait()  # noqa: SLF001
+        if call.error is not None:
+            raise call.error
+        assert call.out is not None
+        return call.out
+

@@ -1,0 +1,128 @@
+"""`forward_ragged`: several sequences' passes in one, each against its own cache, equal to its solo pass.
+
+One segment must be bit-identical to `Transformer.forward` (same ops, same
+shapes); several segments share only the row-wise matmuls, so in fp32 they
+agree with their solo passes to rounding (and the caches they leave match).
+Covers Llama (GQA), GPT-2 and Gemma-3 (sliding window, q/k norms), causal
+prompts, tree masks, full-width masks, fixed key widths and one-token
+attention (`row_independent`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagedspec.models.config import ModelConfig
+from stagedspec.models.ragged import Segment, forward_ragged
+from stagedspec.models.transformer import Transformer, init_random
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIGS = {
+    "llama": ModelConfig(arch="llama", vocab_size=80, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         intermediate_size=48, max_position=96),
+    "gpt2": ModelConfig(arch="gpt2", vocab_size=80, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=4,
+                        intermediate_size=48, max_position=96),
+    "gemma3": ModelConfig(arch="gemma3", vocab_size=80, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                          intermediate_size=48, max_position=96, head_dim=8, sliding_window=5,
+                          local_layers=[True, False, True], query_pre_attn_scalar=8),
+}
+
+
+def tree_mask(n: int) -> torch.Tensor:
+    """A small tree: node 0 root, 1 and 2 children of 0, 3 child of 1, ..."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, n)]
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        a = i
+        while a >= 0:
+            m[i, a] = True
+            a = parents[a]
+    return m
+
+
+def cases(model: Transformer, seed: int):  # noqa: ANN201
+    """(cache, prompt tokens, then one pass's kwargs) per sequence: different lengths, masks and widths."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    out = []
+    for i, (plen, T, kind) in enumerate([(3, 1, "one"), (9, 5, "tree"), (14, 4, "causal"), (6, 3, "full")]):
+        prompt = torch.randint(0, V, (1, plen), generator=g)
+        toks = torch.randint(0, V, (1, T), generator=g)
+        kw: dict = {}
+        if kind == "tree":
+            kw["tree_mask"] = tree_mask(T)
+        elif kind == "full":
+            m = torch.ones(T, plen + T, dtype=torch.bool)
+            m[:, plen:] = tree_mask(T)
+            m[1:, 2] = False  # a hidden earlier slot, as a drafter's full-width mask does
+            kw["tree_mask"] = m
+        if i % 2 == 1:
+            kw["key_width"] = 40
+        out.append((prompt, toks, plen, kw))
+    return out
+
+
+def run(model: Transformer, ragged: bool, row_independent: bool, seed: int):  # noqa: ANN201
+    seqs = cases(model, seed)
+    caches = [model.new_cache(64) for _ in seqs]
+    # prompts: solo passes (the same for both sides)
+    for cache, (prompt, _, plen, _) in zip(caches, seqs):
+        model(prompt, torch.arange(plen), cache, logits_rows=slice(-1, None))
+        cache.commit()
+    segs = [Segment(toks, torch.arange(plen, plen + toks.shape[1]), cache, kw.get("tree_mask"), None,
+                    kw.get("key_width"), row_independent)
+            for cache, (_, toks, plen, kw) in zip(caches, seqs)]
+    if ragged:
+        outs = forward_ragged(model, segs)
+    else:
+        outs = [model(s.tokens, s.positions, s.cache, tree_mask=s.tree_mask, key_width=s.key_width,
+                      row_independent=row_independent) for s in segs]
+    for c in caches:
+        c.commit()
+    return outs, caches
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("row_independent", [False, True])
+def test_ragged_segments_match_solo_passes(arch, row_independent):
+    model = init_random(Transformer(CONFIGS[arch]), seed=1).eval()
+    with torch.inference_mode():
+        solo, solo_caches = run(model, False, row_independent, seed=3)
+        ragged, ragged_caches = run(model, True, row_independent, seed=3)
+    for a, b in zip(solo, ragged):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for a, b in zip(solo_caches, ragged_caches):
+        assert a.length == b.length
+        torch.testing.assert_close(b.k[:, :, :, :a.length], a.k[:, :, :, :a.length], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_one_segment_is_bit_identical_to_forward(arch):
+    model = init_random(Transformer(CONFIGS[arch]), seed=2).eval()
+    with torch.inference_mode():
+        for ragged_seed in range(4):
+            seqs = cases(model, ragged_seed)
+            for prompt, toks, plen, kw in seqs:
+                outs = []
+                for ragged in (False, True):
+                    cache = model.new_cache(64)
+                    model(prompt, torch.arange(plen), cache)
+                    cache.commit()
+                    pos = torch.arange(plen, plen + toks.shape[1])
+                    if ragged:
+                        seg = Segment(toks, pos, cache, kw.get("tree_mask"), slice(1, None), kw.get("key_width"))
+                        outs.append(forward_ragged(model, [seg])[0])
+                    else:
+                        outs.append(model(toks, pos, cache, tree_mask=kw.get("tree_mask"), logits_rows=slice(1, None),
+                                          key_width=kw.get("key_width")))
+                assert torch.equal(outs[0], outs[1])
+
+
+def test_ragged_refuses_batched_segments():
+    model = init_random(Transformer(CONFIGS["llama"])).eval()
+    seg = Segment(torch.zeros(2, 1, dtype=torch.long), torch.arange(1), model.new_cache(8, batch=2))
+    with pytest.raises(ValueError, match="batch-1"):
+        forward_ragged(model, [seg])
