@@ -4,8 +4,10 @@ Eight requests of different prompts and lengths start at staggered times and
 stream concurrently through `AsyncOpenAI`; each one's token ids and text must
 equal what `Pipeline.generate` produces for the same request alone, in this
 process, for `ar`, `tree`, `staged` and `auto`, greedy and seeded sampling, in fp32;
-and in bf16 for `staged` (no request shares a kernel call with another, so
-bf16 agrees too: see docs/serving.md).
+in bf16 for `staged`; and with `--bit-exact` for `ar`, `tree` and `staged`.  The
+server batches the requests' passes (ragged passes: they share the matmuls,
+each attends over its own cache); the interleaved scheduler
+(`--no-batch-passes`) is checked too.  See docs/serving.md, "Batched passes".
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def folder(tmp_path_factory):
     return tiny_model_folder(tmp_path_factory.mktemp("serve-exact"))
 
 
-def start_server(folder, dtype: str):  # noqa: ANN001, ANN201
+def start_server(folder, dtype: str, *extra: str):  # noqa: ANN001, ANN201
     srv = ServerProcess(["--oracle", str(folder), "--draft", "layers:1", "--method", "tree", "--dtype", dtype,
-                         "--max-batch", "8"], env={"STAGEDSPEC_SERVE_ROUND_PAUSE": "0.01"})
+                         "--max-batch", "8", *extra], env={"STAGEDSPEC_SERVE_ROUND_PAUSE": "0.01"})
     yield srv
     log = srv.stop()
     assert "Traceback" not in log, log
@@ -54,12 +56,23 @@ def server_bf16(folder):
     yield from start_server(folder, "bf16")
 
 
-def solo_runner(folder, dtype: torch.dtype):  # noqa: ANN001, ANN201
+@pytest.fixture(scope="module")
+def server_bit_exact(folder):
+    yield from start_server(folder, "bf16", "--bit-exact")
+
+
+@pytest.fixture(scope="module")
+def server_interleaved(folder):
+    yield from start_server(folder, "fp32", "--no-batch-passes")
+
+
+def solo_runner(folder, dtype: torch.dtype, bit_exact: bool = False):  # noqa: ANN001, ANN201
     model, tok = load_model(folder, dtype=dtype)
     draft = truncated_copy(model, 1)
 
     def run(method: str, prompt: str, max_tokens: int, sampling: SamplingParams, seed: int | None):  # noqa: ANN202
         pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(method=method))
+        pipe.bit_exact = bit_exact
         out = pipe.generate(prompt, max_new_tokens=max_tokens, sampling=sampling, seed=seed)
         return out.token_ids, out.text
 
@@ -97,7 +110,20 @@ def test_bf16_concurrent_streams_equal_solo_runs(server_bf16, folder, temperatur
     check_concurrent_equals_solo(server_bf16, solo_runner(folder, torch.bfloat16), "staged", temperature)
 
 
-def check_concurrent_equals_solo(server, solo, method: str, temperature: float) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("method", ["ar", "tree", "staged"])
+def test_bit_exact_concurrent_streams_equal_solo_runs(server_bit_exact, folder, method):
+    check_concurrent_equals_solo(server_bit_exact, solo_runner(folder, torch.bfloat16, bit_exact=True), method, 0.0)
+
+
+@pytest.mark.parametrize("method", ["ar", "staged"])
+def test_interleaved_scheduler_still_equals_solo_runs(server_interleaved, solo, method):
+    check_concurrent_equals_solo(server_interleaved, solo, method, 1.0, batched=False)
+
+
+def check_concurrent_equals_solo(server, solo, method: str, temperature: float,  # noqa: ANN001
+                                 batched: bool = True) -> None:
+    before = server.metric("batched_request_passes_total") - server.metric("batched_passes_total")
+
     async def main():  # noqa: ANN202
         async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", timeout=60,
                                       max_retries=0) as client:
@@ -113,3 +139,6 @@ def check_concurrent_equals_solo(server, solo, method: str, temperature: float) 
     spans = sorted(span for _, _, span in results)
     overlapping = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
     assert overlapping >= 2, "the requests did not overlap: the test exercised no batching"
+    # passes that carried several requests: each adds (requests - 1) to this difference
+    shared = server.metric("batched_request_passes_total") - server.metric("batched_passes_total") - before
+    assert (shared > 0) == batched
