@@ -253,6 +253,25 @@ def test_bench_serve_smoke(server, tmp_path, capsys):
     assert "speculation on (tree) vs off (ar)" in out and "agg tok/s" in out
 
 
+def test_bench_serve_soak_counts_requests_and_reads_resident_memory(server, tmp_path, capsys):
+    """A short soak (3 s, bounded): requests keep flowing, /metrics reports the server's resident memory,
+    and the verdict is a pass when nothing failed and memory stayed within the tolerance."""
+    from stagedspec.bench.serve import soak_verdict
+    from stagedspec.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello the\n\nin the in\n")
+    args = ["bench-serve", "--url", server.base + "/v1", "--prompts", str(prompts), "--concurrency", "2",
+            "--max-tokens", "4", "--soak-minutes", "0.05", "--soak-sample", "0.5", "--soak-tolerance", "0.5"]
+    rc = main([*args, "--json"])
+    soak = json.loads(capsys.readouterr().out)["soak"]
+    assert soak["errors"] == 0 and soak["requests"] >= 2 and soak["tokens"] > 0
+    assert len(soak["rss_samples"]) >= 2 and all(rss > 10 * 2**20 for _, rss in soak["rss_samples"])
+    assert rc == (0 if soak["passed"] else 1) and soak["passed"] == (soak["growth"] <= 0.5)
+    assert soak_verdict([(0.0, 100), (5.0, 200), (6.0, 210), (9.0, 205)], warmup=2.0, tolerance=0.05) == (200, 210, 0.05)
+    assert soak_verdict([(0.0, 100), (5.0, 200), (6.0, 211)], warmup=2.0, tolerance=0.05)[2] > 0.05
+
+
 def test_bench_serve_without_a_server(capsys):
     from _server import free_port
 

@@ -17,6 +17,15 @@ from stagedspec.errors import StagedSpecError
 def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argparse's own type
     from stagedspec.cli import _add_model_args, _add_speculation_args, _positive_int
 
+    def _positive_float(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, exact "
                                          "speculation per request; needs the 'serve' extra)")
     _add_model_args(serve)
@@ -55,6 +64,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
                        help="comma-separated speculation methods to compare (default: the server's own, then ar)")
     bench.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--soak-minutes", type=_positive_float, default=None, metavar="M",
+                       help="instead of the levels: keep the top concurrency busy for M minutes, count errors and "
+                            "check that the server's resident memory stays flat after a warm-up (exit 1 if not)")
+    bench.add_argument("--soak-sample", type=_positive_float, default=10.0, metavar="S",
+                       help="seconds between resident-memory readings in a soak")
+    bench.add_argument("--soak-tolerance", type=_positive_float, default=0.05, metavar="F",
+                       help="allowed growth of resident memory after the warm-up, as a fraction")
     bench.set_defaults(func=cmd_bench_serve)
 
 

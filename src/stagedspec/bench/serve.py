@@ -6,6 +6,12 @@ with at most that many in flight.  Reported per level: aggregate tokens/s
 (all tokens / wall time), time to first token, per-request tokens/s (p50,
 p95) and the mean accepted length (tokens per oracle step, from the
 `stagedspec` extension of the final chunk).
+
+`--soak-minutes M` runs a soak instead: the top concurrency level kept busy
+for M minutes, every error counted, and the server's resident memory read
+from `/metrics` every `--soak-sample` seconds.  It passes when no request
+failed and the resident memory after the warm-up (the first fifth of the
+run) never rose more than `--soak-tolerance` (5%) above its first reading.
 """
 
 from __future__ import annotations
@@ -43,6 +49,25 @@ class LevelResult:
     request_tps_p50: float
     request_tps_p95: float
     mean_accepted_length: float
+
+
+@dataclass
+class SoakResult:
+    minutes: float
+    concurrency: int
+    requests: int
+    errors: int
+    first_error: str
+    tokens: int
+    tokens_per_second: float
+    warmup_seconds: float
+    rss_samples: list[tuple[float, int]]  # (seconds since start, resident bytes)
+    rss_after_warmup: int
+    rss_max_after_warmup: int
+    rss_last: int
+    growth: float  # (max after warm-up - first after warm-up) / first after warm-up
+    tolerance: float
+    passed: bool
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,7 +137,67 @@ async def _level(client: Any, model: str, prompts: list[str], concurrency: int, 
                        tokens / steps if steps else 0.0)
 
 
-async def _bench(args: argparse.Namespace) -> list[LevelResult]:
+def _resident_bytes(metrics_text: str) -> int | None:
+    for line in metrics_text.splitlines():
+        if line.startswith("stagedspec_process_resident_bytes "):
+            return int(float(line.split()[1]))
+    return None
+
+
+def soak_verdict(samples: list[tuple[float, int]], warmup: float, tolerance: float) -> tuple[int, int, float]:
+    """(first, max) resident bytes after the warm-up and the growth between them, as a fraction."""
+    after = [rss for t, rss in samples if t >= warmup] or [rss for _, rss in samples[-1:]]
+    if not after or after[0] <= 0:
+        return 0, 0, float("inf")
+    return after[0], max(after), (max(after) - after[0]) / after[0]
+
+
+async def _soak(client: Any, model: str, prompts: list[str], args: argparse.Namespace, concurrency: int,
+                key: str) -> SoakResult:
+    import httpx
+
+    seconds = args.soak_minutes * 60
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    done: list[RequestResult] = []
+    errors: list[str] = []
+    samples: list[tuple[float, int]] = []
+    metrics_url = args.url.rstrip("/").removesuffix("/v1") + "/metrics"
+
+    async def worker(w: int) -> None:
+        i = w
+        while time.perf_counter() < deadline:
+            try:
+                done.append(await _one(client, model, prompts[i % len(prompts)], args, None))
+            except Exception as e:  # noqa: BLE001 - a soak counts every failure, whatever its kind
+                errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            i += concurrency
+
+    async def sampler() -> None:
+        async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {key}"}) as http:
+            while True:
+                try:
+                    rss = _resident_bytes((await http.get(metrics_url)).text)
+                    if rss:
+                        samples.append((time.perf_counter() - t0, rss))
+                except httpx.HTTPError as e:
+                    errors.append(f"/metrics: {type(e).__name__}")
+                if time.perf_counter() >= deadline:
+                    return
+                await asyncio.sleep(min(args.soak_sample, max(0.0, deadline - time.perf_counter())))
+
+    await asyncio.gather(sampler(), *(worker(w) for w in range(concurrency)))
+    wall = time.perf_counter() - t0
+    warmup = seconds / 5
+    first, top, growth = soak_verdict(samples, warmup, args.soak_tolerance)
+    tokens = sum(r.tokens for r in done)
+    return SoakResult(args.soak_minutes, concurrency, len(done) + len(errors), len(errors), errors[0] if errors else "",
+                      tokens, tokens / wall if wall else 0.0, warmup, samples, first, top,
+                      samples[-1][1] if samples else 0, growth, args.soak_tolerance,
+                      not errors and growth <= args.soak_tolerance)
+
+
+async def _bench(args: argparse.Namespace) -> list[LevelResult] | SoakResult:
     import openai
 
     prompts = read_prompts(args.prompts)
@@ -130,6 +215,8 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult]:
             raise StagedSpecError(f"cannot reach a server at {args.url}: start one with `stagedspec serve`") from None
         except openai.APIStatusError as e:
             raise StagedSpecError(f"the server at {args.url} answered {e.status_code}: {e.message}") from None
+        if args.soak_minutes:
+            return await _soak(client, model, prompts, args, max(levels), key)
         methods: list[str | None] = [m.strip() for m in args.methods.split(",")] if args.methods else [None, "ar"]
         out = []
         for method in methods:
@@ -143,6 +230,8 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult]:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     results = asyncio.run(_bench(args))
+    if isinstance(results, SoakResult):
+        return _print_soak(results, args.json)
     if args.json:
         print(json.dumps({"levels": [asdict(r) for r in results]}))
         return 0
@@ -168,3 +257,20 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print(f"scaling ({methods[0]}): concurrency {top.concurrency} gives "
               f"{top.tokens_per_second / base[0].tokens_per_second:.2f}x concurrency {base[0].concurrency}")
     return 0
+
+
+def _print_soak(r: SoakResult, as_json: bool) -> int:
+    """Print the soak's verdict; exit status 1 when it failed (an error, or memory growth)."""
+    if as_json:
+        print(json.dumps({"soak": asdict(r)}))
+        return 0 if r.passed else 1
+    mib = 2 ** 20
+    print(f"soak: {r.minutes:g} min at concurrency {r.concurrency}: {r.requests} requests, {r.errors} errors, "
+          f"{r.tokens} tokens, {r.tokens_per_second:.1f} tok/s aggregate")
+    if r.errors:
+        print(f"  first error: {r.first_error}")
+    print(f"  resident memory: {r.rss_after_warmup / mib:.1f} MiB after the {r.warmup_seconds:.0f} s warm-up, "
+          f"at most {r.rss_max_after_warmup / mib:.1f} MiB later (+{100 * r.growth:.2f}%, tolerance "
+          f"{100 * r.tolerance:g}%), {r.rss_last / mib:.1f} MiB at the end; {len(r.rss_samples)} readings")
+    print(f"result: {'PASS' if r.passed else 'FAIL'}")
+    return 0 if r.passed else 1
