@@ -11,7 +11,7 @@ import torch
 
 from _tiny_models import save_tiny_hf
 from stagedspec import cli
-from stagedspec.cli_distill import add_commands, documented_functions, order_streams
+from stagedspec.cli_distill import add_commands, documented_functions, order_streams, sample_requests
 from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, load_draft
 from stagedspec.models.loading import load_model
 
@@ -189,6 +189,18 @@ def test_documented_functions_and_stream_order() -> None:
     counts = [sum(1 for s in ordered if s == streams[i]) for i in range(400)]
     assert set(counts) == {1, 3}  # held-out (tail) streams are never repeated into training
     assert all(counts[s[0]] == 1 for s in ordered[-30:])
+
+
+def test_sample_requests_are_chat_requests_or_raw_code_for_a_base_model(tmp_path: Path) -> None:
+    """A chat model is asked as the bench asks it; a base model (no chat template) gets the signature and
+    docstring as they are, the raw prompt the bench gives it."""
+    src = tmp_path / "mod.py"
+    src.write_text(CODE)
+    chat = sample_requests([src], 10, seed=0)
+    raw = sample_requests([src], 10, seed=0, chat=False)
+    assert chat and len(chat) == len(raw)
+    assert all(r.startswith("Complete the following Python function.") for r in chat)
+    assert all(r.lstrip().startswith("def ") and '"""' in r and "Complete" not in r for r in raw)
 
 
 def test_device_cpu_is_recorded_and_cuda_without_a_gpu_is_a_one_line_error(

@@ -122,6 +122,50 @@ def test_forward_train_matches_cached_forward(oracle) -> None:
         assert torch.allclose(cached[finite], train[finite], atol=1e-5)
 
 
+def tiny_gemma_oracle(window: int = 5) -> Transformer:
+    """A tiny Gemma-3: sliding-window and global layers, q/k norms, sandwich norms, a soft-capped head."""
+    cfg = tiny_config(arch="gemma3", n_layers=4, head_dim=8, norm_eps=1e-6, rope_theta=1e6, sliding_window=window,
+                      local_layers=[True, False, True, False], query_pre_attn_scalar=16, final_logit_softcap=30.0)
+    return init_random(Transformer(cfg), seed=3, std=0.3).eval()
+
+
+@pytest.mark.parametrize("layers", [2, [0, 1], [1, 3]])
+def test_gemma3_draft_training_pass_matches_cached_forward(layers) -> None:
+    """Gemma-3 drafts: scaled embeddings, q/k and sandwich norms, the window (24 tokens, window 5) and
+    the soft-cap are computed alike by the training pass and by decoding, for local and global layers."""
+    oracle = tiny_gemma_oracle()
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))
+    for head in (None, list(range(1, VOCAB, 2))):
+        draft = DraftModel(oracle, layers, head)
+        assert draft.config.local_layers == [oracle.config.local_layers[i] for i in draft.oracle_layers]
+        with torch.no_grad():
+            cached = draft(tokens, torch.arange(24), draft.new_cache(24, batch=2))
+            train = draft.forward_train(tokens)
+        finite = cached.isfinite()
+        assert torch.equal(finite, train.isfinite())
+        assert torch.allclose(cached[finite], train[finite], atol=1e-5)
+
+
+def test_gemma3_distilled_draft_trains_saves_loads_and_keeps_greedy_exact(tmp_path) -> None:
+    from stagedspec.drafters.model import ModelDrafter
+    from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+
+    oracle = tiny_gemma_oracle()
+    g = torch.Generator().manual_seed(5)
+    corpus = [[i] + oracle_continuation(oracle, [i], 100, SamplingParams(temperature=1.0), g) for i in range(16)]
+    draft = distill(oracle, None, corpus, small_cfg(tmp_path / "d", vocab_top=40), progress=False)
+    history = json.loads((tmp_path / "d" / CONFIG_NAME).read_text())["training"]["history"]
+    assert history[-1]["heldout_kl"] < history[0]["heldout_kl"]
+    loaded = load_draft(tmp_path / "d", oracle, expected_fingerprint="tiny-fp", dtype=torch.float32)
+    assert loaded.config.local_layers == [True, True]  # layers 0 and 2, both sliding-window
+    prompt = [3, 17, 9]
+    want = generate_ar(oracle, prompt, max_new_tokens=30).token_ids  # 33 tokens, past the window of 5
+    drafter = ModelDrafter(loaded, method="tree", budget=8, max_depth=4)
+    got = speculative_generate(ModelOracle(oracle, len(prompt) + 30 + 8 + 1), drafter, prompt, max_new_tokens=30)
+    assert got.token_ids == want
+    assert got.stats.token_origins.count("draft") > 0
+
+
 def test_resume_gives_the_same_weights(oracle, corpus, tmp_path) -> None:
     steps = 12
     cfg_a = small_cfg(tmp_path / "a", tokens=steps * 64, checkpoint_every=4, eval_every=5)
@@ -365,3 +409,14 @@ def test_progress_reports_tokens_per_second_and_eta(oracle, corpus, tmp_path, ca
     assert _duration(5) == "5s" and _duration(125) == "2m05s" and _duration(3 * 3600 + 60) == "3h01m"
     assert _eta_seconds(10.0, 5, 20, None) == 40.0
     assert _eta_seconds(10.0, 5, 20, deadline=0.0) == 0.0  # a time box that has passed
+
+
+def test_bundled_drafts_are_found_by_tokenizer_fingerprint() -> None:
+    from stagedspec.models.draft import BUNDLED_DRAFTS, bundled_draft_for, default_draft_dir, read_draft_config
+
+    for name in BUNDLED_DRAFTS:
+        folder = default_draft_dir().parent / name
+        assert bundled_draft_for(read_draft_config(folder)["fingerprint"]) == folder
+    assert default_draft_dir().name == "draft-smollm2-135m"  # no fingerprint: the default oracle's
+    with pytest.raises(StagedSpecError, match="no bundled draft for this oracle .*Gemma-3-270m"):
+        default_draft_dir("not-a-known-tokenizer")

@@ -145,3 +145,23 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(gemma) -> None:
     tok = gemma[2]
     mismatched = [t for t in _corpus() if tok.encode(t)[1:] != theirs.encode(t, add_special_tokens=False)]
     assert mismatched == []
+
+
+def test_bundled_draft_is_found_by_the_oracles_tokenizer_and_keeps_greedy_exact(gemma) -> None:
+    """`--draft default` with `--oracle gemma3-270m` is the bundled Gemma draft (matched by tokenizer
+    fingerprint), and in fp32 `tree` and `staged` with it emit exactly `ar`'s tokens."""
+    from stagedspec.models.draft import default_draft_dir, load_draft
+    from stagedspec.pipeline import Pipeline, SpeculationConfig, tokenizer_fingerprint
+
+    _, model, tok = gemma
+    folder = default_draft_dir(tokenizer_fingerprint(tok))
+    assert folder.name == "draft-gemma3-270m"
+    draft = load_draft(folder, model, expected_fingerprint=tokenizer_fingerprint(tok))
+    assert draft.config.arch == "gemma3" and draft.head_weight.shape[0] == 8192
+    prompt = 'def is_prime(n: int) -> bool:\n    """Return True if n is a prime number."""\n'
+    outputs = {}
+    for method in ("ar", "tree", "staged"):
+        pipe = Pipeline("gemma3-270m", None if method == "ar" else "default",
+                        speculation=SpeculationConfig(method=method), dtype="fp32")
+        outputs[method] = pipe.generate(pipe.encode(prompt), max_new_tokens=32).token_ids
+    assert outputs["tree"] == outputs["ar"] and outputs["staged"] == outputs["ar"]

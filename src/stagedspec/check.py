@@ -615,7 +615,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.samples < 100:
             raise StagedSpecError(f"--samples must be >= 100, got {args.samples}")
         budget.samples = args.samples
-    draft = args.draft if args.draft is not None else ("default" if args.oracle == "default" else None)
+    from stagedspec.models.draft import ORACLES_WITH_DRAFTS
+
+    draft = args.draft if args.draft is not None else ("default" if args.oracle in ORACLES_WITH_DRAFTS else None)
     ngram = None if args.ngram in ("none", "") else args.ngram
     cfg = CheckConfig(oracle=args.oracle, draft=draft, ngram=ngram, quant=args.quant, device=args.device,
                       dtype=args.dtype, quick=args.quick, user_sampling=sampling, budget=budget)

@@ -303,8 +303,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from stagedspec.pipeline import Pipeline, SpeculationConfig, dtype_name
 
     drafts = [] if args.draft in ("none", "") else args.draft.split(",")
-    if args.oracle != "default" and args.draft == "default":
-        drafts = []  # the shipped draft is for the default oracle only
+    from stagedspec.models.draft import ORACLES_WITH_DRAFTS
+
+    if args.oracle not in ORACLES_WITH_DRAFTS and args.draft == "default":
+        drafts = []  # drafts ship for the named oracles only
     # `auto` keeps the drafts it is given (`ar` would drop them); nothing is generated here.
     pipe = Pipeline(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
                     dtype=args.dtype, device=args.device, quant=args.quant)

@@ -207,15 +207,19 @@ def chat_streams(tokenizer: Any, functions: Sequence[tuple[str, str]]) -> list[l
     return out
 
 
-def sample_requests(files: Sequence[Path], n: int, seed: int) -> list[str]:
-    """`n` chat requests in the benchmark's style built from documented stdlib functions (seeded choice)."""
+def sample_requests(files: Sequence[Path], n: int, seed: int, chat: bool = True) -> list[str]:
+    """`n` requests in the benchmark's style built from documented stdlib functions (seeded choice).
+
+    `chat`: a chat request ("complete this function"), as the bench asks a chat model; otherwise the
+    signature and docstring themselves, the raw prompt the bench gives a base model (no chat template).
+    """
     pool: list[str] = []
     for p in files:
         if p.suffix != ".py":
             continue
         for request, full in documented_functions(p.read_text(encoding="utf-8", errors="replace")):
             if 3 <= request.count("\n") <= 30 and not request.lstrip().startswith("@"):
-                pool.append(chat_instruction(request))
+                pool.append(chat_instruction(request) if chat else request)
     random.Random(seed + 7919).shuffle(pool)
     return pool[:n]
 
@@ -313,7 +317,11 @@ def cmd_distill(args: argparse.Namespace) -> int:
     log = (lambda *a: None) if args.no_progress else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
     t0 = time.perf_counter()
-    wrap = [p for p in files if p.suffix == ".py" and _fraction_pick(str(p.name) + str(p.parent.name), args.seed, args.chat_wrap)]
+    chat = tok.chat_template is not None
+    if args.chat_wrap and not chat:
+        log("--chat-wrap ignored: the oracle has no chat template (a base model reads the corpus as it is)")
+    wrap_fraction = args.chat_wrap if chat else 0.0
+    wrap = [p for p in files if p.suffix == ".py" and _fraction_pick(str(p.name) + str(p.parent.name), args.seed, wrap_fraction)]
     wrap_set = set(wrap)
     plain = corpus_streams_from_files([p for p in files if p not in wrap_set], tok)
     functions = []
@@ -322,7 +330,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     chats = chat_streams(tok, functions)
     samples: list[list[int]] = []
     if args.oracle_samples:
-        requests = sample_requests(files, args.oracle_samples, args.seed)
+        requests = sample_requests(files, args.oracle_samples, args.seed, chat=chat)
         if not requests:
             raise StagedSpecError("--oracle-samples: the corpus has no documented Python functions to ask about")
         samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, work / SAMPLES_NAME,
@@ -397,7 +405,8 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
                     device=device)
     models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device)
                                    for d in drafts[1:]]
-    streams = [pipe.encode(chat_instruction(p), chat=True) for p in prompts]
+    chat = pipe.tokenizer.chat_template is not None  # as the bench: base models get the raw prompt
+    streams = [pipe.encode(chat_instruction(p) if chat else p, chat=chat) for p in prompts]
     # One set of oracle replies and one oracle timing for every draft: the columns differ only by the draft.
     continuations = oracle_greedy_continuations(pipe.model, streams, args.tokens)
     context = list(streams[0])[-32:] if streams and len(streams[0]) else [0]
@@ -416,7 +425,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
         return 0
     source = "HumanEval" if args.prompts == "humaneval" else args.prompts
     where = (f"{reports[0]['positions']} positions, {source} prompts {args.offset}..{args.offset + len(streams) - 1} "
-             f"(chat-formatted), oracle greedy continuations of {args.tokens} tokens")
+             f"({'chat-formatted' if chat else 'raw text'}), oracle greedy continuations of {args.tokens} tokens")
     if len(reports) == 1:
         _print_one(args, reports[0], where)
     else:

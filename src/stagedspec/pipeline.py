@@ -258,7 +258,7 @@ def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.d
     if spec == "default":
         from stagedspec.models.draft import default_draft_dir
 
-        spec = str(default_draft_dir())
+        spec = str(default_draft_dir(tokenizer_fingerprint(oracle_tokenizer)))
     path = Path(spec)
     if (path / "draft_config.json").exists():
         from stagedspec.models.draft import load_draft
@@ -307,8 +307,8 @@ class Pipeline:
         `stagedspec.models.quant`); speculation stays exact with respect to that quantised oracle.
         Drafts then run on int8 weights.  `dtype="auto"` picks bf16 where the hardware computes it
         natively and fp32 elsewhere (`dtype_reason` says which and why); the output is the oracle's
-        in the chosen dtype.  `method="auto"` with no draft uses the shipped draft when the oracle is
-        the default model."""
+        in the chosen dtype.  `method="auto"` with no draft uses the draft shipped for the oracle, when
+        there is one (SmolLM2-135M-Instruct, Gemma-3-270m)."""
         from stagedspec.models.loading import load_model
 
         self.speculation = s = speculation or SpeculationConfig()
@@ -325,7 +325,7 @@ class Pipeline:
                                   "for model-free drafting use --method lookup")
         if s.method == "lookup":
             drafts = []
-        if s.method == "auto" and not drafts and oracle == "default":
+        if s.method == "auto" and not drafts and self.has_bundled_draft:
             drafts = ["default"]
         self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device) for d in drafts]
         self.draft_model = self.draft_models[0] if self.draft_models else None
@@ -465,6 +465,13 @@ class Pipeline:
                     settings.append((merged_lookup, "chain_length", arm.size))
                 arms[arm] = (staged, settings)
         return AutoDrafter(policy, {a: arms[a] for a in policy.arms}, lookup=lookup)
+
+    @property
+    def has_bundled_draft(self) -> bool:
+        """Whether a draft trained for this oracle ships with the package (`--draft default`)."""
+        from stagedspec.models.draft import bundled_draft_for
+
+        return bundled_draft_for(tokenizer_fingerprint(self.tokenizer)) is not None
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(prompt) if chat else prompt

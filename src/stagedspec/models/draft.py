@@ -47,18 +47,54 @@ FORMAT_VERSION = 1
 CONFIG_NAME = "draft_config.json"
 WEIGHTS_NAME = "draft.safetensors"
 DEFAULT_DRAFT_NAME = "draft-smollm2-135m"
+# Drafts bundled with the package, one per known oracle; `--draft default` picks the one whose recorded
+# tokenizer fingerprint is the oracle's.
+BUNDLED_DRAFTS = {"draft-smollm2-135m": "SmolLM2-135M-Instruct (--oracle default)",
+                  "draft-gemma3-270m": "Gemma-3-270m (--oracle gemma3-270m)"}
+# The oracle specs that have a bundled draft, for commands that decide before loading anything.
+ORACLES_WITH_DRAFTS = ("default", "gemma3-270m")
 
 # Parameters taken from the oracle when the draft is built; never trained, never saved.
 _SHARED_PREFIXES = ("embed.", "pos_embed.", "shared_head")
 
 
-def default_draft_dir() -> Path:
-    """The draft bundled with the package for the default oracle (SmolLM2-135M-Instruct)."""
-    folder = Path(__file__).resolve().parent.parent / "assets" / DEFAULT_DRAFT_NAME
-    if not (folder / CONFIG_NAME).is_file():
+def _assets() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets"
+
+
+def bundled_draft_for(fingerprint: str) -> Path | None:
+    """The bundled draft trained for the oracle whose tokenizer has this fingerprint, if any."""
+    for name in BUNDLED_DRAFTS:
+        folder = _assets() / name
+        try:
+            recorded = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if recorded == fingerprint:
+            return folder
+    return None
+
+
+def default_draft_dir(fingerprint: str | None = None) -> Path:
+    """The bundled draft for the oracle with this tokenizer fingerprint (None: the default oracle's).
+
+    Why by fingerprint: `--draft default` must work however the oracle was named (`gemma3-270m`, the
+    same GGUF by path), and must never pair a draft with an oracle whose tokens it does not share.
+    """
+    if fingerprint is None:
+        folder = _assets() / DEFAULT_DRAFT_NAME
+        if (folder / CONFIG_NAME).is_file():
+            return folder
         raise StagedSpecError(
             f"no default draft is bundled (expected {folder}); train one with distillation "
             "or pass --draft FOLDER / layers:N"
+        )
+    folder = bundled_draft_for(fingerprint)
+    if folder is None:
+        known = "; ".join(BUNDLED_DRAFTS.values())
+        raise StagedSpecError(
+            f"no bundled draft for this oracle (bundled drafts are for: {known}); train one with "
+            "`stagedspec distill` or pass --draft FOLDER / layers:N"
         )
     return folder
 
@@ -116,15 +152,13 @@ class DraftModel(Transformer):
         device: torch.device | str | None = None,
     ) -> None:
         ocfg = oracle.config
-        if ocfg.arch == "gemma3":
-            # The training pass (`hidden_states`) re-implements a Llama/GPT-2 forward; Gemma-3's scaled
-            # embeddings, extra norms and sliding window are not in it yet.
-            raise StagedSpecError("distilled drafts are not supported for Gemma-3 oracles yet (use --draft layers:N)")
         picked = spread_layers(ocfg.n_layers, layers) if isinstance(layers, int) else [int(i) for i in layers]
         if not picked or any(not 0 <= i < ocfg.n_layers for i in picked):
             raise StagedSpecError(f"draft layers {picked} must be oracle layers in 0..{ocfg.n_layers - 1}")
         cfg = copy.deepcopy(ocfg)
         cfg.n_layers = len(picked)
+        if ocfg.local_layers:  # Gemma-3: each copied layer keeps its kind (sliding-window or global)
+            cfg.local_layers = [bool(ocfg.local_layers[i]) for i in picked]
         # Build the Transformer skeleton without allocating the (large, shared) embedding.
         with torch.device("meta"):
             super().__init__(cfg)
@@ -140,9 +174,9 @@ class DraftModel(Transformer):
         self.layers = nn.ModuleList(dequantized_copy(oracle.layers[i]).to(device=device, dtype=dtype) for i in picked)
         self.norm = copy.deepcopy(oracle.norm).to(device=device, dtype=dtype)
         self.lm_head = None
-        if hasattr(oracle, "rope_cos"):
-            self.rope_cos = oracle.rope_cos.to(device)
-            self.rope_sin = oracle.rope_sin.to(device)
+        for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):
+            if hasattr(oracle, name):
+                setattr(self, name, getattr(oracle, name).to(device))
         for p in [*self.layers.parameters(), *self.norm.parameters()]:
             _make_trainable(p)
         self.training_meta: dict[str, Any] = {}
@@ -180,8 +214,13 @@ class DraftModel(Transformer):
         return torch.arange(self.config.vocab_size, device=self.embed.weight.device)
 
     def support_logits(self, h: Tensor) -> Tensor:
-        """Logits over `support` only (no -inf padding): what training and ranking need."""
-        return F.linear(h, self.head_weight)
+        """Logits over `support` only (no -inf padding): what training and ranking need.
+
+        Gemma's final soft-cap is applied as in `Transformer._head`, so training sees the logits
+        decoding uses."""
+        logits = F.linear(h, self.head_weight)
+        cap = self.config.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def expand_logits(self, logits: Tensor) -> Tensor:
         """Scatter support logits [..., V'] into full-vocabulary logits [..., V], -inf elsewhere."""
@@ -233,15 +272,19 @@ class DraftModel(Transformer):
         if T > self.config.max_position:
             raise StagedSpecError(f"training sequences of {T} tokens exceed the context of {self.config.max_position}")
         positions = torch.arange(T, device=tokens.device)
-        x = self.embed(tokens)
-        rope = None
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        else:
-            rope = (self.rope_cos[positions].to(x.dtype)[None, None], self.rope_sin[positions].to(x.dtype)[None, None])
-        for layer in self.layers:
-            x = x + _causal_attention(layer.attn, layer.attn_norm(x), rope)
-            x = x + layer.mlp(layer.mlp_norm(x))
+        x, rope, local_rope = self._embed(tokens, positions)  # Gemma's embedding scale included
+        window = int(self.config.sliding_window or 0)
+        for i, layer in enumerate(self.layers):
+            local = bool(self.local) and self.local[i]
+            h = _causal_attention(layer.attn, layer.attn_norm(x), local_rope if local else rope,
+                                  window if local else 0)
+            if layer.post_attn_norm is not None:
+                h = layer.post_attn_norm(h)
+            x = x + h
+            h = layer.mlp(layer.mlp_norm(x))
+            if layer.post_mlp_norm is not None:
+                h = layer.post_mlp_norm(h)
+            x = x + h
         return self.norm(x)
 
     def forward_train(self, tokens: Tensor) -> Tensor:
@@ -270,21 +313,30 @@ class DraftModel(Transformer):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _causal_attention(attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-    """`Attention.forward` for a fresh causal sequence, without a cache (for training)."""
+def _causal_attention(attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor] | None, window: int = 0) -> Tensor:
+    """`Attention.forward` for a fresh causal sequence, without a cache (for training).
+
+    Gemma-3's q/k norms and attention scale come from `attn`; `window` > 0 is
+    a sliding window (a key is seen when `key_pos > query_pos - window`, the
+    rule `Transformer._local_mask` applies when decoding)."""
     B, T, _ = x.shape
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    q, k, v = attn.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-    q = q.view(B, T, H, D).transpose(1, 2)
-    k = k.view(B, T, Hkv, D).transpose(1, 2)
-    v = v.view(B, T, Hkv, D).transpose(1, 2)
+    qkv = attn.wqkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+    qk, v = qkv.split([H + Hkv, Hkv], dim=1)
+    if attn.q_norm is not None:
+        qk = attn._norm_qk(qk)
     if attn.use_rope and rope is not None:
-        q = apply_rope(q, *rope).to(x.dtype)
-        k = apply_rope(k, *rope).to(x.dtype)
+        qk = apply_rope(qk, *rope).to(x.dtype)
+    q, k = qk.split([H, Hkv], dim=1)
     if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if window and T > window:
+        i = torch.arange(T, device=x.device)
+        visible = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
     return attn.wo(out.transpose(1, 2).reshape(B, T, H * D))
 
 
