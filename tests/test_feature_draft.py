@@ -69,6 +69,7 @@ def test_tree_chain_and_staged_greedy_equal_ar(mode: str) -> None:
         ref = generate_ar(oracle, prompt, max_new_tokens=40).token_ids
         head = None if seed % 2 else list(range(0, 24, 2))  # full and restricted heads
         draft = feature_draft(oracle, seed, head)
+        set_pass_mode(draft, mode)
         drafters = {
             "tree": FeatureDrafter(draft, budget=8, max_depth=4, branching=2, max_len=300),
             "chain": FeatureDrafter(draft, method="chain", chain_length=4, max_len=300),

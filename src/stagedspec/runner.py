@@ -170,6 +170,12 @@ class StaticRunner:
         # (the norm's output, no extra work), so a graph captured without them serves with them too.
         self.keep_hidden = False
         self.hidden: Tensor | None = None
+        # A feature draft's passes also read one input feature per row (`models.feature_draft`): a device
+        # buffer like the others, so that a captured graph reads each pass's features from it.
+        self.features: Tensor | None = None
+        if getattr(model, "kind", None) == "feature":
+            self.features = torch.zeros(1, rows, model.config.hidden_size, dtype=model.embed.weight.dtype,
+                                        device=self.device)
         self._pool = None
         self._copied: torch.cuda.Event | None = None  # marks the last host-to-device copies (pinned buffers)
         self.busy = False
@@ -186,7 +192,7 @@ class StaticRunner:
         self.busy = False
 
     def run(self, tokens: Sequence[int], positions: Sequence[int] | Tensor, mask: Tensor | None,
-            logits_rows: slice | None = None) -> Tensor:
+            logits_rows: slice | None = None, features: Tensor | None = None) -> Tensor:
         """Run `tokens` on top of the committed cache; returns logits [T', V] of `logits_rows`.
 
         `positions` [T] and `mask` as `Transformer.forward` takes them (None:
@@ -194,7 +200,8 @@ class StaticRunner:
         prefix; [T, cached + T]: the complete mask).  The new entries are the
         cache's pending ones, as with the eager forward.  More rows than the
         biggest bucket (a prompt) run as several bucket passes, each seeing
-        the chunks before it.
+        the chunks before it.  `features` [T, H]: a feature draft's input
+        features (zeros when None).
         """
         T = len(tokens)
         start = self.cache.reserve(T)
@@ -202,7 +209,8 @@ class StaticRunner:
             # one bucket and a mask over the new tokens (the common case): written straight into the
             # pinned buffer, no full-width mask built first
             pos = torch.as_tensor(positions, dtype=torch.long).cpu()
-            out, hidden = self._pass(torch.as_tensor(tokens, dtype=torch.long), pos, None, start, new_mask=mask)
+            out, hidden = self._pass(torch.as_tensor(tokens, dtype=torch.long), pos, None, start, new_mask=mask,
+                                     features=features)
             self.hidden = hidden if self.keep_hidden else None
             return out if logits_rows is None else out[logits_rows]
         full = self._full_mask(T, start, mask)
@@ -216,7 +224,8 @@ class StaticRunner:
         for r0 in range(0, T, step):
             r1 = min(T, r0 + step)
             lo, hi = max(r0, wanted.start), min(r1, wanted.stop)
-            out, hidden = self._pass(toks[r0:r1], pos[r0:r1], full[r0:r1], start + r0)
+            out, hidden = self._pass(toks[r0:r1], pos[r0:r1], full[r0:r1], start + r0,
+                                     features=None if features is None else features[r0:r1])
             if lo < hi:
                 outs.append(out[lo - r0:hi - r0])
             if self.keep_hidden:
@@ -236,7 +245,7 @@ class StaticRunner:
         return full
 
     def _pass(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, first_slot: int,
-              new_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+              new_mask: Tensor | None = None, features: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """One bucket pass of n <= max-bucket rows written from `first_slot`: logits [n, V] and, under
         `keep_hidden`, the rows' hidden states [n, H] (else None).
 
@@ -268,6 +277,12 @@ class StaticRunner:
             pad = torch.arange(n, rows)
             host_mask[pad, first_slot + pad] = True
         cuda = self.device.type == "cuda"
+        if self.features is not None:  # on the device already: a device-side copy, padding rows zeroed
+            self.features[0, n:rows].zero_()
+            if features is None:
+                self.features[0, :n].zero_()
+            else:
+                self.features[0, :n].copy_(features)
         self.index[:, :rows].copy_(index, non_blocking=cuda)
         self.mask[:rows].copy_(host_mask, non_blocking=cuda)
         if cuda:
@@ -280,8 +295,11 @@ class StaticRunner:
                 logits, hidden = self._outputs[rows]
                 return logits[0, :n].clone(), hidden[0, :n].clone() if self.keep_hidden else None
         logits, hidden = self._forward(self.index[0:1, :rows], self.index[1, :rows], self.index[2, :rows],
-                                       self.mask[:rows], self.cache, None, True)
+                                       self.mask[:rows], self.cache, None, True, self._features(rows))
         return logits[0, :n], hidden[0, :n] if self.keep_hidden else None
+
+    def _features(self, rows: int) -> Tensor | None:
+        return None if self.features is None else self.features[:, :rows]
 
     def _forward(self, *args) -> tuple[Tensor, Tensor]:  # noqa: ANN002
         """The static pass, compiled under `--compile`; a failed compile falls back to the plain one."""
@@ -299,7 +317,7 @@ class StaticRunner:
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph | None:
         """Record bucket's pass as a CUDA graph (its inputs are already in place); None if capture fails."""
         args = (self.index[0:1, :bucket], self.index[1, :bucket], self.index[2, :bucket], self.mask[:bucket],
-                self.cache, None, True)
+                self.cache, None, True, self._features(bucket))
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -363,6 +381,7 @@ def acquire_runner(model: Transformer, max_len: int, owner: object, *, min_rows:
                 pool.append(runner)
         runner.busy = True
     runner.cache.reset()
+    runner.keep_hidden = False  # a new lease asks for hidden states again if it wants them
     weakref.finalize(owner, runner.release)
     return runner
 

@@ -33,16 +33,18 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.feature_draft import is_feature_draft
 from stagedspec.models.transformer import Transformer
 from stagedspec.cache import KVCache
+from stagedspec.runner import StaticRunner, acquire_runner, pass_mode
 from stagedspec.tree import TokenTree
 
 
 class FeatureInputs:
     """A feature draft's KV cache, the tokens its committed entries hold, and the oracle it reads features from."""
 
-    def __init__(self, model: Transformer, cache: KVCache) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, runner: StaticRunner | None = None) -> None:
+        """`runner`: run the passes through this static runner (whose cache is `cache`), else eagerly."""
         if not is_feature_draft(model):
             raise StagedSpecError("a feature drafter needs a feature draft (draft_config.json kind 'feature')")
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.runner = model, cache, runner
         self.tokens: list[int] = []  # the token of each committed cache entry
         self.real = 0  # leading committed entries whose input feature was the oracle's own
         self.source: Any = None  # the oracle: `committed_features` [m, H] are f_0..f_{m-1}
@@ -85,6 +87,12 @@ class FeatureInputs:
     def run(self, tokens: list[int], features: Tensor, positions: Tensor, mask: Tensor | None,
             rows: slice | None) -> tuple[Tensor, Tensor]:
         """One draft pass, its entries committed at once: logits [n', V] and output features [n', H] of `rows`."""
+        if self.runner is not None:
+            logits = self.runner.run(tokens, positions, mask, logits_rows=rows, features=features)
+            hidden = self.runner.hidden
+            assert hidden is not None
+            self.cache.commit()
+            return logits, hidden if rows is None else hidden[rows]
         toks = torch.tensor([tokens], device=self.device)
         logits, hidden = self.model(toks, positions.to(self.device), self.cache, tree_mask=mask, logits_rows=rows,
                                     return_hidden=True, features=features[None])
@@ -109,11 +117,11 @@ class FeatureDrafter(ModelDrafter):
     """`ModelDrafter` (tree or chain) over a feature draft: the root reads the oracle's feature, deeper
     nodes their parent's predicted one."""
 
-    static_passes = False  # the static runner's passes take no features: eager passes on every device
-
     def __init__(self, model: Transformer, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
-        self.inputs = FeatureInputs(model, self.cache)
+        if self.runner is not None:
+            self.runner.keep_hidden = True
+        self.inputs = FeatureInputs(model, self.cache, self.runner)
         self._out: dict[int, Tensor] = {}  # output feature of each node of the tree being grown
 
     def attach_oracle(self, oracle: Any) -> None:
@@ -149,7 +157,11 @@ class FeatureStage:
     bit_exact = False
 
     def __init__(self, model: Transformer, max_len: int) -> None:
-        self.inputs = FeatureInputs(model, model.new_cache(max_len))
+        runner = None
+        if pass_mode(model) != "eager":  # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
+            runner = acquire_runner(model, max_len, self)
+            runner.keep_hidden = True
+        self.inputs = FeatureInputs(model, runner.cache if runner is not None else model.new_cache(max_len), runner)
         self.forward_passes = 0
         self._lead: list[int] = []  # context tokens to run in front of the next root
         self._out: dict[int, Tensor] = {}  # output feature per position of this stage's own committed tokens

@@ -33,8 +33,6 @@ class ModelDrafter:
     cache bookkeeping and the adaptive budget stay here.
     """
 
-    static_passes = True  # whether a model in a static pass mode runs through a `StaticRunner`
-
     def __init__(
         self,
         model: Transformer,
@@ -63,8 +61,7 @@ class ModelDrafter:
         self.chain_length, self.width, self.name = chain_length, width, name
         self.max_len = max_len or model.config.max_position
         self.runner = None
-        # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
-        if self.static_passes and pass_mode(model) != "eager":
+        if pass_mode(model) != "eager":  # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
             self.runner = acquire_runner(model, draft_cache_len(self.max_len, self.max_nodes), self)
             self.cache = self.runner.cache
         else:

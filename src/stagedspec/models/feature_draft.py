@@ -83,7 +83,7 @@ class FeatureDraftModel(DraftModel):
         """fc(concat(features, embedded)); missing features count as zeros (a pass of the same cost)."""
         f = torch.zeros_like(embedded) if features is None else features.to(embedded.dtype)
         if f.shape != embedded.shape:
-            raise ValueError(f"features of shape {tuple(f.shape)} for token embeddings of shape {tuple(embedded.shape)}")
+            raise ValueError(f"features of shape {tuple(f.shape)} for embeddings of shape {tuple(embedded.shape)}")
         return self.fc(torch.cat([f, embedded], dim=-1))
 
     # ------------------------------------------------------------------ training
