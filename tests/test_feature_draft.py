@@ -179,8 +179,10 @@ def sampled_pvalue(build: str, sampling: SamplingParams, n: int, stage_cls: type
     oracle = tiny(21, layers=2, vocab=V)  # its continuations of the prompt: 11 of 125 cells above 1%
     draft = feature_draft(oracle, 21)
     prompt = [1, 3, 0]
-    if build == "tree":
+    if build == "tree":  # best-first top-k tree: deterministic proposals
         drafter = FeatureDrafter(draft, budget=4, max_depth=2, branching=2, max_len=64)
+    elif build == "chain":  # sampled chain: draws from the feature draft's q
+        drafter = FeatureDrafter(draft, method="chain", chain_length=2, max_len=64)
     else:
         drafter = stage_cls(FeatureStage(draft, 64), LookupDrafter(None, True, chain_length=2), chain_length=2,
                             branching=2)
@@ -197,6 +199,7 @@ NEGATIVE_SAMPLING = SamplingParams(temperature=2.0, top_k=2)  # the raw softmax 
 
 
 @pytest.mark.parametrize("build, sampling", [("tree", SamplingParams(temperature=1.0)),
+                                             ("chain", SamplingParams(temperature=0.7, top_k=3)),
                                              ("staged", SamplingParams(temperature=1.5, top_p=0.9)),
                                              ("staged", NEGATIVE_SAMPLING)])
 def test_sampling_with_a_feature_draft_matches_the_oracle(build: str, sampling: SamplingParams) -> None:
