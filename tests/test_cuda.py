@@ -104,3 +104,26 @@ def test_default_model_greedy_fp32_identical_to_ar_with_graphs() -> None:
         outs[method] = pipe.generate(prompt, max_new_tokens=48).token_ids
     for method, tokens in outs.items():
         assert tokens == outs["ar"], method
+
+
+@pytest.mark.parametrize("mode", ["graphs", "static"])
+def test_feature_draft_greedy_fp32_tree_and_staged_identical_to_ar(mode: str) -> None:
+    """A feature draft on CUDA: its features go through the runner's device buffer into captured graphs."""
+    from stagedspec.drafters.feature import FeatureDrafter, FeatureStage
+    from stagedspec.drafters.lookup import LookupDrafter
+    from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+    from stagedspec.models.feature_draft import FeatureDraftModel
+    from stagedspec.stages import StageDrafter
+
+    for seed in range(3):
+        oracle = tiny(seed)
+        set_pass_mode(oracle, mode)
+        draft = FeatureDraftModel(oracle, 1).eval()
+        set_pass_mode(draft, mode)
+        prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = generate_ar(oracle, prompt, max_new_tokens=40).token_ids
+        for drafter in (FeatureDrafter(draft, budget=16, max_depth=5, branching=4, max_len=300),
+                        StageDrafter(FeatureStage(draft, 300), LookupDrafter(None, True, chain_length=4),
+                                     chain_length=3, branching=2)):
+            out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=40)
+            assert out.token_ids == ref, (seed, mode, type(drafter).__name__)

@@ -456,6 +456,12 @@ class AutoDrafter:
     def forward_passes(self) -> int:
         return sum(getattr(d, "forward_passes", 0) for d in self._drafters)
 
+    def attach_oracle(self, oracle: Any) -> None:
+        """Pass the loop's oracle on to the arms that read its hidden states (a feature draft)."""
+        for d in self._drafters:
+            if hasattr(d, "attach_oracle"):
+                d.attach_oracle(oracle)
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         for d in self._drafters:
             d.begin(prompt_ids)

@@ -248,6 +248,11 @@ class _ReusedDrafter:
         self._begun = list(prompt_ids)
         self._fresh = True
 
+    def attach_oracle(self, oracle: Any) -> None:
+        """A feature draft reads the loop's oracle's hidden states (`stagedspec.drafters.feature`)."""
+        if hasattr(self.inner, "attach_oracle"):
+            self.inner.attach_oracle(oracle)
+
     def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
         key = (tuple(context), max_tokens)
         if not self.draws and key in self.memo:

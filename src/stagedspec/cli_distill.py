@@ -82,7 +82,19 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--out", required=True, metavar="DIR", help="folder for the draft (draft_config.json + draft.safetensors)")
     d.add_argument("--work-dir", default=None, metavar="DIR",
                    help="folder for checkpoint.pt, metrics.json and the oracle-sample cache (default: --out)")
-    d.add_argument("--layers", type=_int_at_least(1), default=2, metavar="L", help="draft layers (copied from the oracle's)")
+    d.add_argument("--kind", default="independent", choices=["independent", "feature"],
+                   help="independent: the draft reads tokens only; feature: EAGLE-style, it also reads the oracle's "
+                        "hidden state at the previous position (see docs/draft.md, 'Feature draft')")
+    d.add_argument("--layers", type=_int_at_least(1), default=None, metavar="L",
+                   help="draft layers, copied from the oracle's (default: 2 for independent, strided from layer 0; "
+                        "1 for feature, the oracle's last layers)")
+    d.add_argument("--ttt-steps", type=_int_at_least(1), default=1, metavar="K",
+                   help="feature drafts: unroll K steps on the draft's own predicted features when training "
+                        "('training-time test'; 1 = off)")
+    d.add_argument("--ttt-decay", type=_float_in(0.0, 1.0, lo_open=True), default=0.8, metavar="D",
+                   help="loss weight of unrolled step j is D**j")
+    d.add_argument("--feature-loss", type=_float_in(0.0, 100.0), default=0.1, metavar="W",
+                   help="feature drafts: weight of the smooth-L1 loss between predicted and oracle features")
     d.add_argument("--vocab-top", type=_int_at_least(0), default=8192, metavar="V",
                    help="draft head over the V most frequent corpus tokens (0 = the oracle's full head)")
     d.add_argument("--tokens", type=_int_at_least(1), default=2_000_000, metavar="N",
@@ -309,6 +321,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     sample_batch = args.sample_batch or SAMPLE_BATCH[device_type]
     autocast = device_type == "cuda" and not args.no_autocast
     n_layers = oracle.config.n_layers
+    if args.layers is None:
+        args.layers = 1 if args.kind == "feature" else 2
+    if args.kind != "feature" and args.ttt_steps > 1:
+        raise StagedSpecError("--ttt-steps applies to --kind feature only")
     if args.layers > n_layers:
         raise StagedSpecError(f"--layers {args.layers}: the oracle has only {n_layers} layers")
     if args.seq_len > oracle.config.max_position:
@@ -341,14 +357,17 @@ def cmd_distill(args: argparse.Namespace) -> int:
         layers=args.layers, vocab_top=args.vocab_top, tokens=args.tokens, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio, seed=args.seed,
         teacher_top_k=args.teacher_top_k, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-        out=str(work), fingerprint=fingerprint, init_from=args.init_from, save_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.save_dtype],
+        out=str(work), fingerprint=fingerprint, init_from=args.init_from, kind=args.kind, ttt_steps=args.ttt_steps,
+        ttt_decay=args.ttt_decay, feature_loss=args.feature_loss, save_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.save_dtype],
     )
     streams = order_streams(unique, repeats, cfg.heldout_fraction, args.seed)
     n_tok = [sum(map(len, s)) for s in (plain, chats, samples)]
     log(f"corpus: {len(files)} files ({len(wrap)} chat-wrapped into {len(chats)} exchanges), "
         f"{len(samples)} oracle samples x{args.sample_repeat}; tokens plain {n_tok[0]}, chat {n_tok[1]}, "
         f"samples {n_tok[2]} ({time.perf_counter() - t0:.0f} s)")
-    log(f"training {cfg.total_steps} steps of {cfg.tokens_per_step} tokens on {device}"
+    log(f"training a {cfg.kind} draft ({cfg.layers} layers"
+        + (f", {cfg.ttt_steps} unrolled steps" if cfg.ttt_steps > 1 else "") + ")"
+        + f": {cfg.total_steps} steps of {cfg.tokens_per_step} tokens on {device}"
         + (" (bf16 autocast)" if autocast else "")
         + (f", time box {args.max_minutes:g} min" if args.max_minutes else ""))
 

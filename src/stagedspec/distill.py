@@ -80,9 +80,17 @@ class DistillConfig:
     fingerprint: str | None = None  # oracle/tokenizer fingerprint; default derived from the tokenizer
     save_dtype: str = "bfloat16"
     init_from: str | None = None  # 'default' or a saved draft folder to continue training from (keeps its layers and head)
+    # The draft kind: "independent" (tokens only, `DraftModel`) or "feature" (EAGLE-style: also the oracle's
+    # hidden state at the previous position, `FeatureDraftModel`; see `stagedspec.distill_feature`).
+    kind: str = "independent"
+    ttt_steps: int = 1  # feature drafts: steps unrolled on the draft's own predicted features (1 = none)
+    ttt_decay: float = 0.8  # loss weight of unrolled step j is ttt_decay ** j
+    feature_loss: float = 0.1  # feature drafts: weight of the smooth-L1 loss between predicted and oracle features
 
     # Fields an interrupted run may change when it is resumed (they do not affect the weights).
     RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "out", "save_dtype", "fingerprint")
+    # Settings added after checkpoints existed: a checkpoint without them was written with these values.
+    ADDED_DEFAULTS = {"kind": "independent", "ttt_steps": 1, "ttt_decay": 0.8, "feature_loss": 0.1}
 
     def __post_init__(self) -> None:
         for name in ("layers", "tokens", "seq_len", "batch_size", "teacher_top_k", "eval_every",
@@ -99,6 +107,12 @@ class DistillConfig:
             raise StagedSpecError(f"init layers {self.init_layers} do not match layers={self.layers}")
         if self.save_dtype not in ("bfloat16", "float16", "float32"):
             raise StagedSpecError(f"save dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
+        if self.kind not in ("independent", "feature"):
+            raise StagedSpecError(f"draft kind must be 'independent' or 'feature', got {self.kind!r}")
+        if self.ttt_steps < 1 or (self.ttt_steps > 1 and self.kind != "feature"):
+            raise StagedSpecError(f"ttt-steps must be >= 1, and above 1 only for a feature draft, got {self.ttt_steps}")
+        if not 0 < self.ttt_decay <= 1 or self.feature_loss < 0:
+            raise StagedSpecError("ttt-decay must be in (0, 1] and feature-loss >= 0")
 
     @property
     def tokens_per_step(self) -> int:
@@ -190,27 +204,34 @@ def top_tokens(ids: Tensor, vocab_size: int, n: int, always: Iterable[int] = ())
 # ---------------------------------------------------------------------- teacher and loss
 @torch.no_grad()
 def teacher_topk(oracle: Transformer, tokens: Tensor, k: int,
-                 out_device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+                 out_device: torch.device | str = "cpu", with_hidden: bool = False) -> tuple[Tensor, ...]:
     """The oracle's top-k next-token log-probs and ids ([B, T, k] float32, int64) for causal windows.
 
     One batched prefill per chunk of rows; the full [rows, T, V] logits exist
     only for that chunk.  The results are returned on `out_device` (the
     training loop asks for the student's device, so a GPU run keeps them there).
+    `with_hidden` adds the oracle's final normalised hidden states [B, T, H]
+    (float32) from the same pass: a feature draft's inputs and feature targets.
     """
     B, T = tokens.shape
     V = oracle.config.vocab_size
     k = min(k, V)
     device = oracle.embed.weight.device
     rows = max(1, _LOSS_CHUNK_ELEMENTS // (T * V))
-    logps, ids = [], []
+    logps, ids, hidden = [], [], []
     with torch.inference_mode():
         for r in range(0, B, rows):
             chunk = tokens[r : r + rows].to(device)
             cache = oracle.new_cache(T, batch=chunk.shape[0])
-            logits = oracle(chunk, torch.arange(T, device=device), cache)
+            out = oracle(chunk, torch.arange(T, device=device), cache, return_hidden=with_hidden)
+            logits = out[0] if with_hidden else out
+            if with_hidden:
+                hidden.append(out[1].float().to(out_device))
             top = logits.float().log_softmax(-1).topk(k, dim=-1)
             logps.append(top.values.to(out_device))
             ids.append(top.indices.to(out_device))
+    if with_hidden:
+        return torch.cat(logps).clone(), torch.cat(ids).clone(), torch.cat(hidden).clone()
     return torch.cat(logps).clone(), torch.cat(ids).clone()
 
 
@@ -279,8 +300,16 @@ def _train_loss_backward(student: DraftModel, tokens: Tensor, t_logp: Tensor, t_
 
 
 @torch.no_grad()
-def _heldout_metrics(student: DraftModel, windows: Tensor, t_logp: Tensor, t_ids: Tensor, t_cols: Tensor) -> dict[str, float]:
-    """Mean bucket KL and greedy top-1 agreement of the student on the (cached) held-out teacher targets."""
+def _heldout_metrics(student: DraftModel, windows: Tensor, t_logp: Tensor, t_ids: Tensor, t_cols: Tensor,
+                     t_hidden: Tensor | None = None) -> dict[str, float]:
+    """Mean bucket KL and greedy top-1 agreement of the student on the (cached) held-out teacher targets.
+
+    A feature draft (`t_hidden`: the oracle's features of the windows) is fed the oracle's features,
+    i.e. measured as the root of a tree; `feature_metrics` adds its deeper levels."""
+    if t_hidden is not None:
+        from stagedspec.distill_feature import feature_heldout_metrics
+
+        return feature_heldout_metrics(student, windows, t_logp, t_ids, t_cols, t_hidden)
     was_training = student.training
     student.eval()
     device = student.embed.weight.device
@@ -334,11 +363,16 @@ def distill(
     fingerprint = cfg.fingerprint if cfg.fingerprint is not None else _default_fingerprint(tokenizer)
 
     torch.manual_seed(cfg.seed)
+    feature = cfg.kind == "feature"
     if cfg.init_from:
         student, head_tokens = _start_from_draft(cfg, oracle, fingerprint)
     else:
         head_tokens = top_tokens(data.train, vocab, cfg.vocab_top, always=eos) if 0 < cfg.vocab_top < vocab else None
-        student = DraftModel(oracle, cfg.init_layers or cfg.layers, head_tokens, dtype=torch.float32)
+        if feature:
+            from stagedspec.models.feature_draft import FeatureDraftModel as cls
+        else:
+            cls = DraftModel
+        student = cls(oracle, cfg.init_layers or cfg.layers, head_tokens, dtype=torch.float32)
     student.train()
     params = student.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -351,10 +385,12 @@ def distill(
         step, history = _load_checkpoint(out / CHECKPOINT_NAME, student, opt, cfg, data, head_tokens)
 
     windows = data.heldout_windows(cfg.eval_windows, cfg.seq_len)
-    h_logp, h_ids = teacher_topk(oracle, windows, cfg.teacher_top_k)  # cached: the teacher sees them once
+    # cached: the teacher sees them once (a feature draft also needs the oracle's features of them)
+    h_logp, h_ids, *h_hidden = teacher_topk(oracle, windows, cfg.teacher_top_k, with_hidden=feature)
     h_cols = cols_of[h_ids]
+    h_feat = h_hidden[0] if feature else None
     if step == 0:  # the starting point, so every run shows what training bought
-        history = [{"step": 0, "tokens": 0, **_heldout_metrics(student, windows, h_logp, h_ids, h_cols)}]
+        history = [{"step": 0, "tokens": 0, **_heldout_metrics(student, windows, h_logp, h_ids, h_cols, h_feat)}]
     total = cfg.total_steps
     end = total if stop_after_steps is None else min(total, stop_after_steps)
     bar = _progress_bar(progress, total * cfg.tokens_per_step, step * cfg.tokens_per_step)
@@ -365,12 +401,19 @@ def distill(
     try:
         while step < end:
             tokens = data.batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)
-            t_logp, t_ids = teacher_topk(oracle, tokens, cfg.teacher_top_k, out_device=device)
+            t_logp, t_ids, *t_hidden = teacher_topk(oracle, tokens, cfg.teacher_top_k, out_device=device,
+                                                    with_hidden=feature)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
             opt.zero_grad(set_to_none=True)
-            loss = _train_loss_backward(student, tokens.to(device), t_logp.flatten(0, 1),
-                                        cols_dev[t_ids].flatten(0, 1), autocast=use_autocast)
+            if feature:
+                from stagedspec.distill_feature import feature_loss_backward
+
+                loss = feature_loss_backward(student, tokens.to(device), t_hidden[0], t_logp.flatten(0, 1),
+                                             cols_dev[t_ids].flatten(0, 1), cfg, autocast=use_autocast)
+            else:
+                loss = _train_loss_backward(student, tokens.to(device), t_logp.flatten(0, 1),
+                                            cols_dev[t_ids].flatten(0, 1), autocast=use_autocast)
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
@@ -382,7 +425,7 @@ def distill(
             speed = tokens_done / elapsed
             eta = _eta_seconds(elapsed, step - first_step, end - step, deadline)
             if step % cfg.eval_every == 0 or step == total or timed_out:
-                metrics = _heldout_metrics(student, windows, h_logp, h_ids, h_cols)
+                metrics = _heldout_metrics(student, windows, h_logp, h_ids, h_cols, h_feat)
                 history.append({"step": step, "tokens": step * cfg.tokens_per_step, "train_kl": loss, **metrics})
                 _write_json(out / METRICS_NAME, history)
                 if bar is not None:
@@ -431,6 +474,9 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
     if not (folder / CONFIG_NAME).is_file():
         raise StagedSpecError(f"--init-from {cfg.init_from}: not a draft folder (no {CONFIG_NAME} in {folder})")
     student = load_draft(folder, oracle, expected_fingerprint=fingerprint, dtype=torch.float32)
+    kind = getattr(student, "kind", "independent")
+    if kind != cfg.kind:
+        raise StagedSpecError(f"--init-from {cfg.init_from} is a {kind} draft, but --kind is {cfg.kind}")
     if student.config.n_layers != cfg.layers:
         raise StagedSpecError(f"--init-from {cfg.init_from} has {student.config.n_layers} layers, "
                               f"but --layers is {cfg.layers}")
@@ -515,7 +561,7 @@ def _load_checkpoint(path: Path, student: DraftModel, opt: torch.optim.Optimizer
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
         raise StagedSpecError(f"{path} is not a stagedspec distillation checkpoint")
     saved, now = state["config"], _recorded_config(cfg)
-    changed = sorted(k for k in now if saved.get(k) != now[k])
+    changed = sorted(k for k in now if saved.get(k, DistillConfig.ADDED_DEFAULTS.get(k)) != now[k])
     if changed:
         raise StagedSpecError(
             f"cannot resume {path}: settings changed since it was written ({', '.join(changed)}); "
@@ -838,13 +884,17 @@ def eval_draft(
     if continuations is None:
         continuations = oracle_greedy_continuations(oracle, prompt_streams, n_tokens)
     bucket_of = torch.tensor(starts)
+    from stagedspec.models.feature_draft import is_feature_draft
+
     for prompt, cont in zip(prompt_streams, continuations):
         prompt, cont = list(prompt), list(cont)
         if not cont:
             continue
         seq = prompt + cont[:-1]
+        features = _oracle_input_features(oracle, seq, device) if is_feature_draft(draft) else None
         logits = draft(torch.tensor([seq], device=device), torch.arange(len(seq), device=device),
-                       draft.new_cache(len(seq)), logits_rows=slice(len(prompt) - 1, None))[0].float()
+                       draft.new_cache(len(seq)), logits_rows=slice(len(prompt) - 1, None),
+                       **({"features": features} if features is not None else {}))[0].float()
         target = torch.tensor(cont, device=device)
         top = logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices
         # bucket index of each reply position
@@ -871,6 +921,17 @@ def eval_draft(
         timing_dtype=str(timing_dtype or draft.embed.weight.dtype).removeprefix("torch."),
     )
     return result
+
+
+def _oracle_input_features(oracle: Transformer, seq: Sequence[int], device: torch.device) -> Tensor:
+    """A feature draft's inputs for `seq` [1, T, H]: the oracle's final hidden state at the previous position
+    (what verification hands it on the accepted path), zeros at position 0."""
+    from stagedspec.distill_feature import shift_features
+
+    odev = oracle.embed.weight.device
+    _, hidden = oracle(torch.tensor([list(seq)], device=odev), torch.arange(len(seq), device=odev),
+                       oracle.new_cache(len(seq)), logits_rows=slice(-1, None), return_hidden="all")
+    return shift_features(hidden).to(device)
 
 
 def oracle_greedy_continuations(oracle: Transformer, prompt_streams: Sequence[Sequence[int]],

@@ -148,6 +148,9 @@ def iter_steps(
     on_verified = getattr(drafter, "verified", None)
     t0 = time.perf_counter()
     oracle.prefill(context)
+    attach = getattr(drafter, "attach_oracle", None)
+    if attach is not None:  # a feature draft reads the oracle's hidden states (`stagedspec.drafters.feature`)
+        attach(oracle)
     drafter.begin(context)
     stats.prefill_seconds = time.perf_counter() - t0
     emitted = 0

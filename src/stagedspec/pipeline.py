@@ -278,6 +278,19 @@ def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.d
     return draft
 
 
+def tree_drafter(model: Transformer, **kwargs: Any) -> Drafter:
+    """The tree/chain drafter for `model`: a `FeatureDrafter` for a feature draft, else a `ModelDrafter`."""
+    from stagedspec.models.feature_draft import is_feature_draft
+
+    if is_feature_draft(model):
+        from stagedspec.drafters.feature import FeatureDrafter
+
+        return FeatureDrafter(model, **kwargs)
+    from stagedspec.drafters.model import ModelDrafter
+
+    return ModelDrafter(model, **kwargs)
+
+
 class Pipeline:
     """An oracle, its tokenizer and (optionally) a draft, ready to generate.
 
@@ -329,6 +342,11 @@ class Pipeline:
             drafts = ["default"]
         self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device) for d in drafts]
         self.draft_model = self.draft_models[0] if self.draft_models else None
+        from stagedspec.models.feature_draft import is_feature_draft
+
+        if any(is_feature_draft(m) for m in self.draft_models[1:]):
+            raise StagedSpecError("a feature draft can only be the first --draft (the stage right below the oracle): "
+                                  "only the oracle computes the hidden states it reads")
         self.ngram = None
         if s.method in ("lookup", "staged", "auto") and s.ngram is not None:
             from stagedspec.drafters.ngram_files import load_ngram
@@ -408,14 +426,23 @@ class Pipeline:
 
     def _stage_chain(self, below: Drafter, max_len: int, chain_length: int) -> Drafter:
         """The draft models as stages, top one first, each decoding speculatively against the one below."""
+        from stagedspec.generation import Oracle
+        from stagedspec.models.feature_draft import is_feature_draft
         from stagedspec.stages import StageDrafter
 
         s = self.speculation
         n = len(self.draft_models)
         for i in reversed(range(n)):
             name = "draft" if n == 1 else f"draft{i + 1}"
-            # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
-            stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_nodes), fixed_width=False)
+            if is_feature_draft(self.draft_models[i]):
+                if i != 0:  # only the oracle computes the features it reads
+                    raise StagedSpecError("a feature draft can only be the top draft stage, right below the oracle")
+                from stagedspec.drafters.feature import FeatureStage
+
+                stage: Oracle = FeatureStage(self.draft_models[i], draft_cache_len(max_len, s.max_nodes))
+            else:
+                # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
+                stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_nodes), fixed_width=False)
             below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
         return below
 
@@ -441,10 +468,8 @@ class Pipeline:
                 arms[arm] = (lookup, [(lookup, "chain_length", arm.size)])
         tree_arms = [a for a in policy.arms if a.kind == "tree"]
         if tree_arms:
-            from stagedspec.drafters.model import ModelDrafter
-
             biggest = max(a.size for a in tree_arms)
-            tree = ModelDrafter(self.draft_models[0], method="tree", budget=biggest,
+            tree = tree_drafter(self.draft_models[0], method="tree", budget=biggest,
                                 max_depth=tree_depth_for(biggest), branching=2, max_len=max_len)
             for arm in tree_arms:
                 arms[arm] = (tree, [(tree, "budget", arm.size), (tree, "max_depth", tree_depth_for(arm.size))])
@@ -488,14 +513,12 @@ class Pipeline:
         if s.method == "auto":
             return self._auto_drafter(max_len, reproducible)
         if s.method in ("chain", "tree"):
-            from stagedspec.drafters.model import ModelDrafter
-
             adaptive = None
             if s.method == "tree" and s.adaptive_budget:
                 from stagedspec.budget import AdaptiveBudget
 
                 adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
-            return ModelDrafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
+            return tree_drafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
                                 branching=s.branching, chain_length=s.draft_k, max_len=max_len, adaptive=adaptive)
         from stagedspec.drafters.lookup import LookupDrafter
 

@@ -164,7 +164,18 @@ class StaticRunner:
         self._host_mask = torch.zeros(rows, slots, dtype=torch.bool, pin_memory=pin)
         self.use_graphs = graphs and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, Tensor] = {}
+        self._outputs: dict[int, tuple[Tensor, Tensor]] = {}  # per captured bucket: (logits, hidden)
+        # `keep_hidden`: `run` also keeps the normalised hidden states of all its rows in `hidden` (what a
+        # feature draft reads, see `ModelOracle.prepare_features`).  Every static pass returns them anyway
+        # (the norm's output, no extra work), so a graph captured without them serves with them too.
+        self.keep_hidden = False
+        self.hidden: Tensor | None = None
+        # A feature draft's passes also read one input feature per row (`models.feature_draft`): a device
+        # buffer like the others, so that a captured graph reads each pass's features from it.
+        self.features: Tensor | None = None
+        if getattr(model, "kind", None) == "feature":
+            self.features = torch.zeros(1, rows, model.config.hidden_size, dtype=model.embed.weight.dtype,
+                                        device=self.device)
         self._pool = None
         self._copied: torch.cuda.Event | None = None  # marks the last host-to-device copies (pinned buffers)
         self.busy = False
@@ -181,7 +192,7 @@ class StaticRunner:
         self.busy = False
 
     def run(self, tokens: Sequence[int], positions: Sequence[int] | Tensor, mask: Tensor | None,
-            logits_rows: slice | None = None) -> Tensor:
+            logits_rows: slice | None = None, features: Tensor | None = None) -> Tensor:
         """Run `tokens` on top of the committed cache; returns logits [T', V] of `logits_rows`.
 
         `positions` [T] and `mask` as `Transformer.forward` takes them (None:
@@ -189,7 +200,8 @@ class StaticRunner:
         prefix; [T, cached + T]: the complete mask).  The new entries are the
         cache's pending ones, as with the eager forward.  More rows than the
         biggest bucket (a prompt) run as several bucket passes, each seeing
-        the chunks before it.
+        the chunks before it.  `features` [T, H]: a feature draft's input
+        features (zeros when None).
         """
         T = len(tokens)
         start = self.cache.reserve(T)
@@ -197,7 +209,9 @@ class StaticRunner:
             # one bucket and a mask over the new tokens (the common case): written straight into the
             # pinned buffer, no full-width mask built first
             pos = torch.as_tensor(positions, dtype=torch.long).cpu()
-            out = self._pass(torch.as_tensor(tokens, dtype=torch.long), pos, None, start, new_mask=mask)
+            out, hidden = self._pass(torch.as_tensor(tokens, dtype=torch.long), pos, None, start, new_mask=mask,
+                                     features=features)
+            self.hidden = hidden if self.keep_hidden else None
             return out if logits_rows is None else out[logits_rows]
         full = self._full_mask(T, start, mask)
         pos = torch.as_tensor(positions, dtype=torch.long).cpu()
@@ -206,13 +220,17 @@ class StaticRunner:
         if not wanted:
             raise ValueError(f"logits_rows {logits_rows} selects none of {T} rows")
         step = self.buckets[-1]
-        outs = []
+        outs, hiddens = [], []
         for r0 in range(0, T, step):
             r1 = min(T, r0 + step)
             lo, hi = max(r0, wanted.start), min(r1, wanted.stop)
-            out = self._pass(toks[r0:r1], pos[r0:r1], full[r0:r1], start + r0)
+            out, hidden = self._pass(toks[r0:r1], pos[r0:r1], full[r0:r1], start + r0,
+                                     features=None if features is None else features[r0:r1])
             if lo < hi:
                 outs.append(out[lo - r0:hi - r0])
+            if self.keep_hidden:
+                hiddens.append(hidden)
+        self.hidden = torch.cat(hiddens) if self.keep_hidden else None
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
@@ -227,8 +245,9 @@ class StaticRunner:
         return full
 
     def _pass(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, first_slot: int,
-              new_mask: Tensor | None = None) -> Tensor:
-        """One bucket pass of n <= max-bucket rows written from `first_slot`; logits [n, V].
+              new_mask: Tensor | None = None, features: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """One bucket pass of n <= max-bucket rows written from `first_slot`: logits [n, V] and, under
+        `keep_hidden`, the rows' hidden states [n, H] (else None).
 
         `mask` [n, first_slot + n] is the rows' complete mask; when it is None,
         the rows see every slot before `first_slot` and, among themselves,
@@ -258,6 +277,12 @@ class StaticRunner:
             pad = torch.arange(n, rows)
             host_mask[pad, first_slot + pad] = True
         cuda = self.device.type == "cuda"
+        if self.features is not None:  # on the device already: a device-side copy, padding rows zeroed
+            self.features[0, n:rows].zero_()
+            if features is None:
+                self.features[0, :n].zero_()
+            else:
+                self.features[0, :n].copy_(features)
         self.index[:, :rows].copy_(index, non_blocking=cuda)
         self.mask[:rows].copy_(host_mask, non_blocking=cuda)
         if cuda:
@@ -267,11 +292,16 @@ class StaticRunner:
             graph = self.graphs.get(rows) or self._capture(rows)
             if graph is not None:
                 graph.replay()
-                return self._outputs[rows][0, :n].clone()
-        return self._forward(self.index[0:1, :rows], self.index[1, :rows], self.index[2, :rows],
-                             self.mask[:rows], self.cache)[0, :n]
+                logits, hidden = self._outputs[rows]
+                return logits[0, :n].clone(), hidden[0, :n].clone() if self.keep_hidden else None
+        logits, hidden = self._forward(self.index[0:1, :rows], self.index[1, :rows], self.index[2, :rows],
+                                       self.mask[:rows], self.cache, None, True, self._features(rows))
+        return logits[0, :n], hidden[0, :n] if self.keep_hidden else None
 
-    def _forward(self, *args) -> Tensor:  # noqa: ANN002
+    def _features(self, rows: int) -> Tensor | None:
+        return None if self.features is None else self.features[:, :rows]
+
+    def _forward(self, *args) -> tuple[Tensor, Tensor]:  # noqa: ANN002
         """The static pass, compiled under `--compile`; a failed compile falls back to the plain one."""
         forward = _static_forward(self.model)
         if forward is self.model.forward_static:
@@ -287,7 +317,7 @@ class StaticRunner:
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph | None:
         """Record bucket's pass as a CUDA graph (its inputs are already in place); None if capture fails."""
         args = (self.index[0:1, :bucket], self.index[1, :bucket], self.index[2, :bucket], self.mask[:bucket],
-                self.cache)
+                self.cache, None, True, self._features(bucket))
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -379,6 +409,7 @@ def acquire_runner(model: Transformer, max_len: int, owner: object, *, min_rows:
                 pool.append(runner)
         runner.busy = True
     runner.cache.reset()
+    runner.keep_hidden = False  # a new lease asks for hidden states again if it wants them
     weakref.finalize(owner, runner.release)
     return runner
 
@@ -436,6 +467,45 @@ class ModelOracle:
         self.cached_tokens: list[int] = []  # tokens whose KV entries are committed, in order
         self._catch_up: list[int] = []  # context tokens to run in front of the next tree
         self._tree: TokenTree | None = None
+        # For a feature draft (`prepare_features`): the final normalised hidden state of each cached token,
+        # row t for cached token t; the first `feature_rows` rows are valid.  Filled from the passes that
+        # run anyway (the prompt's, each verification's), never from a pass of their own.
+        self.features: Tensor | None = None
+        self.feature_rows = 0
+        self._hidden: Tensor | None = None  # hidden rows of the last scored pass (catch-up tokens, then tree)
+
+    def prepare_features(self) -> None:
+        """Record the hidden state of every token this oracle caches from now on (a feature draft reads them).
+
+        The uncached prompt is run now, in a pass of its own, so that the
+        draft has the prompt's features for its first proposal; the bf16 and
+        static paths run it alone anyway (`_run_catch_up`).  `bit_exact`
+        keeps the prompt in front of the first tree (its rounding must match
+        one-token decoding): the first proposal then has no features for the
+        prompt, which costs acceptance, never exactness.
+        """
+        if self.features is None:
+            cfg = self.model.config
+            p = self.model.embed.weight
+            self.features = torch.zeros(self.cache.max_len, cfg.hidden_size, dtype=p.dtype, device=p.device)
+            self.feature_rows = 0
+            if self.runner is not None:
+                self.runner.keep_hidden = True
+        if self._catch_up and not self.bit_exact:
+            self._run_catch_up()
+
+    @property
+    def committed_features(self) -> Tensor | None:
+        """[n, H]: the oracle's final hidden states of its first n cached tokens (None before `prepare_features`)."""
+        return None if self.features is None else self.features[: self.feature_rows]
+
+    def _keep_features(self, start: int, rows: Sequence[int] | slice) -> None:
+        """Store the last pass's hidden `rows` as the features of the cached tokens from slot `start` on."""
+        if self.features is None or self._hidden is None or self.feature_rows != start:
+            return
+        kept = self._hidden[rows]
+        self.features[start:start + kept.shape[0]] = kept
+        self.feature_rows = start + kept.shape[0]
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         """Make every context token but the last (the first step's root) part of the cache.
@@ -452,6 +522,7 @@ class ModelOracle:
         self.cache.truncate(keep)
         self.cached_tokens = target[:keep]
         self._catch_up = target[keep:]
+        self.feature_rows = min(self.feature_rows, keep)
 
     def score(self, tree: TokenTree) -> Tensor:
         if self._catch_up and self.key_width is not None and not self.bit_exact:
@@ -469,7 +540,9 @@ class ModelOracle:
         if self.runner is not None:
             self.forward_passes += 1
             self._tree = tree
-            return self.runner.run(tokens, pos, mask, logits_rows=slice(P, P + N))
+            logits = self.runner.run(tokens, pos, mask, logits_rows=slice(P, P + N))
+            self._hidden = self.runner.hidden
+            return logits
         if self.key_width is not None and P + N == 1:
             # CPU matmul kernels for a single row can round differently from those for
             # several rows (seen for bf16 with K=1536); a throwaway second row (after the
@@ -481,8 +554,13 @@ class ModelOracle:
         self._tree = tree
         toks = torch.tensor([tokens], device=self.device)
         mask = None if mask is None else mask.to(self.device)
-        return run_model(self.model, toks, pos.to(self.device), self.cache, tree_mask=mask,
-                         logits_rows=slice(P, P + N), key_width=self.key_width, row_independent=self.bit_exact)[0]
+        out = run_model(self.model, toks, pos.to(self.device), self.cache, tree_mask=mask,
+                        logits_rows=slice(P, P + N), key_width=self.key_width, row_independent=self.bit_exact,
+                        return_hidden="all" if self.features is not None else False)
+        if self.features is None:
+            return out[0]
+        self._hidden = out[1][0, : P + N]
+        return out[0][0]
 
     def _run_catch_up(self) -> None:
         """Run the uncached context in a pass of its own, before the first tree.
@@ -496,20 +574,27 @@ class ModelOracle:
         start = self.cache.length
         if self.runner is not None:
             self.runner.run(lead, torch.arange(start, start + len(lead)), None, logits_rows=slice(-1, None))
+            self._hidden = self.runner.hidden
         else:
             toks = torch.tensor([lead], device=self.device)
             pos = torch.arange(start, start + len(lead), device=self.device)
-            run_model(self.model, toks, pos, self.cache,
-                      tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
-                      logits_rows=slice(-1, None), key_width=self.key_width)
+            out = run_model(self.model, toks, pos, self.cache,
+                            tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
+                            logits_rows=slice(-1, None), key_width=self.key_width,
+                            return_hidden="all" if self.features is not None else False)
+            self._hidden = out[1][0] if self.features is not None else None
         self.forward_passes += 1  # counted: the bench's passes per token and memory traffic include it
         self.cache.commit()
+        self._keep_features(start, slice(0, len(lead)))
         self.cached_tokens.extend(lead)
         self._catch_up = []
 
     def commit(self, accepted: Sequence[int]) -> None:
         P = len(self._catch_up)
-        self.cache.commit([*range(P), *(P + i for i in (0, *accepted))])
+        start = self.cache.length
+        rows = [*range(P), *(P + i for i in (0, *accepted))]
+        self.cache.commit(rows)
+        self._keep_features(start, rows)
         tree = self._tree
         assert tree is not None
         self.cached_tokens.extend(self._catch_up)

@@ -114,6 +114,11 @@ class StageDrafter:
     def begin(self, prompt_ids: Sequence[int]) -> None:
         pass  # the stage's cache follows the context lazily in `prefill`
 
+    def attach_oracle(self, oracle: Oracle) -> None:
+        """A feature-draft stage (`FeatureStage`) reads the hidden states of the oracle above it."""
+        if hasattr(self.stage, "attach_oracle"):
+            self.stage.attach_oracle(oracle)
+
     def stage_telemetry(self) -> list[StageTelemetry]:
         """This stage's figures followed by those of every stage below it."""
         self.telemetry.forward_passes = self.stage.forward_passes

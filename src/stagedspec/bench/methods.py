@@ -392,6 +392,8 @@ def hf_twin(draft: Transformer, oracle: Transformer, hf_oracle: nn.Module, spec:
     Built in memory; nothing is written to disk.
     """
     cfg = draft.config
+    if getattr(draft, "kind", None) == "feature":
+        raise MethodSkipped("no transformers twin for a feature draft (assistant_model passes it no oracle features)")
     if cfg.arch != "llama":
         raise MethodSkipped(f"no transformers twin for a {cfg.arch!r} draft (Llama-family only)")
     if draft.config.vocab_size != oracle.config.vocab_size:

@@ -38,6 +38,12 @@ class MergedDrafter:
     def name(self) -> str:
         return f"{getattr(self.primary, 'name', 'draft')}+{getattr(self.extra, 'name', 'lookup')}"
 
+    def attach_oracle(self, oracle) -> None:  # noqa: ANN001 - the loop's oracle
+        """Pass the loop's oracle on to a drafter that reads its hidden states (a feature draft)."""
+        for d in (self.primary, self.extra):
+            if hasattr(d, "attach_oracle"):
+                d.attach_oracle(oracle)
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.primary.begin(prompt_ids)
         self.extra.begin(prompt_ids)

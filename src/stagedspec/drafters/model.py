@@ -26,7 +26,12 @@ from stagedspec.tree import TokenTree, grow_tree
 
 
 class ModelDrafter:
-    """Proposes trees ("tree", best-first) or chains ("chain") from a draft model."""
+    """Proposes trees ("tree", best-first) or chains ("chain") from a draft model.
+
+    Subclasses change what a pass reads (`FeatureDrafter` adds the oracle's
+    hidden states) through `_root` and `_run_nodes`; the tree growth, the
+    cache bookkeeping and the adaptive budget stay here.
+    """
 
     def __init__(
         self,
@@ -86,6 +91,19 @@ class ModelDrafter:
         self.cache.commit()
         return logits
 
+    def _root(self, context: Sequence[int]) -> Tensor:
+        """Run the context tokens the cache lacks (the root last); the root's logits [1, V]."""
+        seen = self.cache.length
+        if seen >= len(context):  # never happens in the loop; keeps the root's logits honest
+            self.cache.truncate(len(context) - 1)
+            seen = self.cache.length
+        new = list(context[seen:])
+        return self._run(new, torch.arange(seen, len(context)), None, slice(-1, None))
+
+    def _run_nodes(self, tree: TokenTree, nodes: list[int], positions: Tensor, mask: Tensor) -> Tensor:
+        """One pass over tree `nodes` (each seeing the context and its ancestors through `mask`); logits [n, V]."""
+        return self._run([tree.tokens[x] for x in nodes], positions, mask, None)
+
     def propose(
         self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
     ) -> TokenTree:
@@ -94,13 +112,7 @@ class ModelDrafter:
             # The context grew by the accepted nodes plus the oracle's own token.
             last_len, predicted = self._last_step
             self.adaptive.observe(predicted, max(0, len(context) - last_len - 1))
-        # 1. Catch up with the committed context (its last token is the root).
-        seen = self.cache.length
-        if seen >= len(context):  # never happens in the loop; keeps the root's logits honest
-            self.cache.truncate(len(context) - 1)
-            seen = self.cache.length
-        new = list(context[seen:])
-        root_logits = self._run(new, torch.arange(seen, len(context)), None, slice(-1, None))
+        root_logits = self._root(context)  # catch up with the committed context (its last token is the root)
         base = self.cache.length  # == len(context); the root sits at slot base - 1
         slot = {0: base - 1}
         depth_of = {0: 0}
@@ -123,7 +135,7 @@ class ModelDrafter:
                     a = tree.parents[a]
             mask[rows, cols] = True
             positions = torch.tensor([base - 1 + depth_of[x] for x in nodes])
-            return self._run([tree.tokens[x] for x in nodes], positions, mask, None)
+            return self._run_nodes(tree, nodes, positions, mask)
 
         depth = max(1, min(self.max_depth if self.method == "tree" else self.chain_length, max_tokens))
         if self.method == "chain":

@@ -44,6 +44,9 @@ from stagedspec.models.transformer import Attention, Transformer, apply_rope
 
 FORMAT = "stagedspec-draft"
 FORMAT_VERSION = 1
+FEATURE_FORMAT_VERSION = 2  # drafts with `kind: "feature"` (see `stagedspec.models.feature_draft`)
+INDEPENDENT = "independent"  # the draft kinds: reads tokens only, or the oracle's features too
+KINDS = (INDEPENDENT, "feature")
 CONFIG_NAME = "draft_config.json"
 WEIGHTS_NAME = "draft.safetensors"
 DEFAULT_DRAFT_NAME = "draft-smollm2-135m"
@@ -237,13 +240,14 @@ class DraftModel(Transformer):
         cache: KVCache,
         tree_mask: Tensor | None = None,
         logits_rows: Tensor | slice | None = None,
-        return_hidden: bool = False,
+        return_hidden: bool | str = False,
         key_width: int | None = None,
         row_independent: bool = False,
+        features: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Same contract as `Transformer.forward`; logits always cover the full vocabulary."""
         out = super().forward(tokens, positions, cache, tree_mask, logits_rows, return_hidden, key_width,
-                              row_independent)
+                              row_independent, features)
         if self.head_tokens is None:
             return out
         if return_hidden:
@@ -372,9 +376,12 @@ def save_draft(
         k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).cpu().contiguous()
         for k, v in model.own_state_dict().items()
     }
+    kind = getattr(model, "kind", INDEPENDENT)
     config = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        # A feature draft needs a reader that knows the kind: older ones (version 1) would misread it.
+        "format_version": FORMAT_VERSION if kind == INDEPENDENT else FEATURE_FORMAT_VERSION,
+        "kind": kind,
         "model_config": model.config.to_dict(),
         "oracle_layers": list(model.oracle_layers),
         "vocab_size": model.config.vocab_size,
@@ -409,10 +416,14 @@ def read_draft_config(folder: str | Path) -> dict[str, Any]:
     if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
         raise StagedSpecError(f"{path} is not a stagedspec draft config")
     version = cfg.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or version > FEATURE_FORMAT_VERSION:
         raise StagedSpecError(
-            f"draft {folder} has format version {version}; this stagedspec reads up to {FORMAT_VERSION} (upgrade it)"
+            f"draft {folder} has format version {version}; this stagedspec reads up to {FEATURE_FORMAT_VERSION} "
+            "(upgrade it)"
         )
+    kind = cfg.setdefault("kind", INDEPENDENT)
+    if kind not in KINDS:
+        raise StagedSpecError(f"draft {folder} is of unknown kind {kind!r} (this stagedspec knows {', '.join(KINDS)})")
     for key in ("model_config", "oracle_layers", "vocab_size", "hidden_size", "fingerprint"):
         if key not in cfg:
             raise StagedSpecError(f"corrupt draft config {path}: no {key!r}")
@@ -466,8 +477,12 @@ def load_draft(
 
     tensors = _read_weights(folder / WEIGHTS_NAME)
     head_tokens = tensors.get("head_tokens")
+    if cfg["kind"] == INDEPENDENT:
+        cls = DraftModel
+    else:
+        from stagedspec.models.feature_draft import FeatureDraftModel as cls
     try:
-        model = DraftModel(oracle, layers, head_tokens, dtype=dtype, device=device)
+        model = cls(oracle, layers, head_tokens, dtype=dtype, device=device)
     except StagedSpecError as exc:
         raise StagedSpecError(f"corrupt draft {folder}: {exc}") from None
     own = model.own_state_dict()

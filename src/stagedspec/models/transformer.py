@@ -275,9 +275,10 @@ class Transformer(nn.Module):
         cache: KVCache,
         tree_mask: Tensor | None = None,
         logits_rows: Tensor | slice | None = None,
-        return_hidden: bool = False,
+        return_hidden: bool | str = False,
         key_width: int | None = None,
         row_independent: bool = False,
+        features: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Run `tokens` [B, T] at `positions` [T] (or [B, T]) on top of the committed cache.
 
@@ -294,7 +295,13 @@ class Transformer(nn.Module):
         - Returns logits [B, T', V] for the rows selected by `logits_rows`
           (all rows by default; a prefill passes `slice(-1, None)` to skip
           the vocabulary head for the prompt).  With `return_hidden`, also
-          the final normalised hidden states of those rows.
+          the final normalised hidden states of those rows; `return_hidden="all"`
+          returns them for every row (the logits still only for `logits_rows`):
+          a feature draft needs the oracle's hidden state at every committed
+          position, the prompt's included (`stagedspec.models.feature_draft`).
+        - `features` [B, T, H]: extra per-row inputs, for models whose `_embed`
+          fuses them with the token embedding (a feature draft); plain
+          models take none.
         - `key_width`: attend over exactly this many cache slots (the ones
           past the new tokens masked out) instead of the filled ones.  CPU
           attention kernels round differently for different key counts (and
@@ -307,7 +314,7 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         start = cache.reserve(T)
-        x, rope, local_rope = self._embed(tokens, positions)
+        x, rope, local_rope = self._embed(tokens, positions, features)
         if cache.positions is not None:
             cache.positions[:, start:start + T] = positions
         bool_mask = self._attention_mask(T, start, tree_mask, x.device)
@@ -335,7 +342,8 @@ class Transformer(nn.Module):
         mask: Tensor,
         cache: KVCache,
         logits_rows: slice | None = None,
-        return_hidden: bool = False,
+        return_hidden: bool | str = False,
+        features: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """One static-shape pass: `tokens` [1, T] at `positions` [T], written to cache `slots` [T].
 
@@ -346,7 +354,7 @@ class Transformer(nn.Module):
         (`stagedspec.runner`).  The cache's length bookkeeping is the caller's.
         """
         B, T = tokens.shape
-        x, rope, local_rope = self._embed(tokens, positions)
+        x, rope, local_rope = self._embed(tokens, positions, features)
         groups = self.config.n_heads // self.config.n_kv_heads
         bias = self._attention_bias(mask, x.dtype, groups)
         local_bias = bias
@@ -360,8 +368,13 @@ class Transformer(nn.Module):
             x = layer(x, local_rope if local else rope, cache.k[i], cache.v[i], slots, local_bias if local else bias)
         return self._head(x, logits_rows, return_hidden)
 
-    def _embed(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, tuple | None, tuple | None]:
-        """Token (and GPT-2 position) embeddings, and the RoPE angles of `positions` (global, local layers)."""
+    def _embed(self, tokens: Tensor, positions: Tensor,
+               features: Tensor | None = None) -> tuple[Tensor, tuple | None, tuple | None]:
+        """Token (and GPT-2 position) embeddings, and the RoPE angles of `positions` (global, local layers).
+
+        A plain model has no use for `features`; a feature draft overrides this to fuse them in."""
+        if features is not None:
+            raise ValueError(f"{type(self).__name__} takes no input features")
         x = self.embed(tokens)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -374,15 +387,22 @@ class Transformer(nn.Module):
                 local_rope = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, x.dtype)
         return x, rope, local_rope
 
-    def _head(self, x: Tensor, logits_rows: Tensor | slice | None, return_hidden: bool) -> Tensor | tuple[Tensor, Tensor]:
-        """Final norm and vocabulary head over the selected rows (Gemma's logit soft-cap included)."""
-        if logits_rows is not None:
-            x = x[:, logits_rows]
-        h = self.norm(x)
+    def _head(self, x: Tensor, logits_rows: Tensor | slice | None,
+              return_hidden: bool | str) -> Tensor | tuple[Tensor, Tensor]:
+        """Final norm and vocabulary head over the selected rows (Gemma's logit soft-cap included).
+
+        `return_hidden="all"`: the normalised hidden states of every row come back, not just the selected ones."""
+        if return_hidden == "all":
+            h_all = self.norm(x)
+            h = h_all if logits_rows is None else h_all[:, logits_rows]
+        else:
+            h = self.norm(x if logits_rows is None else x[:, logits_rows])
         logits = F.linear(h, self.head_weight) if self.head_q is None else self.head_q(h)
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
+        if return_hidden == "all":
+            return logits, h_all
         return (logits, h) if return_hidden else logits
 
     def _local_mask(self, mask: Tensor | None, positions: Tensor, cache: KVCache, filled: int) -> Tensor | None:

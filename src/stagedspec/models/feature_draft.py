@@ -1,0 +1,170 @@
+"""The EAGLE-style feature draft: the oracle's last hidden state plus the next token, one or two layers.
+
+An independent draft (`DraftModel`) has to rebuild from tokens alone what the
+oracle already computed.  A feature draft starts from it instead: its input
+at position t is
+
+    fc(concat(f_{t-1}, e(x_t)))
+
+where f_{t-1} is the oracle's final normalised hidden state at position t-1
+(its verification pass computes it anyway) and e the oracle's token
+embedding (shared, frozen).  One or two decoder layers follow (copies of the
+oracle's *last* layers: their input is closest to what fc produces), then the
+final norm and the head restricted to the top-V tokens, exactly as in
+`DraftModel`.  The normalised output at t, f̂_t, lives in the same space as
+the oracle's f_t (the head reads it), so deeper tree levels feed the draft its
+own f̂ where no oracle feature exists yet (EAGLE-1/2).
+
+The class is a `DraftModel` with an extra `fc` and an `_embed` that fuses the
+features in, so it inherits the KV-cache forward, tree masks, the restricted
+head, the save format and the training helpers.  Without `features` it runs
+on zero features: a pass of the right cost, which is what timing code needs
+(`decode_step_seconds`, the cost profiles of `--method auto`).
+
+Training-time test (EAGLE-3): `unrolled_hidden` runs k steps on the draft's
+own predicted features, each step's position t attending to the real-feature
+entries up to its tree root and to its own chain of predicted ancestors,
+which is exactly what a tree node at depth j sees at inference.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.draft import DraftModel
+from stagedspec.models.transformer import Attention, Transformer, apply_rope
+
+KIND = "feature"
+
+
+def last_layers(n_oracle: int, n_draft: int) -> list[int]:
+    """The oracle's last `n_draft` layers: they read a residual stream closest to the final features."""
+    if not 1 <= n_draft <= n_oracle:
+        raise StagedSpecError(f"a feature draft needs 1..{n_oracle} layers, got {n_draft}")
+    return list(range(n_oracle - n_draft, n_oracle))
+
+
+class FeatureDraftModel(DraftModel):
+    """A `DraftModel` whose input is fc(oracle feature, token embedding) instead of the embedding alone."""
+
+    kind = KIND
+
+    def __init__(
+        self,
+        oracle: Transformer,
+        layers: int | Sequence[int] = 1,
+        head_tokens: Tensor | Sequence[int] | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if oracle.config.arch == "gemma3":
+            # The unrolled training pass (`unrolled_hidden`) has no q/k norms, sandwich norms or window yet.
+            raise StagedSpecError("feature drafts do not support Gemma-3 oracles yet (distill --kind independent)")
+        picked = last_layers(oracle.config.n_layers, layers) if isinstance(layers, int) else [int(i) for i in layers]
+        super().__init__(oracle, picked, head_tokens, dtype=dtype, device=device)
+        w = self.embed.weight
+        H = self.config.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=True, device=w.device, dtype=w.dtype)
+        with torch.no_grad():  # start as feature + embedding: both halves pass through, training reweighs them
+            eye = torch.eye(H, device=w.device, dtype=w.dtype)
+            self.fc.weight.copy_(torch.cat([eye, eye], dim=1))
+            self.fc.bias.zero_()
+
+    # ------------------------------------------------------------------ inference
+    def _embed(self, tokens: Tensor, positions: Tensor,
+               features: Tensor | None = None) -> tuple[Tensor, tuple | None, tuple | None]:
+        x, rope, local_rope = super()._embed(tokens, positions)
+        return self.fuse(x, features), rope, local_rope
+
+    def fuse(self, embedded: Tensor, features: Tensor | None) -> Tensor:
+        """fc(concat(features, embedded)); missing features count as zeros (a pass of the same cost)."""
+        f = torch.zeros_like(embedded) if features is None else features.to(embedded.dtype)
+        if f.shape != embedded.shape:
+            raise ValueError(f"features of shape {tuple(f.shape)} for embeddings of shape {tuple(embedded.shape)}")
+        return self.fc(torch.cat([f, embedded], dim=-1))
+
+    # ------------------------------------------------------------------ training
+    def hidden_train(self, tokens: Tensor, features: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        """Normalised outputs [B, T, H] of a causal pass; `features[:, t]` is the oracle's f_{t-1} (zeros at t=0)."""
+        return self.unrolled_hidden(tokens, features, 1)[0]
+
+    def unrolled_hidden(self, tokens: Tensor, features: Tensor | None, steps: int) -> list[Tensor]:
+        """The outputs of `steps` unrolled passes ("training-time test"), each [B, T, H], with autograd.
+
+        Step 0 reads the oracle's features.  Step j >= 1 reads step j-1's
+        outputs shifted by one position: its row t is the tree node at depth j
+        whose root sits at t - j.  That row attends to step 0's keys at
+        positions <= t - j (the real-feature context and the root) and to
+        step i's key at t - j + i for i = 1..j (its predicted ancestors and
+        itself).  Rows t < j have no real root; the loss ignores them.
+        """
+        B, T = tokens.shape
+        if T > self.config.max_position:
+            raise StagedSpecError(f"training sequences of {T} tokens exceed the context of {self.config.max_position}")
+        positions = torch.arange(T, device=tokens.device)
+        embedded, rope, _ = Transformer._embed(self, tokens, positions)
+        if rope is not None:
+            rope = (rope[0].reshape(1, 1, T, -1), rope[1].reshape(1, 1, T, -1))
+        feats = torch.zeros_like(embedded) if features is None else features.to(embedded.dtype)
+        keys: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]  # per layer, per step: (k, v)
+        outputs: list[Tensor] = []
+        for j in range(steps):
+            x = self.fuse(embedded, feats)
+            for li, layer in enumerate(self.layers):
+                q, k, v = _qkv(layer.attn, layer.attn_norm(x), rope)
+                keys[li].append((k, v))
+                x = x + _unrolled_attention(layer.attn, q, keys[li], j)
+                x = x + layer.mlp(layer.mlp_norm(x))
+            h = self.norm(x)
+            outputs.append(h)
+            feats = F.pad(h[:, :-1], (0, 0, 1, 0))  # row t of the next step reads this step's row t-1
+        return outputs
+
+    def num_bytes(self) -> int:
+        """Bytes streamed per step: the layers, norm and head, plus the fusing fc."""
+        fc = sum(t.numel() * t.element_size() for t in self.fc.parameters())
+        return super().num_bytes() + fc
+
+
+def _qkv(attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries [B, H, T, D], keys and values [B, Hkv, T, D] of one attention layer (RoPE applied)."""
+    B, T, _ = x.shape
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q, k, v = attn.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q = q.view(B, T, H, D).transpose(1, 2)
+    k = k.view(B, T, Hkv, D).transpose(1, 2)
+    v = v.view(B, T, Hkv, D).transpose(1, 2)
+    if attn.use_rope and rope is not None:
+        q = apply_rope(q, *rope).to(x.dtype)
+        k = apply_rope(k, *rope).to(x.dtype)
+    return q, k, v
+
+
+def _unrolled_attention(attn: Attention, q: Tensor, kv: list[tuple[Tensor, Tensor]], j: int) -> Tensor:
+    """Step j's attention over the keys of steps 0..j (see `FeatureDraftModel.unrolled_hidden`)."""
+    B, H, T, D = q.shape
+    Hkv = attn.n_kv_heads
+    k = torch.cat([kv_i[0] for kv_i in kv], dim=2)
+    v = torch.cat([kv_i[1] for kv_i in kv], dim=2)
+    if Hkv != H:
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    if j == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
+    else:
+        t = torch.arange(T, device=q.device)
+        blocks = [t[None, :] <= t[:, None] - j]  # step 0: the real context up to the root
+        blocks += [t[None, :] == t[:, None] - j + i for i in range(1, j + 1)]  # step i: the ancestor at depth i
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat(blocks, dim=1), scale=attn.scale)
+    return attn.wo(out.transpose(1, 2).reshape(B, T, H * D))
+
+
+def is_feature_draft(model: object) -> bool:
+    """Whether `model` needs the oracle's hidden states as input (a `FeatureDraftModel`)."""
+    return getattr(model, "kind", None) == KIND
