@@ -121,6 +121,21 @@ def test_one_segment_is_bit_identical_to_forward(arch):
                 assert torch.equal(outs[0], outs[1])
 
 
+def test_a_restricted_head_draft_gets_full_vocabulary_logits():
+    """A distilled draft's own head covers a subset of tokens; its ragged pass must scatter them into the
+    vocabulary as `DraftModel.forward` does (a bug once made the server's `tree` accept nothing)."""
+    from stagedspec.models.draft import DraftModel
+
+    oracle = init_random(Transformer(CONFIGS["llama"]), seed=3).eval()
+    draft = DraftModel(oracle, 1, list(range(0, 80, 3))).eval()
+    toks = torch.tensor([[4, 9, 33]])
+    with torch.inference_mode():
+        solo = draft(toks, torch.arange(3), draft.new_cache(16))
+        ragged = forward_ragged(draft, [Segment(toks, torch.arange(3), draft.new_cache(16))])[0]
+    assert ragged.shape == solo.shape == (1, 3, 80)
+    assert torch.equal(ragged, solo)
+
+
 def test_ragged_refuses_batched_segments():
     model = init_random(Transformer(CONFIGS["llama"])).eval()
     seg = Segment(torch.zeros(2, 1, dtype=torch.long), torch.arange(1), model.new_cache(8, batch=2))

@@ -82,6 +82,10 @@ def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor]:
         picked.append(rows[s.logits_rows] if s.logits_rows is not None else rows)
     index = torch.tensor([r for rows in picked for r in rows], dtype=torch.long, device=x.device)
     logits = model._head(x[:, index], None, False)  # noqa: SLF001
+    if getattr(model, "head_tokens", None) is not None:
+        # A distilled draft's own head covers its top-V tokens only; its `forward` scatters them into the
+        # full vocabulary (-inf elsewhere), and so must this pass, or token ids would be read as columns.
+        logits = model.expand_logits(logits)
     out, at = [], 0
     for rows in picked:
         out.append(logits[:, at:at + len(rows)])
