@@ -99,6 +99,8 @@ class Engine:
     pass_costs: dict[int, float] | None = None
     # what `--method auto` has learned (acceptance, step times), shared by every request
     auto_policy: Any = None
+    # Set by the scheduler: requests' passes are batched across requests (`server.batching`).
+    batched_passes: bool = False
 
     @classmethod
     def load(cls, oracle: str, drafts: Sequence[str], speculation: SpeculationConfig, *, dtype: str = "bf16",
@@ -143,6 +145,15 @@ class Engine:
         pipe._pass_seconds = self.pass_costs  # noqa: SLF001 - share one measurement (see `remember_costs`)
         if spec.method == "auto":
             pipe._auto_policy = self.auto_policy  # noqa: SLF001 - one policy learns from every request
+            if self.batched_passes:
+                # A batched request's measured step times include its waits at the barrier for its
+                # neighbours' passes, which priced every draft arm out at 8 streams (bench-serve: auto 1.10x
+                # `ar`, staged 1.46x); the machine's cost profile prices the arms instead, as for a seeded request.
+                policy = pipe.auto_policy()
+                if policy.learn_times:
+                    from stagedspec.auto import StepCosts
+
+                    policy.learn_times, policy.costs = False, StepCosts()
         return pipe
 
     def remember_costs(self, pipe: Pipeline) -> None:

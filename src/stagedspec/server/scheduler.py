@@ -162,6 +162,7 @@ class Scheduler:
         self.engine = engine
         self.max_batch = max_batch
         self.batch_passes = batch_passes
+        engine.batched_passes = batch_passes
         self.memory = engine.memory_model()
         nodes = engine.speculation.max_nodes
         # Tree scratch: one pass's activations.  Interleaved, one request's pass runs at a time, so it is
