@@ -43,6 +43,7 @@ from stagedspec.models.transformer import Transformer
 from stagedspec.runner import PassRouter, routed_passes
 
 IDLE, RUNNING, WAITING, DONE, ABANDONED = "idle", "running", "waiting", "done", "abandoned"
+IDLE_LANES = 16  # finished lanes kept for reuse (above the largest --max-batch in practice: the rest end)
 
 
 class _Call:
@@ -71,9 +72,27 @@ class PassBatcher:
         self._calls: list[_Call] = []
         self.ragged_passes = 0  # ragged passes run (one per model per barrier)
         self.segments = 0  # lane passes they carried
+        self._idle: list[Lane] = []  # finished requests' lanes, whose threads wait for the next request
 
     def lane(self, name: str) -> "Lane":
+        """A lane for a new request: a finished request's lane when one is idle, else a new thread.
+
+        Why reuse: a thread per request meant hundreds of short-lived threads in a long run, each one
+        leaving per-thread allocator and OpenMP state behind; a pool bounded by the running set keeps the
+        server's resident memory flat (`bench-serve --soak-minutes`)."""
+        with self._cond:
+            if self._idle:
+                return self._idle.pop()
         return Lane(self, name)
+
+    def _recycle(self, lane: "Lane") -> bool:
+        """Keep a finished, healthy lane for the next request (at most `IDLE_LANES` idle); False: end it."""
+        with self._cond:
+            if lane.state in (RUNNING, WAITING, ABANDONED) or len(self._idle) >= IDLE_LANES:
+                return False
+            lane._task, lane.state = None, IDLE  # noqa: SLF001
+            self._idle.append(lane)
+            return True
 
     def run_round(self, work: list[tuple["Lane", Callable[[], None]]]) -> list["Lane"]:
         """Run one step on every lane (`task` must catch its own errors); returns the lanes abandoned."""
@@ -135,7 +154,10 @@ class Lane(PassRouter):
         self._thread.start()
 
     def close(self) -> None:
-        """End the lane's thread once its current step (if any) is over."""
+        """The request is over: the lane goes back to its batcher's pool, or its thread ends once its
+        current step (if any) is over (an abandoned lane is never reused)."""
+        if self._batcher._recycle(self):  # noqa: SLF001
+            return
         self._closed = True
         self._wake.release()
 
