@@ -282,13 +282,7 @@ class DraftModel(Transformer):
             local = bool(self.local) and self.local[i]
             h = _causal_attention(layer.attn, layer.attn_norm(x), local_rope if local else rope,
                                   window if local else 0)
-            if layer.post_attn_norm is not None:
-                h = layer.post_attn_norm(h)
-            x = x + h
-            h = layer.mlp(layer.mlp_norm(x))
-            if layer.post_mlp_norm is not None:
-                h = layer.post_mlp_norm(h)
-            x = x + h
+            x = layer.after_attention(x, h)
         return self.norm(x)
 
     def forward_train(self, tokens: Tensor) -> Tensor:

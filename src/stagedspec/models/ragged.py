@@ -69,13 +69,7 @@ def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor]:
     for i, layer in enumerate(model.layers):
         local = bool(model.local) and model.local[i]
         h = _attention(layer.attn, layer.attn_norm(x), local_rope if local else rope, segments, prepared, i, local)
-        if layer.post_attn_norm is not None:
-            h = layer.post_attn_norm(h)
-        x = x + h
-        h = layer.mlp(layer.mlp_norm(x))
-        if layer.post_mlp_norm is not None:
-            h = layer.post_mlp_norm(h)
-        x = x + h
+        x = layer.after_attention(x, h)
     picked = []
     for s, p in zip(segments, prepared):
         rows = range(p.rows.start, p.rows.stop)

@@ -211,7 +211,14 @@ class Block(nn.Module):
         self.post_mlp_norm = _norm(cfg) if cfg.arch == "gemma3" else None
 
     def forward(self, x, rope, k_cache, v_cache, start, mask, row_independent=False):  # noqa: ANN001 - hot path
-        h = self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask, row_independent)
+        return self.after_attention(x, self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask,
+                                                 row_independent))
+
+    def after_attention(self, x: Tensor, h: Tensor) -> Tensor:
+        """The rest of the block once attention gave `h` for input `x`: the residual joins and the MLP.
+
+        Every pass that computes attention its own way (the cache-free training pass of a draft, the
+        ragged pass of several requests) finishes the block here, so Gemma's extra norms are in one place."""
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
