@@ -282,20 +282,32 @@ def _train_loss_backward(student: DraftModel, tokens: Tensor, t_logp: Tensor, t_
     training); the weights, their gradients and the optimizer state stay
     fp32, and the loss is computed in fp32 (`bucket_kl` upcasts the logits).
     """
-    ctx = lambda: _autocast(tokens.device, autocast)  # noqa: E731
-    with ctx():
+    with _autocast(tokens.device, autocast):
         h = student.hidden_train(tokens).flatten(0, 1)
     hd = h.detach().requires_grad_(True)
-    n, S = hd.shape[0], student.head_weight.shape[0]
-    rows = max(1, _LOSS_CHUNK_ELEMENTS // S)
+    total = head_kl_backward(student, hd, t_logp, t_cols, None, autocast)
+    h.backward(hd.grad)
+    return total
+
+
+def head_kl_backward(student: DraftModel, hidden: Tensor, t_logp: Tensor, t_cols: Tensor,
+                     row_weight: Tensor | None, autocast: bool = False) -> float:
+    """The student's head and the bucket KL over `hidden` [N, H] in chunks of rows, gradients accumulated into
+    `hidden` (a detached leaf); returns the loss.
+
+    Each row's KL is weighted by `row_weight` [N], or averaged over the N rows when None.  Chunking bounds the
+    [rows, V] temporaries, which for a full 49k-token head would otherwise dominate memory.
+    """
+    n = hidden.shape[0]
+    rows = max(1, _LOSS_CHUNK_ELEMENTS // student.head_weight.shape[0])
     total = 0.0
     for r in range(0, n, rows):
-        with ctx():
-            logits = student.support_logits(hd[r : r + rows])
-        loss = bucket_kl(logits, t_logp[r : r + rows], t_cols[r : r + rows]).sum() / n
+        with _autocast(hidden.device, autocast):
+            logits = student.support_logits(hidden[r : r + rows])
+        kl = bucket_kl(logits, t_logp[r : r + rows], t_cols[r : r + rows])
+        loss = kl.sum() / n if row_weight is None else (kl * row_weight[r : r + rows]).sum()
         loss.backward()
         total += float(loss.item())
-    h.backward(hd.grad)
     return total
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stagedspec.distill import _LOSS_CHUNK_ELEMENTS, _autocast, bucket_kl
+from stagedspec.distill import _autocast, bucket_kl, head_kl_backward
 
 
 def shift_features(features: Tensor) -> Tensor:
@@ -53,19 +53,12 @@ def feature_loss_backward(student: Any, tokens: Tensor, oracle_features: Tensor,
     h = torch.stack(outs)  # [steps, B, T, H]
     hd = h.detach().requires_grad_(True)
     weights = step_weights(steps, cfg.ttt_decay)
-    rows = max(1, _LOSS_CHUNK_ELEMENTS // student.head_weight.shape[0])
     position = torch.arange(T, device=tokens.device).repeat(B)  # position of each flattened row
     total = 0.0
     for j, w in enumerate(weights):
-        flat = hd[j].flatten(0, 1)
         valid = (position >= j).float()
-        row_w = valid * (w / float(valid.sum()))
-        for r in range(0, flat.shape[0], rows):
-            with _autocast(tokens.device, autocast):
-                logits = student.support_logits(flat[r : r + rows])
-            loss = (bucket_kl(logits, t_logp[r : r + rows], t_cols[r : r + rows]) * row_w[r : r + rows]).sum()
-            loss.backward()
-            total += float(loss.item())
+        total += head_kl_backward(student, hd[j].flatten(0, 1), t_logp, t_cols, valid * (w / float(valid.sum())),
+                                  autocast)
         if cfg.feature_loss > 0:
             target = oracle_features[:, j:].to(hd.dtype)
             reg = F.smooth_l1_loss(hd[j][:, j:].float(), target.float()) * (cfg.feature_loss * w)
