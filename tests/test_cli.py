@@ -54,7 +54,7 @@ def test_json_output_fields(capsys) -> None:  # noqa: ANN001
     ["--method", "tree", "--draft", "layers:2", "--tree-budget", "8"],
     ["--method", "tree", "--draft", "layers:2", "--tree-budget", "12", "--adaptive-budget", "--bit-exact"],
     ["--stages", "default,layers:2,context"],
-    ["--stages", "default,layers:2,context", "--no-oracle-lookup", "--stage-k", "4", "--stage-branching", "2"],
+    ["--stages", "default,layers:2,context", "--no-oracle-lookup", "--stage-chain-length", "4", "--stage-branching", "2"],
 ])
 def test_speculative_cli_matches_ar(extra: list[str], capsys) -> None:  # noqa: ANN001
     base = ["generate", "def add(a, b):", "--max-new-tokens", "16", "--json", "--dtype", "fp32"]
@@ -167,3 +167,18 @@ def test_ngram_build_errors(capsys, tmp_path: Path) -> None:  # noqa: ANN001
     code, _, err = run_cli(["ngram", "build", "--from-text", str(tmp_path / "missing.txt"), "--out",
                             str(tmp_path / "o.npz")], capsys)
     assert code == 2 and "missing.txt" in err
+
+
+def test_knob_names_and_their_earlier_aliases() -> None:
+    """One name per knob (--chain-length, --lookup-chain-length, --stage-chain-length); the earlier
+    --draft-k / --lookup-k / --stage-k still parse into the same fields and stay out of --help."""
+    from stagedspec.cli import build_parser
+
+    parser = build_parser()
+    new = parser.parse_args(["generate", "x", "--chain-length", "3", "--lookup-chain-length", "5",
+                             "--stage-chain-length", "2"])
+    old = parser.parse_args(["generate", "x", "--draft-k", "3", "--lookup-k", "5", "--stage-k", "2"])
+    for args in (new, old):
+        assert (args.chain_length, args.lookup_chain_length, args.stage_chain_length) == (3, 5, 2)
+    generate = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("generate"))
+    assert "--draft-k" not in generate.format_help() and "--chain-length" in generate.format_help()

@@ -231,7 +231,7 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\n\n\ndef g(a, b):\n")
     common = ["eval-draft", "--oracle", str(oracle_dir), "--prompts", str(prompts), "--tokens", "20",
-              "--accept-prompts", "1", "--accept-tokens", "8", "--tree-depth", "3", "--draft-k", "2",
+              "--accept-prompts", "1", "--accept-tokens", "8", "--tree-depth", "3", "--chain-length", "2",
               "--dtype", "fp32", "--device", "cpu"]
     capsys.readouterr()
 

@@ -128,9 +128,9 @@ def test_default_gguf_runs_on_its_own_q4_codes(int4_default) -> None:  # noqa: A
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("method, kw", [
-    ("chain", dict(method="chain", draft_k=3)),
-    ("lookup", dict(method="lookup", ngram=None, lookup_k=3)),
-    ("staged", dict(method="staged", ngram=None, stage_k=2, tree_budget=3, lookup_k=2)),
+    ("chain", dict(method="chain", chain_length=3)),
+    ("lookup", dict(method="lookup", ngram=None, lookup_chain_length=3)),
+    ("staged", dict(method="staged", ngram=None, stage_chain_length=2, tree_budget=3, lookup_chain_length=2)),
 ])
 def test_int4_speculation_reproduces_int4_ar_bit_exact(int4_default, method: str, kw: dict) -> None:  # noqa: ANN001
     """Exactness is with respect to the int4 oracle; with `bit_exact` it is bit for bit, trees included."""

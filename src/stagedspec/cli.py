@@ -61,11 +61,12 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
                         "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
     p.add_argument("--no-context", action="store_true", help="no prompt lookup at the bottom stage")
-    p.add_argument("--lookup-k", type=_positive_int, default=None, metavar="K",
-                   help=f"tokens per lookup chain (default {d.lookup_k}; {q['lookup_k']} with --quant, 1 for lookup)")
-    p.add_argument("--stage-k", type=_positive_int, default=None, metavar="K",
-                   help=f"tokens each model stage decodes per proposal, staged (default {d.stage_k}; "
-                        f"{q['stage_k']} with --quant)")
+    p.add_argument("--lookup-chain-length", type=_positive_int, default=None, metavar="K",
+                   help=f"tokens per lookup chain (default {d.lookup_chain_length}; "
+                        f"{q['lookup_chain_length']} with --quant, 1 for lookup)")
+    p.add_argument("--stage-chain-length", type=_positive_int, default=None, metavar="K",
+                   help=f"tokens each model stage decodes per proposal, staged (default {d.stage_chain_length}; "
+                        f"{q['stage_chain_length']} with --quant)")
     p.add_argument("--stage-branching", type=_positive_int, default=d.stage_branching, metavar="B",
                    help="alternatives per position in a stage's proposal, spine included (staged)")
     p.add_argument("--no-oracle-lookup", action="store_true",
@@ -82,8 +83,13 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=_positive_int, default=None, metavar="D",
                    help=f"maximum tree depth (default {d.tree_depth}; {q['tree_depth']} with --quant)")
     p.add_argument("--branching", type=_positive_int, default=d.branching, metavar="B", help="children considered per node")
-    p.add_argument("--draft-k", type=_positive_int, default=None, metavar="K",
-                   help=f"chain length for --method chain (default {d.draft_k}; {q['draft_k']} with --quant)")
+    p.add_argument("--chain-length", type=_positive_int, default=None, metavar="K",
+                   help=f"draft tokens per step for --method chain (default {d.chain_length}; "
+                        f"{q['chain_length']} with --quant)")
+    # The earlier names (--draft-k, --lookup-k, --stage-k): existing scripts still run; hidden from --help.
+    for old, dest in (("--draft-k", "chain_length"), ("--lookup-k", "lookup_chain_length"),
+                      ("--stage-k", "stage_chain_length")):
+        p.add_argument(old, dest=dest, type=_positive_int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -181,8 +187,10 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         if method in ("staged", "auto") and ngram is None and not args.no_context:
             ngram = "default"
     spec = SpeculationConfig.tuned(method, args.quant, getattr(args, "device", "cpu"), tree_budget=args.tree_budget,
-                                   tree_depth=args.tree_depth, branching=args.branching, draft_k=args.draft_k,
-                                   ngram=ngram, context=context, lookup_k=args.lookup_k, stage_k=args.stage_k,
+                                   tree_depth=args.tree_depth, branching=args.branching,
+                                   chain_length=args.chain_length, ngram=ngram, context=context,
+                                   lookup_chain_length=args.lookup_chain_length,
+                                   stage_chain_length=args.stage_chain_length,
                                    stage_branching=args.stage_branching, oracle_lookup=not args.no_oracle_lookup,
                                    adaptive_budget=args.adaptive_budget)
     return oracle, drafts, spec

@@ -160,7 +160,8 @@ def add_commands(subparsers: Any) -> None:
     e.add_argument("--accept-prompts", type=_int_at_least(0), default=4, metavar="N",
                    help="prompts decoded with chain and tree speculation for the mean accepted length")
     e.add_argument("--accept-tokens", type=_int_at_least(1), default=128, metavar="N")
-    e.add_argument("--draft-k", type=_int_at_least(1), default=4, metavar="K", help="chain length")
+    e.add_argument("--chain-length", "--draft-k", type=_int_at_least(1), default=4, metavar="K",
+                   help="draft tokens per step for chain speculation")
     e.add_argument("--tree-budget", type=_int_at_least(1), default=16, metavar="N")
     e.add_argument("--tree-depth", type=_int_at_least(1), default=6, metavar="D")
     e.add_argument("--branching", type=_int_at_least(1), default=4, metavar="B")
@@ -419,7 +420,8 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, args.n_prompts, args.offset)
     if not prompts:
         raise StagedSpecError(f"no prompts in {args.prompts} from offset {args.offset}")
-    spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching, draft_k=args.draft_k)
+    spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
+                chain_length=args.chain_length)
     pipe = Pipeline(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec), dtype=args.dtype,
                     device=device)
     models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device)
@@ -478,7 +480,7 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
             new += st.new_tokens
             seconds += st.seconds
         steps = len(lengths)
-        depth = {"chain": args.draft_k, "tree": args.tree_depth}.get(method, 0)
+        depth = {"chain": args.chain_length, "tree": args.tree_depth}.get(method, 0)
         accept[method] = {"mean_accepted_length": (sum(lengths) + steps) / steps if steps else 0.0,
                           "tokens_per_second": new / seconds if seconds else 0.0, "new_tokens": new,
                           "depth_reach": depth_reach(lengths, depth) if depth else []}
@@ -516,7 +518,7 @@ def _print_one(args: argparse.Namespace, report: dict[str, Any], where: str) -> 
         for name, b in report["by_position"].items()))
     if "speed" in report:
         print(f"  mean accepted length (tokens per oracle step, greedy, {report['accept_prompts']} prompts x "
-              f"{args.accept_tokens} tokens): chain k={args.draft_k} {report['chain_mean_accepted_length']:.2f}, "
+              f"{args.accept_tokens} tokens): chain k={args.chain_length} {report['chain_mean_accepted_length']:.2f}, "
               f"tree budget={args.tree_budget} {report['tree_mean_accepted_length']:.2f}")
         print(f"  depth reached (share of steps, depth 1..): chain {_reach(report['chain_depth_reach'])}; "
               f"tree {_reach(report['tree_depth_reach'])}")
@@ -543,7 +545,8 @@ def _comparison_table(args: argparse.Namespace, reports: list[dict[str, Any]]) -
             label = f"top-{k} @ reply {name} ({reports[0]['by_position'][name]['positions']})"
             rows.append((label, col(lambda r, n=name, k=k: _pct(r["by_position"][n][f"top{k}"]))))
     if "speed" in reports[0]:
-        rows.append((f"mean accepted, chain k={args.draft_k}", col(lambda r: f"{r['chain_mean_accepted_length']:.2f}")))
+        rows.append((f"mean accepted, chain k={args.chain_length}",
+                     col(lambda r: f"{r['chain_mean_accepted_length']:.2f}")))
         for d in range(len(reports[0]["chain_depth_reach"])):
             rows.append((f"  chain reaches depth {d + 1}", col(lambda r, d=d: _reach(r["chain_depth_reach"][d:d + 1]))))
         rows.append((f"mean accepted, tree {args.tree_budget}", col(lambda r: f"{r['tree_mean_accepted_length']:.2f}")))

@@ -91,11 +91,12 @@ def check_device(device: str) -> str:
 
 
 # Speculation defaults on int4/int8 oracle weights (see `SpeculationConfig.tuned`).
-QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "draft_k": 2, "lookup_k": 2, "stage_k": 1}
+QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "chain_length": 2, "lookup_chain_length": 2,
+                      "stage_chain_length": 1}
 # On a GPU with CUDA graphs a 16-row oracle pass costs 1.2x a 1-row one and 64 rows 1.3x (H100, docs/gpu.md),
 # while each draft pass costs about as much host work as an oracle pass: so wider trees at the same depth
 # (more nodes per draft pass) and longer lookup chains (free to propose).
-CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_k": 8}
+CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_chain_length": 8}
 
 
 @dataclass
@@ -113,7 +114,7 @@ class SpeculationConfig:
       their sizes) this machine's measured costs and the acceptance so far
       say is fastest (`stagedspec.auto`); the other fields do not apply;
     - staged: oracle <- draft model(s) <- lookup; each model stage decodes
-      `stage_k` tokens per proposal speculatively against the stage below;
+      `stage_chain_length` tokens per proposal speculatively against the stage below;
       with `oracle_lookup` the prompt-lookup chain is also merged into the
       tree the oracle verifies (it catches the copies a small draft misses).
     """
@@ -122,11 +123,11 @@ class SpeculationConfig:
     tree_budget: int = 8
     tree_depth: int = 4
     branching: int = 2
-    draft_k: int = 4
+    chain_length: int = 4
     ngram: str | None = None  # n-gram spec for lookup/staged: "default" or a file
     context: bool = True  # prompt lookup at the bottom of lookup/staged
-    lookup_k: int = 4  # tokens per lookup chain
-    stage_k: int = 3  # tokens each model stage decodes per proposal
+    lookup_chain_length: int = 4  # tokens per lookup chain
+    stage_chain_length: int = 3  # tokens each model stage decodes per proposal
     stage_branching: int = 1  # spine token + (b - 1) alternatives per position
     oracle_lookup: bool = True  # staged: prompt-lookup chains also go straight to the oracle's tree
     adaptive_budget: bool = False  # tree: verify only the nodes that pay for themselves (tree_budget = the most)
@@ -135,8 +136,9 @@ class SpeculationConfig:
         if self.method not in METHODS:
             raise StagedSpecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
         for label, value in (("--tree-budget", self.tree_budget), ("--tree-depth", self.tree_depth),
-                             ("--branching", self.branching), ("--draft-k", self.draft_k),
-                             ("--lookup-k", self.lookup_k), ("--stage-k", self.stage_k),
+                             ("--branching", self.branching), ("--chain-length", self.chain_length),
+                             ("--lookup-chain-length", self.lookup_chain_length),
+                             ("--stage-chain-length", self.stage_chain_length),
                              ("--stage-branching", self.stage_branching)):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
@@ -159,7 +161,7 @@ class SpeculationConfig:
         if str(device).startswith("cuda") and quant == "none":
             values.update(CUDA_DEFAULTS)
         if quant != "none" and method == "lookup":
-            values["lookup_k"] = 1
+            values["lookup_chain_length"] = 1
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(method=method, **values)
 
@@ -170,8 +172,9 @@ class SpeculationConfig:
             from stagedspec.auto import arms_for
 
             return max(arm.max_nodes for arm in arms_for(True, True, "cuda"))
-        staged = self.stage_k * self.stage_branching + (self.lookup_k if self.oracle_lookup else 0)
-        return max(self.tree_budget, self.draft_k, staged, self.lookup_k * 3)
+        lookup = self.lookup_chain_length if self.oracle_lookup else 0
+        staged = self.stage_chain_length * self.stage_branching + lookup
+        return max(self.tree_budget, self.chain_length, staged, self.lookup_chain_length * 3)
 
 
 def parse_stages(specs: Sequence[str]) -> tuple[str, list[str], str | None, bool]:
@@ -475,7 +478,8 @@ class Pipeline:
                 arms[arm] = (tree, [(tree, "budget", arm.size), (tree, "max_depth", tree_depth_for(arm.size))])
         stage_arms = [a for a in policy.arms if a.kind == "staged"]
         if stage_arms:
-            below = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_k) if has_lookup else NoDrafter()
+            below = (LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length) if has_lookup
+                     else NoDrafter())
             top = self._stage_chain(below, max_len, max(STAGE_SIZES))
             staged: Drafter = top
             merged_lookup = None
@@ -519,17 +523,17 @@ class Pipeline:
 
                 adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
             return tree_drafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
-                                branching=s.branching, chain_length=s.draft_k, max_len=max_len, adaptive=adaptive)
+                                branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive)
         from stagedspec.drafters.lookup import LookupDrafter
 
-        below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_k)
+        below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length)
         if s.method == "lookup":
             return below
-        below = self._stage_chain(below, max_len, s.stage_k)
+        below = self._stage_chain(below, max_len, s.stage_chain_length)
         if s.oracle_lookup and s.context:
             from stagedspec.drafters.merged import MergedDrafter
 
-            below = MergedDrafter(below, LookupDrafter(None, True, chain_length=s.lookup_k))
+            below = MergedDrafter(below, LookupDrafter(None, True, chain_length=s.lookup_chain_length))
         return below
 
     def generate(

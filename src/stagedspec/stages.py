@@ -133,14 +133,14 @@ class StageDrafter:
         self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
     ) -> TokenTree:
         t0, below_before = time.perf_counter(), self._timed_below.seconds
-        k = max(1, min(self.chain_length, max_tokens))
+        length = max(1, min(self.chain_length, max_tokens))
         recorder = _RecordingOracle(self.stage)
         inner = GenerationStats()
         spine: list[int] = []
-        for step in iter_steps(recorder, self._timed_below, context, max_new_tokens=k, sampling=sampling,
+        for step in iter_steps(recorder, self._timed_below, context, max_new_tokens=length, sampling=sampling,
                                generator=generator, stats=inner):
             spine.extend(step)
-        origins = [self.name if o == "oracle" else o for o in inner.token_origins[:k]]
+        origins = [self.name if o == "oracle" else o for o in inner.token_origins[:length]]
         rows = torch.stack(recorder.rows[: len(spine)])
         tree = self._tree_from_spine(context[-1], spine, origins, rows, sampling, generator)
         self.telemetry.proposals += 1

@@ -249,14 +249,14 @@ def ours(
         "auto": "our engine, auto: each step the fastest of ar / lookup / tree / staged by this machine's measured "
                 f"costs and the acceptance so far (draft {first or 'none'}, "
                 f"{_bottom(s.context, ngram_spec) or 'no lookup'})",
-        "chain": f"our engine, chain speculation ({s.draft_k} draft tokens) with draft {first}",
+        "chain": f"our engine, chain speculation ({s.chain_length} draft tokens) with draft {first}",
         "tree": f"our engine, tree speculation ({'adaptive budget, at most' if s.adaptive_budget else 'budget'} "
                 f"{s.tree_budget}) with draft {first}",
         "lookup": f"our engine, model-free drafts ({'prompt lookup' if s.context else ''}"
                   f"{' + ' if s.context and ngram_spec else ''}{'n-gram ' + ngram_spec if ngram_spec else ''})",
         "staged": "our engine, staged: oracle <- " + " <- ".join([*draft_specs, _bottom(s.context, ngram_spec)])
-                  + (f" ({s.stage_k} tokens per stage step; prompt lookup also merged into the oracle's tree)"
-                     if s.oracle_lookup and s.context else f" ({s.stage_k} tokens per stage step)"),
+                  + f" ({s.stage_chain_length} tokens per stage step"
+                  + ("; prompt lookup also merged into the oracle's tree)" if s.oracle_lookup and s.context else ")"),
     }[s.method]
     if quant != "none":
         desc += f", oracle on {quant} weights"

@@ -51,7 +51,7 @@ class ModelDrafter:
         second (see `stagedspec.budget`); `budget` is then the most it may keep."""
         if method not in ("tree", "chain"):
             raise StagedSpecError(f"unknown draft method {method!r}: use 'tree' or 'chain'")
-        for label, value in (("tree budget", budget), ("tree depth", max_depth), ("draft-k", chain_length),
+        for label, value in (("tree budget", budget), ("tree depth", max_depth), ("chain length", chain_length),
                              ("branching", branching)):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
