@@ -127,3 +127,22 @@ def test_feature_draft_greedy_fp32_tree_and_staged_identical_to_ar(mode: str) ->
                                      chain_length=3, branching=2)):
             out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=40)
             assert out.token_ids == ref, (seed, mode, type(drafter).__name__)
+
+
+def _on_cuda(tree, logits, sampling, generator):  # noqa: ANN001, ANN202
+    """`verify` with the logits, the draft's q and the draws on the GPU (the batched, one-copy verifier)."""
+    from stagedspec.verification import verify
+
+    tree.child_q = {u: q.cuda() for u, q in tree.child_q.items()}
+    seed = int(torch.randint(2**62, (), generator=generator))
+    return verify(tree, logits.cuda(), sampling, torch.Generator("cuda").manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ["sampled-321-T1-bad", "mixed-sampled-21-fixed2-T1-bad", "topk-cut-T1-good"])
+def test_sampled_verification_on_cuda_keeps_the_distribution(name: str) -> None:
+    """Sampled verification of CUDA logits (one copy back per step) passes the CPU suite's chi-square test."""
+    from tests.test_distribution_exactness import ALPHA, CONFIGS, N_FAST, run_config
+
+    config = next(c for c in CONFIGS if c.name == name)
+    pvalue, df = run_config(config, N_FAST, _on_cuda)
+    assert pvalue > ALPHA, f"{name}: chi-square p = {pvalue:.3g} (df {df}) with {N_FAST} samples"

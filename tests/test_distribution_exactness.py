@@ -61,7 +61,10 @@ from stagedspec.verification import (
     residual,
     deterministic_node_rule,
     sampled_node_rule,
+    _decide_children,
+    _inverse_cdf,
     verify,
+    verify_sampled,
     walk_tree,
 )
 
@@ -513,17 +516,51 @@ def test_a_shape_that_peeks_at_the_oracle_draw_is_caught() -> None:
 # --------------------------------------------------------------------------
 
 
+VERIFIERS = {"walk": verify, "batched": verify_sampled}  # `verify` walks on a CPU; CUDA logits take `verify_sampled`
+
+
+@pytest.mark.parametrize("verifier", VERIFIERS)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_speculative_sampling_matches_the_oracle(config: Config) -> None:
-    pvalue, df = run_config(config, N_FAST)
+def test_speculative_sampling_matches_the_oracle(config: Config, verifier: str) -> None:
+    pvalue, df = run_config(config, N_FAST, VERIFIERS[verifier])
     assert pvalue > ALPHA, f"{config.name}: chi-square p = {pvalue:.3g} (df {df}) with {N_FAST} samples"
 
 
+def batched_leftover_ignores_rejections(tree: TokenTree, logits: Tensor, sampling: SamplingParams,
+                                        generator: Gen) -> VerifyResult:
+    """(f) The batched decisions, but a node's next token drawn from its p instead of what its rejections left."""
+    n = len(tree)
+    order = [[c for c in ks if c not in tree.fixed] + [c for c in ks if c in tree.fixed]
+             for ks in tree.children_lists()]
+    parents = [u for u in range(n) if order[u]]
+    probs = probs_from_logits(logits, sampling).double()
+    u_final = torch.rand(n, generator=generator, dtype=torch.float64)
+    accept = [False] * n
+    if parents:
+        u_child = torch.rand(n, generator=generator, dtype=torch.float64)
+        accept = (u_child < _decide_children(tree, order, parents, probs)[1]).tolist()
+    tokens = _inverse_cdf(probs, u_final).tolist()
+    node, path = 0, []
+    while (nxt := next((c for c in order[node] if accept[c]), None)) is not None:
+        node = nxt
+        path.append(node)
+    return VerifyResult(path, tokens[node])
+
+
+def test_a_batched_verifier_mistake_is_caught() -> None:
+    config = Config("neg-f", S(1.0), "bad", dict(mode="sampled", branching=[3, 2]), seed=25)
+    wrong, _ = run_config(config, N_NEGATIVE, batched_leftover_ignores_rejections)
+    right, _ = run_config(config, N_NEGATIVE, verify_sampled)
+    assert wrong < ALPHA, f"the wrong batched verifier passed: p = {wrong:.3g}"
+    assert right > ALPHA, f"the batched verifier failed on the control's configuration: p = {right:.3g}"
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("verifier", VERIFIERS)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_exactness_high_power(config: Config) -> None:
+def test_exactness_high_power(config: Config, verifier: str) -> None:
     """N_SLOW samples: any bias of total variation >= 2% is rejected with power > 0.9."""
-    pvalue, df = run_config(config, N_SLOW)
+    pvalue, df = run_config(config, N_SLOW, VERIFIERS[verifier])
     assert pvalue > ALPHA, f"{config.name}: chi-square p = {pvalue:.3g} (df {df}) with {N_SLOW} samples"
 
 

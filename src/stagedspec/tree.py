@@ -385,8 +385,9 @@ def _gumbel_top_k(q: Tensor, k: int, generator: torch.Generator | None) -> tuple
     width = int((q > 0).sum(-1).max())
     if width >= q.shape[-1]:
         keys = q.log() - _exponential_noise(q, generator).log()
-        order = keys.topk(min(k, q.shape[-1]), dim=-1).indices.tolist()
-        return order, (q > 0).sum(-1).tolist()
+        order = keys.topk(min(k, q.shape[-1]), dim=-1).indices
+        rows = torch.cat([order, (q > 0).sum(-1, keepdim=True)], -1).tolist()  # one copy: draws, then support
+        return [r[:-1] for r in rows], [r[-1] for r in rows]
     values, tokens = _on_host(*q.topk(width, dim=-1))  # every token with mass; narrower rows end in zeros
     keys = values.log() - _exponential_noise(values, generator).log()
     picks = keys.topk(min(k, width), dim=-1).indices
