@@ -164,7 +164,8 @@ def test_memory_pressure_shrinks_tree_budgets_in_steps_and_regrows(engine):
     r = probe.row_bytes
     assert probe._charge(jobs[0], 0) - probe._charge(jobs[0], 4) == 12 * r  # noqa: SLF001
     # a, b, c fit with full trees; d's KV fits too, but its root-only pass needs 14 rows more than are left
-    budget = probe.base_bytes + sum(probe._charge(j, 0) for j in jobs[:3]) + jobs[3].kv_bytes + 2 * r - 14 * r  # noqa: SLF001
+    full = sum(probe._charge(j, 0) for j in jobs[:3])  # noqa: SLF001
+    budget = probe.base_bytes + full + jobs[3].kv_bytes + 2 * r - 14 * r
     sched = Scheduler(engine, max_batch=4, max_memory=budget)
     for j in jobs[:3]:
         sched.submit(j)
@@ -289,3 +290,54 @@ def test_batched_pass_error_reaches_the_request_not_the_server(engine, monkeypat
         assert events[0][-1][0] == "done"
     finally:
         sched.stop()
+
+
+@pytest.fixture(scope="module")
+def feature_engine(engine):
+    from stagedspec.models.feature_draft import FeatureDraftModel
+
+    torch.manual_seed(0)
+    draft = FeatureDraftModel(engine.model, 1)
+    with torch.no_grad():  # not the identity-like start: the fused features must matter
+        draft.fc.weight.add_(0.05 * torch.randn_like(draft.fc.weight))
+    return Engine(engine.model, engine.tokenizer, [draft], SpeculationConfig(method="tree"), model_name="tiny",
+                  draft_names=["feature"])
+
+
+@pytest.mark.parametrize("method", ["tree", "staged"])
+def test_feature_draft_passes_join_the_ragged_passes(feature_engine, method, monkeypatch):
+    """5 concurrent requests with a feature (EAGLE-style) draft: each request's greedy fp32 output equals its solo
+    run, and the draft's passes (input: fc(oracle feature, embedding)) ran batched, several requests a pass."""
+    import stagedspec.server.batching as batching
+
+    eng = feature_engine
+    draft = eng.draft_models[0]
+    seen: dict[str, list[int]] = {"draft": [], "oracle": []}
+    real = batching.forward_ragged
+
+    def counting(model, segments):  # noqa: ANN001, ANN202
+        if model is draft:
+            assert all(s.features is not None and s.return_hidden for s in segments)
+        seen["draft" if model is draft else "oracle"].append(len(segments))
+        return real(model, segments)
+
+    monkeypatch.setattr(batching, "forward_ragged", counting)
+    spec = SpeculationConfig(method=method)
+    prompts = [eng.tokenizer.encode(t) for t in ("Hello the", "in the in", "def f(x):", "1 2 3 4", "the cat sat")]
+    sched = Scheduler(eng, max_batch=5)
+    jobs = [job(p, max_tokens=12, spec=spec) for p in prompts]
+    sched.start()
+    try:
+        events = run_jobs(sched, jobs)
+    finally:
+        sched.stop()
+    infos = [ev[-1][2] for ev in events]
+    assert [ev[-1][0] for ev in events] == ["done"] * 5
+    for p, info in zip(prompts, infos):
+        solo = Pipeline.from_loaded(eng.model, eng.tokenizer, [draft], spec).generate(p, max_new_tokens=12)
+        assert info["token_ids"] == solo.token_ids
+    draft_calls = sum(row["forward_passes"] for info in infos for row in info["stages"] if row["stage"] == "draft")
+    assert draft_calls == sum(seen["draft"]) > 0  # every draft pass went through a ragged pass ...
+    assert len(seen["draft"]) < draft_calls and max(seen["draft"]) >= 4  # ... which carried several requests
+    assert max(seen["oracle"]) >= 4  # the oracle's passes (hidden states recorded for the draft) too
+    assert sum(info["tokens_by_stage"].get("draft", 0) for info in infos) > 0
