@@ -55,6 +55,7 @@ from stagedspec.auto import Arm, AutoDrafter, AutoPolicy
 from stagedspec.costs import CostProfile
 from stagedspec.generation import NoDrafter, speculative_generate
 from stagedspec.sampling import SamplingParams, probs_from_logits
+from stagedspec.server.pressure import cut_tree
 from stagedspec.tree import TokenTree, grow_tree
 from stagedspec.verification import (
     VerifyResult,
@@ -154,6 +155,8 @@ class ToyDrafter:
         self.tree_kw = dict(tree_kw)
         self.fixed_chains = self.tree_kw.pop("fixed_chains", 0)  # deterministic paths merged in (mixed trees)
         self.cut = self.tree_kw.pop("cut", None)  # keep only the best nodes, as the adaptive budget does
+        # the server's memory-pressure cap (`server.pressure.cut_tree`), moving with history: caps[len(context) % n]
+        self.caps = self.tree_kw.pop("caps", None)
         self.lm, self.record_q = lm, record_q
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -177,6 +180,8 @@ class ToyDrafter:
             tree = tree.best_prefix(self.cut if sum(tree.scores[1:]) > 1.0 else 1)
         if self.fixed_chains:
             tree.merge_fixed(self._lookup_tree(ctx))
+        if self.caps is not None:
+            tree = cut_tree(tree, self.caps[len(ctx) % len(self.caps)])
         return tree
 
     def _lookup_tree(self, ctx: list[int]) -> TokenTree:
@@ -301,6 +306,12 @@ CONFIGS = [
            dict(mode="topk", budget=4, branching=2, fixed_chains=2), seed=13),
     # Best-first trees cut to their best nodes by a draft-only rule (the adaptive budget).
     Config("topk-cut-T1-good", S(1.0), "good", dict(mode="topk", budget=8, branching=3, max_depth=3, cut=3), seed=14),
+    # Trees cut to a node cap that moves with history (the server under memory pressure): sampled trees and
+    # mixed ones keep their first nodes in index order (pre-order: earlier siblings' subtrees decide the cut).
+    Config("sampled-321-capped-T1-bad", S(1.0), "bad", dict(mode="sampled", branching=[3, 2, 1], caps=(2, 4, 1, 3)),
+           seed=15),
+    Config("mixed-sampled-22-fixed2-capped-T1-topk4-good", S(1.0, top_k=4), "good",
+           dict(mode="sampled", branching=[2, 2], fixed_chains=2, caps=(3, 5, 2)), seed=16),
     # The autoregressive baseline (root-only trees) through the same loop.
     Config("autoregressive-T1-topk3", S(1.0, top_k=3), "good", dict(mode="topk", budget=0), seed=10),
 ]

@@ -141,3 +141,40 @@ def test_ragged_refuses_batched_segments():
     seg = Segment(torch.zeros(2, 1, dtype=torch.long), torch.arange(1), model.new_cache(8, batch=2))
     with pytest.raises(ValueError, match="batch-1"):
         forward_ragged(model, [seg])
+
+
+def test_feature_draft_segments_and_hidden_states_match_solo_passes():
+    """A feature draft's passes (input fc(feature, embedding), hidden states out) join one ragged pass, one
+    segment without features among them; the oracle's "all rows" hidden states come back per segment too."""
+    from stagedspec.models.feature_draft import FeatureDraftModel
+
+    oracle = init_random(Transformer(CONFIGS["llama"]), seed=4).eval()
+    draft = FeatureDraftModel(oracle, 1, list(range(0, 80, 2))).eval()
+    g = torch.Generator().manual_seed(5)
+    H = oracle.config.hidden_size
+    specs = [(4, 3, True, True), (7, 1, True, "all"), (2, 4, False, False), (5, 2, True, True)]
+    for model in (draft, oracle):
+        solo, ragged_segs = [], []
+        for plen, T, with_features, hidden in specs:
+            feats = torch.randn(1, plen + T, H, generator=g) if with_features and model is draft else None
+            toks = torch.randint(0, 80, (1, plen + T), generator=g)
+            caches = []
+            for _ in range(2):
+                cache = model.new_cache(32)
+                model(toks[:, :plen], torch.arange(plen), cache, features=None if feats is None else feats[:, :plen])
+                cache.commit()
+                caches.append(cache)
+            kw = dict(tree_mask=tree_mask(T), logits_rows=slice(-1, None) if T > 2 else None,
+                      return_hidden=hidden, features=None if feats is None else feats[:, plen:])
+            pos = torch.arange(plen, plen + T)
+            with torch.inference_mode():
+                solo.append(model(toks[:, plen:], pos, caches[0], **kw))
+            ragged_segs.append(Segment(toks[:, plen:], pos, caches[1], kw["tree_mask"], kw["logits_rows"],
+                                       return_hidden=hidden, features=kw["features"]))
+        with torch.inference_mode():
+            ragged = forward_ragged(model, ragged_segs)
+        for a, b in zip(solo, ragged):
+            pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
+            for x, y in pairs:
+                assert x.shape == y.shape
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)

@@ -145,33 +145,129 @@ def job(prompt_ids, max_tokens=8, spec=None):  # noqa: ANN001, ANN201
                spec or SpeculationConfig(method="tree"), lambda ev: None)
 
 
-def test_batched_memory_pressure_shrinks_trees_instead_of_queueing(engine):
-    """Room for two requests' KV but one request's tree rows: both run at once, one without its tree,
-    and greedy outputs still equal the solo runs; a request that cannot fit even without a tree is refused."""
+def kv_of(engine, j: Job) -> int:  # noqa: ANN001
+    spec = j.spec
+    mem = engine.memory_model()
+    return mem.request_kv(engine.cache_slots(len(j.prompt_ids), j.max_tokens, spec), spec.max_nodes, True)
+
+
+def test_memory_pressure_shrinks_tree_budgets_in_steps_and_regrows(engine):
+    """Admission under a small budget: a newcomer shrinks running trees a level (half the nodes) at a time,
+    newest first, only as far as it needs; leftovers go back oldest first; a finish restores full trees."""
     spec = engine.speculation
-    probe = Scheduler(engine, max_batch=2)
-    prompts = [engine.tokenizer.encode("Hello the"), engine.tokenizer.encode("in the in")]
-    a, b = job(prompts[0]), job(prompts[1])
-    for j in (a, b):
-        j.kv_bytes = probe.memory.request_kv(engine.cache_slots(len(j.prompt_ids), 8, spec), spec.max_nodes, True)
-    full, bare = probe._charge(a, True), probe._charge(a, False)  # noqa: SLF001
-    assert bare < full
-    budget = probe.base_bytes + full + probe._charge(b, False) + (full - bare) // 2  # noqa: SLF001
+    N = spec.max_nodes  # 12: levels cap 12 (full), 6, 3, 1, 0 (root-only); rows charged = nodes + 2
+    assert N == 12
+    jobs = [job([5 + i, 6, 7], max_tokens=8) for i in range(4)]
+    for j in jobs:
+        j.kv_bytes = kv_of(engine, j)
+    probe = Scheduler(engine, max_batch=4)
+    r = probe.row_bytes
+    assert probe._charge(jobs[0], 0) - probe._charge(jobs[0], 4) == 12 * r  # noqa: SLF001
+    # a, b, c fit with full trees; d's KV fits too, but its root-only pass needs 14 rows more than are left
+    full = sum(probe._charge(j, 0) for j in jobs[:3])  # noqa: SLF001
+    budget = probe.base_bytes + full + jobs[3].kv_bytes + 2 * r - 14 * r
+    sched = Scheduler(engine, max_batch=4, max_memory=budget)
+    for j in jobs[:3]:
+        sched.submit(j)
+
+    def admit() -> list[int]:
+        with sched._cond:  # noqa: SLF001
+            joining = sched._admit()  # noqa: SLF001
+            sched._publish()  # noqa: SLF001
+        for jn in joining:
+            sched._start(jn.job, jn.level)  # noqa: SLF001
+        with sched._cond:  # noqa: SLF001
+            sched._publish()  # noqa: SLF001
+        return [run.level for run in sched._running]  # noqa: SLF001
+
+    try:
+        assert admit() == [0, 0, 0]
+        sched.submit(jobs[3])
+        # d needs 14 rows: c (newest) gives 6 + 3 + 2 + 1 down to root-only, then b 6 (full -> half);
+        # the 4 rows left over go back oldest first: b's next level (6) does not fit, c gets 1 + 2, d 1
+        levels = admit()
+        assert levels == [0, 1, 2, 3]
+        assert [run.switch.cap for run in sched._running] == [None, 6, 3, 1]  # noqa: SLF001
+        assert sched._free() >= 0  # noqa: SLF001
+        assert sched.metrics.tree_levels == {1: 1, 2: 1, 3: 1} and sched.metrics.trees_off == 0
+        text = sched.metrics.render()
+        assert 'stagedspec_requests_tree_shrunk{level="2"} 1' in text
+        assert "stagedspec_requests_speculation_off 0" in text
+        # a finishes: everyone grows back, oldest first, to full trees
+        sched._finish(sched._running[0], "completed")  # noqa: SLF001
+        assert admit() == [0, 0, 0]
+        assert sched.metrics.tree_levels == {}
+        in_use = sum(sched._charge(run.job, 0) for run in sched._running)  # noqa: SLF001
+        assert sched._kv_in_use == in_use  # noqa: SLF001
+    finally:
+        for run in list(sched._running):  # noqa: SLF001
+            sched._finish(run, "cancelled")  # noqa: SLF001
+    assert sched._kv_in_use == 0  # noqa: SLF001
+
+
+def test_capped_drafter_cuts_every_tree_to_its_level():
+    from stagedspec.drafters.lookup import LookupDrafter
+    from stagedspec.server.pressure import CappedDrafter
+
+    lookup = LookupDrafter(None, True, chain_length=6)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    capped = CappedDrafter(lookup, max_nodes=12)
+    capped.begin(prompt)
+    greedy = SamplingParams(temperature=0.0)
+    sizes = []
+    for level in range(5):
+        capped.level = level
+        sizes.append(len(capped.propose(prompt, greedy, None, 16)) - 1)
+    assert sizes == [6, 6, 3, 1, 0]
+    assert capped.skipped_steps == 1 and dict(capped.level_steps) == {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}
+
+
+def test_batched_memory_pressure_shrinks_running_trees_and_output_stays_exact(engine):
+    """b's tree shrinks (two levels) while it runs, so that c can join with a root-only tree; a request that
+    cannot fit even root-only is refused.  Greedy fp32 outputs equal the solo runs; the stats show the levels."""
+    spec = engine.speculation
+    probe = Scheduler(engine, max_batch=3)
+    prompts = [engine.tokenizer.encode("Hello the"), engine.tokenizer.encode("in the in"), [5, 6, 7, 8]]
+    a, b, c = job(prompts[0], 24), job(prompts[1], 24), job(prompts[2], 8)
+    for j in (a, b, c):
+        j.kv_bytes = kv_of(engine, j)
+    r = probe.row_bytes
+    floor = probe._charge(c, 4)  # noqa: SLF001
     with pytest.raises(APIError, match="does not fit"):  # not even its KV and a root-only pass fit
-        Scheduler(engine, max_batch=2, max_memory=probe.base_bytes + bare - 1).submit(job(prompts[0]))
-    sched = Scheduler(engine, max_batch=2, max_memory=budget)
+        Scheduler(engine, max_batch=2, max_memory=probe.base_bytes + floor - 1).submit(job(prompts[2]))
+    # a and b with full trees, then c needs 9 rows more than are left: b (newest running) gives 6 + 3
+    budget = probe.base_bytes + probe._charge(a, 0) + probe._charge(b, 0) + floor - 9 * r  # noqa: SLF001
+    sched = Scheduler(engine, max_batch=3, max_memory=budget, round_pause=0.02)
+    events: list[list] = [[], [], []]
+    done = threading.Semaphore(0)
+    for i, j in enumerate((a, b, c)):
+        def deliver(ev, i=i):  # noqa: ANN001, ANN202
+            events[i].append(ev)
+            if ev[0] in ("done", "error"):
+                done.release()
+        j.deliver = deliver
+    sched.submit(a)
+    sched.submit(b)
     sched.start()
     try:
-        events = run_jobs(sched, [a, b])
+        deadline = time.monotonic() + 30
+        while not (events[0] and events[1]):  # both are decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        sched.submit(c)
+        for _ in range(3):
+            assert done.acquire(timeout=60), "a request never finished"
     finally:
         sched.stop()
     infos = [ev[-1][2] for ev in events]
-    assert [ev[-1][0] for ev in events] == ["done", "done"]
-    assert sorted(info["speculation_off_steps"] > 0 for info in infos) == [False, True]
-    assert sched.metrics.requests["completed"] == 2 and sched.metrics.queued == 0
-    for p, info in zip(prompts, infos):
+    assert [ev[-1][0] for ev in events] == ["done", "done", "done"]
+    assert set(infos[0]["tree_levels"]) == {"0"}
+    assert "2" in infos[1]["tree_levels"] and infos[1]["tree_caps"]["2"] == 3  # shrunk to a quarter, mid-request
+    assert infos[2]["speculation_off_steps"] > 0
+    assert sched.metrics.requests["completed"] == 3 and sched.metrics.queued == 0
+    for p, j, info in zip(prompts, (a, b, c), infos):
         solo = Pipeline.from_loaded(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
-            p, max_new_tokens=8)
+            p, max_new_tokens=j.max_tokens)
         assert info["token_ids"] == solo.token_ids
     assert sched.metrics.ragged_passes > 0 and sched.metrics.ragged_segments > sched.metrics.ragged_passes
 
@@ -194,3 +290,54 @@ def test_batched_pass_error_reaches_the_request_not_the_server(engine, monkeypat
         assert events[0][-1][0] == "done"
     finally:
         sched.stop()
+
+
+@pytest.fixture(scope="module")
+def feature_engine(engine):
+    from stagedspec.models.feature_draft import FeatureDraftModel
+
+    torch.manual_seed(0)
+    draft = FeatureDraftModel(engine.model, 1)
+    with torch.no_grad():  # not the identity-like start: the fused features must matter
+        draft.fc.weight.add_(0.05 * torch.randn_like(draft.fc.weight))
+    return Engine(engine.model, engine.tokenizer, [draft], SpeculationConfig(method="tree"), model_name="tiny",
+                  draft_names=["feature"])
+
+
+@pytest.mark.parametrize("method", ["tree", "staged"])
+def test_feature_draft_passes_join_the_ragged_passes(feature_engine, method, monkeypatch):
+    """5 concurrent requests with a feature (EAGLE-style) draft: each request's greedy fp32 output equals its solo
+    run, and the draft's passes (input: fc(oracle feature, embedding)) ran batched, several requests a pass."""
+    import stagedspec.server.batching as batching
+
+    eng = feature_engine
+    draft = eng.draft_models[0]
+    seen: dict[str, list[int]] = {"draft": [], "oracle": []}
+    real = batching.forward_ragged
+
+    def counting(model, segments):  # noqa: ANN001, ANN202
+        if model is draft:
+            assert all(s.features is not None and s.return_hidden for s in segments)
+        seen["draft" if model is draft else "oracle"].append(len(segments))
+        return real(model, segments)
+
+    monkeypatch.setattr(batching, "forward_ragged", counting)
+    spec = SpeculationConfig(method=method)
+    prompts = [eng.tokenizer.encode(t) for t in ("Hello the", "in the in", "def f(x):", "1 2 3 4", "the cat sat")]
+    sched = Scheduler(eng, max_batch=5)
+    jobs = [job(p, max_tokens=12, spec=spec) for p in prompts]
+    sched.start()
+    try:
+        events = run_jobs(sched, jobs)
+    finally:
+        sched.stop()
+    infos = [ev[-1][2] for ev in events]
+    assert [ev[-1][0] for ev in events] == ["done"] * 5
+    for p, info in zip(prompts, infos):
+        solo = Pipeline.from_loaded(eng.model, eng.tokenizer, [draft], spec).generate(p, max_new_tokens=12)
+        assert info["token_ids"] == solo.token_ids
+    draft_calls = sum(row["forward_passes"] for info in infos for row in info["stages"] if row["stage"] == "draft")
+    assert draft_calls == sum(seen["draft"]) > 0  # every draft pass went through a ragged pass ...
+    assert len(seen["draft"]) < draft_calls and max(seen["draft"]) >= 4  # ... which carried several requests
+    assert max(seen["oracle"]) >= 4  # the oracle's passes (hidden states recorded for the draft) too
+    assert sum(info["tokens_by_stage"].get("draft", 0) for info in infos) > 0

@@ -381,10 +381,13 @@ class AutoPolicy:
     def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
         return self.greedy_stats if sampling.greedy else self.sampled_stats
 
-    def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int]) -> Arm:
+    def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
+               max_nodes: int | None = None) -> Arm:
+        """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does)."""
+        arms = self.arms if max_nodes is None else [a for a in self.arms if a.max_nodes <= max_nodes]
         with self.lock:
-            arm = choose_arm(self.arms, self.profile, self.stats_for(sampling), self.costs, lookup_lengths,
-                             not sampling.greedy)
+            arm = choose_arm(arms or [Arm("ar")], self.profile, self.stats_for(sampling), self.costs,
+                             lookup_lengths, not sampling.greedy)
             self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
         return arm
 
@@ -451,6 +454,9 @@ class AutoDrafter:
         self.request_choices: dict[str, int] = {}
         self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
         self._sampling = SamplingParams()
+        # Most nodes a tree may have (None: any arm), set by the server under memory pressure
+        # (`stagedspec.server.pressure`): arms that could exceed it are not picked, rather than cut.
+        self.node_cap: int | None = None
 
     @property
     def forward_passes(self) -> int:
@@ -483,7 +489,7 @@ class AutoDrafter:
                 if proposer not in lengths:  # the proposer's best chain only
                     lengths[proposer] = len(chain)
                     self._pending.append((len(context), proposer, chain))
-        arm = self.policy.choose(sampling, lengths)
+        arm = self.policy.choose(sampling, lengths, self.node_cap)
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
         self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
         drafter, settings = self.arms[arm]

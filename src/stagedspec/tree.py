@@ -172,6 +172,28 @@ class TokenTree:
         )
         return cut.depth_first()
 
+    def first_nodes(self, n: int) -> "TokenTree":
+        """The root and the first `n` nodes in index order (every node's parent precedes it, so the
+        kept nodes always include their ancestors); node order, sibling (draw) order and `child_q` are kept.
+
+        Why index order: for any tree the drafters here build, a node's index is fixed by the nodes before
+        it, never by its own token, its subtree or its later siblings, which is what keeps a cut sampled
+        tree exact (the proof is in `stagedspec.server.pressure`, the cut's one user).
+        """
+        if n >= len(self.tokens) - 1:
+            return self
+        kept = range(n + 1)
+        return TokenTree(
+            tokens=self.tokens[: n + 1],
+            parents=self.parents[: n + 1],
+            sampled=self.sampled,
+            child_q={k: v for k, v in self.child_q.items() if k in kept},
+            fixed={i for i in self.fixed if i in kept},
+            proposer=self.proposer[: n + 1],
+            draft_passes=self.draft_passes,
+            scores=self.scores[: n + 1],
+        )
+
     def attention_mask(self, device: torch.device | str = "cpu") -> Tensor:
         """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i."""
         n = len(self.tokens)

@@ -33,7 +33,7 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.feature_draft import is_feature_draft
 from stagedspec.models.transformer import Transformer
 from stagedspec.cache import KVCache
-from stagedspec.runner import StaticRunner, acquire_runner, pass_mode
+from stagedspec.runner import StaticRunner, acquire_runner, pass_mode, run_model
 from stagedspec.tree import TokenTree
 
 
@@ -94,8 +94,9 @@ class FeatureInputs:
             self.cache.commit()
             return logits, hidden if rows is None else hidden[rows]
         toks = torch.tensor([tokens], device=self.device)
-        logits, hidden = self.model(toks, positions.to(self.device), self.cache, tree_mask=mask, logits_rows=rows,
-                                    return_hidden=True, features=features[None])
+        # through `run_model`, so that the batched server runs it in one ragged pass with other requests' passes
+        logits, hidden = run_model(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
+                                   logits_rows=rows, return_hidden=True, features=features[None])
         self.cache.commit()
         return logits[0], hidden[0]
 

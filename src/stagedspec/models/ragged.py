@@ -13,6 +13,12 @@ width and call shape `Transformer.forward` would use for it alone.
 
 So a segment differs from its solo pass only in how many rows share the
 row-wise matmuls; attention (the only op that mixes rows) is the solo call.
+
+A segment may also ask for what the feature-draft passes need: its final
+normalised hidden states (`return_hidden`, as `forward` takes it: those of
+its logits rows, or "all" of its rows; the oracle records them for a feature
+draft) and per-row input `features` (a `FeatureDraftModel` fuses them with
+the token embedding, a row-wise op like the others).
 `tests/test_ragged.py` checks a one-segment pass is bit-identical to
 `Transformer.forward`, and several segments agree with their solo passes.
 """
@@ -40,6 +46,8 @@ class Segment:
     logits_rows: slice | None = None
     key_width: int | None = None
     row_independent: bool = False
+    return_hidden: bool | str = False
+    features: Tensor | None = None  # [1, T, H]: a feature draft's input features (zeros when None)
 
 
 @dataclass
@@ -52,8 +60,9 @@ class _Prepared:
     local_mask: Tensor | None  # of the sliding-window layers
 
 
-def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor]:
-    """Run every segment's pass in one go; returns each segment's logits [1, T', V], as `forward` would."""
+def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor | tuple[Tensor, Tensor]]:
+    """Run every segment's pass in one go; returns each segment's logits [1, T', V] (with `return_hidden`:
+    logits and hidden states [1, T' or T, H]), as `forward` would."""
     if not segments:
         return []
     if model.head_q is not None or any(s.tokens.shape[0] != 1 for s in segments):
@@ -65,7 +74,7 @@ def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor]:
         offset += T
     tokens = torch.cat([s.tokens for s in segments], dim=1)
     positions = torch.cat([s.positions for s in segments])
-    x, rope, local_rope = model._embed(tokens, positions)  # noqa: SLF001 - row-wise, like forward's
+    x, rope, local_rope = model._embed(tokens, positions, _features(model, segments))  # noqa: SLF001 - row-wise
     for i, layer in enumerate(model.layers):
         local = bool(model.local) and model.local[i]
         h = _attention(layer.attn, layer.attn_norm(x), local_rope if local else rope, segments, prepared, i, local)
@@ -75,16 +84,37 @@ def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor]:
         rows = range(p.rows.start, p.rows.stop)
         picked.append(rows[s.logits_rows] if s.logits_rows is not None else rows)
     index = torch.tensor([r for rows in picked for r in rows], dtype=torch.long, device=x.device)
-    logits = model._head(x[:, index], None, False)  # noqa: SLF001
+    hidden = None
+    if any(s.return_hidden for s in segments):  # the norm over every row (row-wise), the head over the picked
+        logits, hidden = model._head(x, index, "all")  # noqa: SLF001
+    else:
+        logits = model._head(x[:, index], None, False)  # noqa: SLF001
     if getattr(model, "head_tokens", None) is not None:
         # A distilled draft's own head covers its top-V tokens only; its `forward` scatters them into the
         # full vocabulary (-inf elsewhere), and so must this pass, or token ids would be read as columns.
         logits = model.expand_logits(logits)
-    out, at = [], 0
-    for rows in picked:
-        out.append(logits[:, at:at + len(rows)])
+    out: list[Tensor | tuple[Tensor, Tensor]] = []
+    at = 0
+    for s, p, rows in zip(segments, prepared, picked):
+        seg_logits = logits[:, at:at + len(rows)]
         at += len(rows)
+        if not s.return_hidden:
+            out.append(seg_logits)
+        else:
+            assert hidden is not None
+            own = p.rows if s.return_hidden == "all" else slice(rows.start, rows.stop, rows.step)
+            out.append((seg_logits, hidden[:, own]))
     return out
+
+
+def _features(model: Transformer, segments: list[Segment]) -> Tensor | None:
+    """The segments' input features, one row per token (zeros where a segment has none), or None if none has."""
+    if all(s.features is None for s in segments):
+        return None
+    H = model.config.hidden_size
+    p = model.embed.weight
+    return torch.cat([s.features if s.features is not None else p.new_zeros(1, s.tokens.shape[1], H)
+                      for s in segments], dim=1)
 
 
 def _prepare(model: Transformer, s: Segment, offset: int) -> _Prepared:

@@ -263,7 +263,8 @@ class Reply:
         return {"method": info["method"], "mean_accepted_length": mal if math.isfinite(mal) else None,
                 "tokens_by_stage": info["tokens_by_stage"], "oracle_passes": info["oracle_passes"],
                 "stages": info["stages"], "seconds": info["seconds"], "token_ids": info["token_ids"],
-                "speculation_off_steps": info.get("speculation_off_steps", 0)}
+                "speculation_off_steps": info.get("speculation_off_steps", 0),
+                "tree_levels": info.get("tree_levels", {}), "tree_caps": info.get("tree_caps", {})}
 
     def whole(self, text: str, finish_reason: str, info: dict[str, Any]) -> dict[str, Any]:
         if self.chat:

@@ -5,7 +5,9 @@ commit) calls its models deep inside drafters and verification, a different
 number of times per method.  Rewriting every drafter as resumable phases
 would duplicate the solo loop; instead each running request gets a *lane*:
 a thread that runs its step with the solo code, and whose eager model passes
-(`stagedspec.runner.run_model`) are routed here instead of to the model.
+(`stagedspec.runner.run_model`: the oracle's, a draft's or a draft stage's,
+feature drafts included, hidden states and input features and all) are
+routed here instead of to the model.
 
 The scheduler thread is the batcher.  A round dispatches one step to every
 lane, then repeats: wait until no lane is computing (each is either waiting
@@ -53,7 +55,7 @@ class _Call:
 
     def __init__(self, lane: "Lane", model: Transformer, segment: Segment) -> None:
         self.lane, self.model, self.segment = lane, model, segment
-        self.out: Tensor | None = None
+        self.out: Tensor | tuple[Tensor, Tensor] | None = None
         self.error: BaseException | None = None
         self.done = False
 
@@ -179,14 +181,16 @@ class Lane(PassRouter):
                     self._batcher._cond.notify_all()  # noqa: SLF001
 
     def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache,  # noqa: ANN001
-                 tree_mask: Tensor | None = None, logits_rows: slice | None = None, return_hidden: bool = False,
-                 key_width: int | None = None, row_independent: bool = False) -> Tensor:
-        if return_hidden or tokens.shape[0] != 1 or positions.dim() != 1:  # not a lane pass: run it here
+                 tree_mask: Tensor | None = None, logits_rows: slice | None = None,
+                 return_hidden: bool | str = False, key_width: int | None = None, row_independent: bool = False,
+                 features: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if tokens.shape[0] != 1 or positions.dim() != 1:  # not a lane pass: run it here
             return model(tokens, positions, cache, tree_mask=tree_mask, logits_rows=logits_rows,
-                         return_hidden=return_hidden, key_width=key_width, row_independent=row_independent)
+                         return_hidden=return_hidden, key_width=key_width, row_independent=row_independent,
+                         features=features)
         b = self._batcher
         call = _Call(self, model, Segment(tokens, positions, cache, tree_mask, logits_rows, key_width,
-                                          row_independent))
+                                          row_independent, return_hidden, features))
         with b._cond:  # noqa: SLF001
             if self.state == ABANDONED:
                 raise StagedSpecError("this request's step took too long and was stopped")

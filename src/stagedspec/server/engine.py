@@ -61,13 +61,27 @@ class MemoryModel:
     (`context_budget`, the same sizes a solo run uses), for the oracle and
     for every draft model stage (each keeps its own cache).  Scratch is one
     pass's activations for a full tree at full key width: the worker runs one
-    pass at a time, so it is counted once, not per request.
+    pass at a time, so it is counted once, not per request.  Its `scratch_rows`
+    rows (the server's full tree, its root and one spare) cost the same each,
+    which is how `tree_scratch` prices a smaller tree: with batched passes each
+    request is charged its own rows, and under memory pressure its tree
+    shrinks level by level (`server.pressure`).
     """
 
     weights: int
     oracle_kv_per_token: int
     draft_kv_per_token: int
     scratch: int
+    scratch_rows: int = 1
+
+    @property
+    def row_bytes(self) -> int:
+        """One row of the pass's activations (attention scores, hidden and MLP states, logits)."""
+        return self.scratch // max(1, self.scratch_rows)
+
+    def tree_scratch(self, tree_nodes: int) -> int:
+        """The activations of a tree of `tree_nodes` proposed nodes: its rows, the root and a spare."""
+        return (tree_nodes + 2) * self.row_bytes
 
     def request_kv(self, cache_slots: int, tree_nodes: int, uses_drafts: bool) -> int:
         draft_slots = cache_slots + tree_nodes + 1 if uses_drafts else 0
@@ -183,7 +197,7 @@ class Engine:
         scratch = rows * (cfg.n_heads * width * 4 + (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * elem
                           + cfg.vocab_size * 4)
         return MemoryModel(weights, kv_bytes_per_token(self.model),
-                           sum(kv_bytes_per_token(d) for d in self.draft_models), int(scratch))
+                           sum(kv_bytes_per_token(d) for d in self.draft_models), int(scratch), rows)
 
     def full_context_slots(self) -> int:
         return context_budget(self.model, 1, self.max_context - 1, self.speculation.max_nodes)

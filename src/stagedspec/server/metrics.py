@@ -41,9 +41,10 @@ class Metrics:
         self.passes_by_stage: dict[str, int] = defaultdict(int)
         self.ragged_passes = 0  # batched passes: one per model per barrier, however many requests they carry
         self.ragged_segments = 0  # request passes those carried
-        self.trees_off = 0  # running requests whose trees are off for memory (`server.pressure`)
+        self.trees_off = 0  # running requests whose trees are off (root-only) for memory (`server.pressure`)
+        self.tree_levels: dict[int, int] = {}  # running requests per shrink level > 0 (`server.pressure`)
 
-    def update(self, **gauges: int) -> None:
+    def update(self, **gauges: object) -> None:
         with self._lock:
             for name, value in gauges.items():
                 setattr(self, name, value)
@@ -107,6 +108,9 @@ class Metrics:
                    [("", self.ragged_segments)])
             metric("requests_speculation_off", "gauge", "Running requests whose trees are off under memory "
                    "pressure.", [("", self.trees_off)])
+            metric("requests_tree_shrunk", "gauge", "Running requests whose tree budget is shrunk under memory "
+                   "pressure, by shrink level (each level halves the node budget; the last is root-only).",
+                   by("level", self.tree_levels))
             metric("memory_in_use_bytes", "gauge", "Weights + scratch + KV of admitted requests (memory model).",
                    [("", self.memory_in_use)])
             metric("memory_budget_bytes", "gauge", "--max-memory.", [("", self.memory_budget)])

@@ -45,7 +45,7 @@ from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
 from stagedspec.server.batching import Lane, PassBatcher
 from stagedspec.server.metrics import Metrics
-from stagedspec.server.pressure import SwitchableDrafter
+from stagedspec.server.pressure import CappedDrafter, level_nodes, root_only_level
 from stagedspec.server.schemas import APIError
 from stagedspec.server.text import StopTextStream
 
@@ -70,19 +70,26 @@ class Job:
         self.cancelled.set()
 
 
+@dataclass
+class _Joining:
+    """A job admitted this round, not started yet: its trees may still shrink for the jobs behind it."""
+
+    job: Job
+    level: int
+
+
 class _Running:
     """A job's decoding state: built exactly as `Pipeline.generate` builds a solo run's."""
 
-    def __init__(self, job: Job, engine: Engine, lane: Lane | None = None, trees: bool = True) -> None:
-        """`lane`: where the steps run with batched passes (None: on the caller's thread); `trees`: whether
-        the request starts with speculation on (off under memory pressure, see `server.pressure`)."""
+    def __init__(self, job: Job, engine: Engine, lane: Lane | None = None, level: int = 0) -> None:
+        """`lane`: where the steps run with batched passes (None: on the caller's thread); `level`: the
+        shrink level its trees start at (0: full; higher under memory pressure, see `server.pressure`)."""
         self.job = job
         pipe = engine.pipeline(job.spec)
         max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         self.oracle = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact)
         self.drafter = pipe.drafter(max_len, reproducible=job.seed is not None and not job.sampling.greedy)
-        self.switch = SwitchableDrafter(self.drafter)
-        self.switch.enabled = trees
+        self.switch = CappedDrafter(self.drafter, job.spec.max_nodes, level)
         engine.remember_costs(pipe)
         self.stats = GenerationStats()
         self.steps = iter_steps(self.oracle, self.switch, job.prompt_ids, max_new_tokens=job.max_tokens,
@@ -120,8 +127,12 @@ class _Running:
             self.outcome = (None, e)
 
     @property
-    def trees(self) -> bool:
-        return self.switch.enabled
+    def level(self) -> int:
+        return self.switch.level
+
+    @level.setter
+    def level(self, level: int) -> None:
+        self.switch.level = level
 
     @property
     def over(self) -> bool:
@@ -137,6 +148,10 @@ class _Running:
         st.stages = stage_report(st, self.drafter)
         return {
             "speculation_off_steps": self.switch.skipped_steps,
+            # steps proposed at each shrink level (0: full trees; see `server.pressure`), and their node caps
+            "tree_levels": {str(k): v for k, v in sorted(self.switch.level_steps.items())},
+            "tree_caps": {str(k): level_nodes(self.job.spec.max_nodes, k)
+                          for k in sorted(self.switch.level_steps)},
             "method": self.job.spec.method,
             "mean_accepted_length": st.mean_accepted_length,
             "tokens_by_stage": dict(Counter(st.token_origins)),
@@ -168,7 +183,7 @@ class Scheduler:
         # Tree scratch: one pass's activations.  Interleaved, one request's pass runs at a time, so it is
         # counted once; batched, every running request's tree rows share the pass, so each request is
         # charged for its own rows (`_charge`), and those are what shrink under pressure (`server.pressure`).
-        self.row_bytes = self.memory.scratch // (nodes + 2)
+        self.row_bytes = self.memory.row_bytes
         self.base_bytes = self.memory.weights + (0 if batch_passes else self.memory.scratch)
         full = engine.full_context_slots()
         uses_drafts = bool(engine.draft_models)
@@ -177,7 +192,7 @@ class Scheduler:
         if batch_passes:
             default_budget -= self.memory.scratch
         self.max_memory = default_budget if max_memory is None else max_memory
-        if self.max_memory < self.base_bytes + (2 * self.row_bytes if batch_passes else 0):
+        if self.max_memory < self.base_bytes + (self.memory.tree_scratch(0) if batch_passes else 0):
             raise StagedSpecError(f"--max-memory {format_size(self.max_memory)} is below what the models "
                                   f"need ({format_size(self.memory.weights + self.memory.scratch)})")
         self.metrics = metrics or Metrics()
@@ -196,7 +211,7 @@ class Scheduler:
                                     self.engine.speculation.max_nodes)
         if self.batch_passes:
             text += (f"; batched passes: tree scratch {format_size(self.row_bytes)}/row charged per request "
-                     "(trees shrink under memory pressure)")
+                     "(tree budgets shrink by halves under memory pressure)")
         return text
 
     # ---------------------------------------------------------------- client side (any thread)
@@ -215,7 +230,7 @@ class Scheduler:
         uses_drafts = job.spec.method in ("chain", "tree", "staged")
         slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         job.kv_bytes = self.memory.request_kv(slots, job.spec.max_nodes, uses_drafts)
-        if self.base_bytes + self._charge(job, trees=False) > self.max_memory:
+        if self.base_bytes + self._charge(job, self._floor(job)) > self.max_memory:
             raise APIError(400, f"this request's KV cache ({format_size(job.kv_bytes)}) does not fit the server's "
                                 f"memory budget ({format_size(self.max_memory - self.base_bytes)} after the "
                                 "models): lower max_tokens or the prompt", "max_tokens", "memory_budget_exceeded")
@@ -230,57 +245,68 @@ class Scheduler:
             self._cond.notify_all()
 
     # ---------------------------------------------------------------- memory
-    def _charge(self, job: Job, trees: bool) -> int:
-        """What a request holds: its KV, plus (batched) its tree rows of the shared pass (2 with no tree)."""
+    @staticmethod
+    def _floor(job: Job) -> int:
+        """A job's last shrink level: root-only trees."""
+        return root_only_level(job.spec.max_nodes)
+
+    def _charge(self, job: Job, level: int = 0) -> int:
+        """What a request holds: its KV, plus (batched) its tree rows of the shared pass at shrink `level`."""
         if not self.batch_passes:
             return job.kv_bytes
-        rows = job.spec.max_nodes + 2 if trees else 2
-        return job.kv_bytes + rows * self.row_bytes
+        return job.kv_bytes + self.memory.tree_scratch(level_nodes(job.spec.max_nodes, level))
 
     def _free(self) -> int:
         return self.max_memory - self.base_bytes - self._kv_in_use
 
-    def _make_room(self, need: int) -> bool:
-        """Turn running requests' trees off, newest first, until `need` bytes are free; False if they cannot be."""
-        full = self._charge
-        saving = [r for r in reversed(self._running) if r.trees]
-        if self._free() + sum(full(r.job, True) - full(r.job, False) for r in saving) < need:
+    def _set_level(self, r: _Running | _Joining, level: int) -> None:
+        """Move a request to shrink `level` (a running one proposes under the new cap from its next step)."""
+        self._kv_in_use += self._charge(r.job, level) - self._charge(r.job, r.level)
+        r.level = level
+
+    def _make_room(self, need: int, joining: list[_Joining]) -> bool:
+        """Shrink admitted requests' trees a level at a time, newest request first, until `need` bytes are
+        free; False (and nothing shrunk) if even root-only trees for all would not free enough."""
+        newest_first = [*reversed(joining), *reversed(self._running)]
+        spare = sum(self._charge(r.job, r.level) - self._charge(r.job, self._floor(r.job)) for r in newest_first)
+        if self._free() + spare < need:
             return False
-        for r in saving:
-            if self._free() >= need:
-                break
-            self._kv_in_use -= full(r.job, True) - full(r.job, False)
-            r.switch.enabled = False
+        for r in newest_first:
+            while self._free() < need and r.level < self._floor(r.job):
+                self._set_level(r, r.level + 1)
         return True
 
-    def _regrow(self) -> None:
-        """Give trees back, oldest request first, while they fit."""
-        for r in self._running:
-            extra = self._charge(r.job, True) - self._charge(r.job, False)
-            if not r.trees and extra <= self._free():
-                self._kv_in_use += extra
-                r.switch.enabled = True
+    def _regrow(self, joining: list[_Joining]) -> None:
+        """Give trees back a level at a time, oldest request first, while the next level fits."""
+        for r in [*self._running, *joining]:
+            while r.level > 0 and self._charge(r.job, r.level - 1) - self._charge(r.job, r.level) <= self._free():
+                self._set_level(r, r.level - 1)
 
     # ---------------------------------------------------------------- worker
-    def _admit(self) -> list[tuple[Job, bool]]:
-        """Under the lock: the waiting jobs that join now, and whether each starts with its tree.
+    def _admit(self) -> list[_Joining]:
+        """Under the lock: the waiting jobs that join now, each with the shrink level it starts at.
 
         FIFO, so a big job is not starved by small ones; with batched passes, trees shrink (the
-        newcomer's first, then running requests', newest first) before a job is kept waiting."""
-        joining: list[tuple[Job, bool]] = []
+        newcomer's to the largest that fits, then running requests', newest first, a level at a time)
+        before a job is kept waiting.  What is left over goes back to shrunk trees, oldest first."""
+        joining: list[_Joining] = []
         while self._waiting and len(self._running) + len(joining) < self.max_batch:
             job = self._waiting[0]
             if job.cancelled.is_set():
                 self._waiting.popleft()
                 self.metrics.record_finish("cancelled", [])
                 continue
-            trees = self._charge(job, True) <= self._free()
-            if not trees:
-                if not self.batch_passes or not self._make_room(self._charge(job, False)):
+            levels = range(self._floor(job) + 1) if self.batch_passes else range(1)
+            level = next((lv for lv in levels if self._charge(job, lv) <= self._free()), None)
+            if level is None:
+                if not self.batch_passes or not self._make_room(self._charge(job, self._floor(job)), joining):
                     break
+                level = self._floor(job)
             self._waiting.popleft()
-            self._kv_in_use += self._charge(job, trees)
-            joining.append((job, trees))
+            self._kv_in_use += self._charge(job, level)
+            joining.append(_Joining(job, level))
+        if self.batch_passes:
+            self._regrow(joining)
         return joining
 
     def _run(self) -> None:
@@ -295,8 +321,8 @@ class Scheduler:
                     return
                 joining = self._admit()
                 self._publish()
-            for job, trees in joining:
-                self._start(job, trees)
+            for j in joining:
+                self._start(j.job, j.level)
             if joining:
                 with self._cond:
                     self._publish()
@@ -328,16 +354,16 @@ class Scheduler:
                 r.run_step()
                 self._after_step(r)
 
-    def _start(self, job: Job, trees: bool = True) -> None:
+    def _start(self, job: Job, level: int = 0) -> None:
         lane = None
         try:
             if self.batcher is not None:
                 lane = self.batcher.lane(f"stagedspec-request-{id(job):x}")
-            r = _Running(job, self.engine, lane, trees)
+            r = _Running(job, self.engine, lane, level)
         except Exception as e:  # noqa: BLE001 - a request must never take the worker down
             if lane is not None:
                 lane.close()
-            self._release(job, "error", trees)
+            self._release(job, "error", level)
             job.deliver(("error", 400 if isinstance(e, StagedSpecError) else 500, first_line(e)))
             return
         self.metrics.record_prompt(len(job.prompt_ids))
@@ -377,19 +403,18 @@ class Scheduler:
             info = r.summary()
         self.metrics.record_finish(outcome, info["stages"])
         with self._cond:
-            self._kv_in_use -= self._charge(r.job, r.trees)
-            if self.batch_passes:
-                self._regrow()
+            self._kv_in_use -= self._charge(r.job, r.level)
             self._publish()
         del r.oracle, r.drafter, r.switch, r.steps  # free the KV caches now, not when the HTTP side lets go
 
-    def _release(self, job: Job, outcome: str, trees: bool = True) -> None:
+    def _release(self, job: Job, outcome: str, level: int = 0) -> None:
         self.metrics.record_finish(outcome, [])
         with self._cond:
-            self._kv_in_use -= self._charge(job, trees)
+            self._kv_in_use -= self._charge(job, level)
             self._publish()
 
     def _publish(self) -> None:
         self.metrics.update(running=len(self._running), queued=len(self._waiting),
                             memory_in_use=self.base_bytes + self._kv_in_use,
-                            trees_off=sum(1 for r in self._running if not r.trees))
+                            trees_off=sum(1 for r in self._running if r.level >= self._floor(r.job)),
+                            tree_levels=dict(Counter(r.level for r in self._running if r.level > 0)))
