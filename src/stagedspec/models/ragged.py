@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from stagedspec.cache import KVCache
-from stagedspec.models.transformer import Transformer, _attend_row_by_row, apply_rope
+from stagedspec.models.transformer import Transformer, _attend_row_by_row, apply_rope, decoding_mode
 
 
 @dataclass
@@ -67,6 +67,11 @@ def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor |
         return []
     if model.head_q is not None or any(s.tokens.shape[0] != 1 for s in segments):
         raise ValueError("ragged passes take batch-1 segments of an unquantised model")
+    with decoding_mode(model):
+        return _forward_ragged(model, segments)
+
+
+def _forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor | tuple[Tensor, Tensor]]:
     prepared, offset = [], 0
     for s in segments:
         T = s.tokens.shape[1]
