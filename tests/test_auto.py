@@ -365,3 +365,32 @@ def test_what_auto_learned_is_kept_for_the_next_process(tmp_path, monkeypatch) -
     second = pipeline()
     assert second.auto_policy().greedy_stats.chains["context"].tries == learned
     assert second.auto_policy().state()["version"] == 1
+
+
+def test_the_shared_pricing_is_scaled_to_the_passes_as_measured() -> None:
+    """Rounds whose oracle passes take twice, and whose drafting and host work take three times, what the
+    profile predicts scale a step's oracle and drafting parts by those factors."""
+    from stagedspec.server.batching import RaggedPass, RoundRecord
+    from stagedspec.server.scheduler import LoadTracker
+
+    oracle, draft = object(), object()
+    a, b = object(), object()
+    profile = CostProfile(oracle={1: 0.010, 64: 0.010}, drafts=[{1: 0.001, 64: 0.001}],
+                          draft_overhead={"greedy": 0.0005, "sampled": 0.0005}, segment_seconds=[0.002, 0.0])
+    # predicted: oracle 10 ms + 1 segment x 2 ms = 12 ms; drafting 1 ms + 2 lane passes x 0.5 ms = 2 ms
+    passes = [RaggedPass(draft, {id(a): 3, id(b): 3}, 0.001), RaggedPass(oracle, {id(a): 4, id(b): 4}, 0.024)]
+    tracker = LoadTracker(oracle)
+    for _ in range(40):
+        tracker.observe(RoundRecord([id(a), id(b)], passes, 0.024 + 0.006), {id(a): 2, id(b): 2}, set(), profile)
+    assert tracker.oracle_scale == pytest.approx(2.0, rel=1e-3) and tracker.draft_scale == pytest.approx(3.0, rel=1e-3)
+    view = tracker.view(a, [a, b])
+    assert (view.oracle_scale, view.draft_scale) == (tracker.oracle_scale, tracker.draft_scale)
+    import dataclasses
+
+    plain = dataclasses.replace(view, oracle_scale=1.0, draft_scale=1.0)
+    # (the oracle curve is flat: every arm's oracle part is its segment, as `ar`'s)
+    for arm in (Arm("ar"), Arm("staged", 3), Arm("tree", 8)):
+        scaled = shared_step_seconds(arm, profile, view, {})
+        oracle_part = shared_step_seconds(Arm("ar"), profile, plain, {})
+        draft_part = shared_step_seconds(arm, profile, plain, {}) - oracle_part
+        assert scaled == pytest.approx(2.0 * oracle_part + 3.0 * draft_part, rel=1e-3), arm

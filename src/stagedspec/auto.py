@@ -315,6 +315,11 @@ class SharedLoad:
     draft_rows: float = 0.0
     seconds: float = 0.0
     tokens: float = 0.0
+    # Measured / predicted time of the recent rounds' oracle passes, and of the rest of their rounds (draft
+    # passes and the lanes' host work around them): the cost profile, solo and quiet-machine, scaled to the
+    # shared passes as they run.
+    oracle_scale: float = 1.0
+    draft_scale: float = 1.0
 
     @property
     def requests(self) -> int:
@@ -354,10 +359,17 @@ def shared_step_seconds(arm: Arm, profile: CostProfile, load: SharedLoad, lookup
         seconds = profile.oracle_seconds(base + rows) - profile.oracle_seconds(base) + profile.segment_cost(-1)
     else:
         seconds = profile.oracle_seconds(rows)
+    seconds *= load.oracle_scale
     if arm.kind == "ar":
         return seconds
     if arm.kind == "lookup" or not profile.drafts:
         return seconds + LOOKUP_SECONDS
+    return seconds + load.draft_scale * _shared_draft_seconds(arm, profile, load, sampled)
+
+
+def _shared_draft_seconds(arm: Arm, profile: CostProfile, load: SharedLoad, sampled: bool) -> float:
+    """`shared_step_seconds`' drafting part, unscaled."""
+    seconds = 0.0
     extra = profile.draft_pass_overhead(sampled)
     n, phases, per_phase = load.requests, load.draft_phases if load.others else 0, load.draft_rows
     if arm.kind == "staged":

@@ -171,7 +171,8 @@ class LoadTracker:
 
     Per lane, from the latest round: its rows in the oracle's ragged pass, its draft passes and their rows.
     Over rounds (an exponential mean, rounds with a prompt's prefill left out): the round's wall time and
-    emitted tokens per request in it.  A request's view is then the other lanes' latest rows and draft
+    emitted tokens per request in it, and how the round's oracle passes and the rest of it (drafting, host
+    work) compare with the cost profile's prediction for them.  A request's view is then the other lanes' latest rows and draft
     phases, and their share (per request) of a round's seconds and tokens.  Only finished rounds are read,
     so a step's choice depends on server state known before it.
     """
@@ -183,10 +184,36 @@ class LoadTracker:
         self.lanes: dict[int, tuple[int, int, int]] = {}  # id(lane) -> (oracle rows, draft passes, draft rows)
         self.lane_seconds: float | None = None  # round seconds / requests in the round
         self.lane_tokens: float | None = None  # round tokens / requests in the round
+        self.oracle_scale = 1.0  # measured / predicted seconds of the oracle's ragged passes
+        self.draft_scale = 1.0  # measured / predicted seconds of the rest of the round (drafting, host work)
 
-    def observe(self, record: Any, tokens: dict[int, int], first: set[int]) -> None:
+    def _scale(self, old: float, measured: float, predicted: float) -> float:
+        if measured <= 0 or predicted <= 0:
+            return old
+        ratio = min(20.0, max(0.25, measured / predicted))
+        return (1 - self.SMOOTHING) * old + self.SMOOTHING * ratio
+
+    def _rescale(self, record: Any, profile: Any) -> None:
+        """Compare the round's passes with what the cost profile predicts for them (`auto.SharedLoad`'s scales)."""
+        oracle_measured = oracle_predicted = draft_predicted = 0.0
+        lane_passes = 0
+        for p in record.passes:
+            rows, segments = sum(p.rows.values()), len(p.rows)
+            if p.model is self.oracle:
+                oracle_measured += p.seconds
+                oracle_predicted += profile.oracle_seconds(rows) + (segments - 1) * profile.segment_cost(-1)
+            elif profile.drafts:
+                draft_predicted += profile.draft_seconds(0, rows) + (segments - 1) * profile.segment_cost(0)
+                lane_passes += segments
+        self.oracle_scale = self._scale(self.oracle_scale, oracle_measured, oracle_predicted)
+        if lane_passes:  # the rest of the round: draft passes, and the lanes' host work, one lane at a time
+            draft_predicted += lane_passes * profile.draft_pass_overhead(False)
+            self.draft_scale = self._scale(self.draft_scale, record.seconds - oracle_measured, draft_predicted)
+
+    def observe(self, record: Any, tokens: dict[int, int], first: set[int], profile: Any = None) -> None:
         """Fold in a finished round (`batching.RoundRecord`); `tokens`: id(lane) -> tokens its step emitted,
-        `first`: lanes whose step was their request's first (its prompt's prefill)."""
+        `first`: lanes whose step was their request's first (its prompt's prefill); `profile`: the cost
+        profile `auto` prices with (None: no scales are learned)."""
         lanes: dict[int, list[int]] = {lane: [0, 0, 0] for lane in record.lanes}
         for p in record.passes:
             for lane, rows in p.rows.items():
@@ -200,6 +227,8 @@ class LoadTracker:
         n = len(record.lanes)
         if not n or first or record.seconds <= 0 or not tokens:
             return
+        if profile is not None:
+            self._rescale(record, profile)
         a = self.SMOOTHING
         seconds, emitted = record.seconds / n, sum(tokens.values()) / n
         self.lane_seconds = seconds if self.lane_seconds is None else (1 - a) * self.lane_seconds + a * seconds
@@ -218,7 +247,8 @@ class LoadTracker:
         phases = max((s[1] for s in seen), default=0)
         return SharedLoad(others=len(others), oracle_rows=float(sum(s[0] for s in seen)), draft_phases=phases,
                           draft_rows=sum(s[2] for s in seen) / phases if phases else 0.0,
-                          seconds=self.lane_seconds * len(others), tokens=self.lane_tokens * len(others))
+                          seconds=self.lane_seconds * len(others), tokens=self.lane_tokens * len(others),
+                          oracle_scale=self.oracle_scale, draft_scale=self.draft_scale)
 
 
 class Scheduler:
@@ -411,7 +441,8 @@ class Scheduler:
             record = self.batcher.last_round
             if record is not None:
                 self.load.observe(record, {id(r.lane): len(r.outcome[0][0]) for r in active
-                                           if r.outcome[0] is not None}, first)
+                                           if r.outcome[0] is not None}, first,
+                                  getattr(self.engine.auto_policy, "profile", None))
             for r in active:
                 if id(r.lane) in abandoned:
                     r.outcome = (None, StagedSpecError("this request's step took too long and was stopped"))
