@@ -17,12 +17,18 @@ from stagedspec.auto import (
     AcceptanceStats,
     AutoPolicy,
     ChainStats,
+    SharedLoad,
     StepCosts,
     arms_for,
     choose_arm,
+    draft_pass_rows,
+    expected_rates,
     expected_tokens,
     matched_prefix,
+    predicted_draft_seconds,
+    shared_step_seconds,
     spine,
+    verify_rows,
 )
 from stagedspec.costs import CostProfile, interpolate, load_or_measure, monotone, profile_path
 from stagedspec.tree import TokenTree
@@ -116,6 +122,129 @@ def test_arms_depend_on_what_can_propose_and_the_device() -> None:
         a.size for a in arms_for(False, True, "cpu") if a.kind == "tree")
 
 
+# --- pricing in the batched server's shared passes -----------------------------------------------------------------
+
+# A CPU-like curve: 10 ms a pass, flat to 8 rows, then 0.25 ms a row to 32 rows and 1 ms a row beyond (rows cost
+# once the batch fills the kernels, more once it is compute-bound); a draft pass 1 ms, flat to 4 rows, then 0.1 ms
+# a row; per-segment costs; host work per draft pass.
+BATCH_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
+SHARED = CostProfile(oracle={r: 0.010 + 0.00025 * min(24, max(0, r - 8)) + 0.001 * max(0, r - 32) for r in BATCH_ROWS},
+                     drafts=[{r: 0.001 + 0.0001 * max(0, r - 4) for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)}],
+                     draft_overhead={"greedy": 2e-4, "sampled": 4e-4}, segment_seconds=[0.002, 0.0003])
+
+
+def shared_load(others: int, rows_each: float, phases: int, draft_rows_each: float, seconds_each: float = 0.012,
+                tokens_each: float = 2.0) -> SharedLoad:
+    """The view of a request whose `others` neighbours each put these rows in the last round."""
+    return SharedLoad(others=others, oracle_rows=others * rows_each, draft_phases=phases,
+                      draft_rows=others * draft_rows_each, seconds=others * seconds_each, tokens=others * tokens_each)
+
+
+@pytest.mark.parametrize("profile", [FLAT, STEEP, SHARED], ids=["flat", "steep", "shared"])
+@pytest.mark.parametrize("draft", [0.0, 0.5, 0.8])
+@pytest.mark.parametrize("lookup", [{"context": 0, "ngram": 0}, {"context": 6, "ngram": 3}])
+def test_alone_in_the_batch_the_price_and_the_choice_are_the_solo_ones(profile, draft, lookup) -> None:  # noqa: ANN001
+    stats = trained_stats(draft=draft)
+    alone = SharedLoad()  # the only running request: what the scheduler gives a request with no neighbours
+    for arm in ARMS:
+        solo = profile.oracle_seconds(verify_rows(arm, lookup)) + predicted_draft_seconds(arm, profile)
+        assert shared_step_seconds(arm, profile, alone, lookup) == pytest.approx(solo, rel=1e-9), arm
+    assert expected_rates(ARMS, profile, stats, StepCosts(), lookup, load=alone) == expected_rates(
+        ARMS, profile, stats, StepCosts(), lookup)
+    solo_choice = choose_arm(ARMS, profile, stats, StepCosts(), lookup)
+    assert choose_arm(ARMS, profile, stats, StepCosts(), lookup, load=alone) == solo_choice
+    assert choose_arm(ARMS, profile, stats, StepCosts(), lookup, load=None) == solo_choice
+    # neighbours with nothing measured yet (no round timed): priced alone too
+    assert choose_arm(ARMS, profile, stats, StepCosts(), lookup, load=SharedLoad(others=3)) == solo_choice
+
+
+def test_a_request_s_rows_cost_their_margin_of_the_shared_pass() -> None:
+    tree = Arm("tree", 16)
+    assert verify_rows(tree, {}) == 17
+    oracle_only = CostProfile(oracle=SHARED.oracle, segment_seconds=SHARED.segment_seconds)  # drafting: ~0
+    alone = shared_step_seconds(tree, oracle_only, SharedLoad(), {})
+    assert alone == pytest.approx(oracle_only.oracle_seconds(17), abs=1e-3)  # the pass's 10 ms and its rows
+    # others with 40 rows: its 17 rows cost 17 x 1 ms of the curve's slope there, plus its segment
+    crowded = shared_step_seconds(tree, oracle_only, shared_load(7, 40 / 7, 0, 0), {})
+    assert crowded - alone == pytest.approx(17 * 0.001 + 0.002 - oracle_only.oracle_seconds(17))
+    # an `ar` step in the crowd costs its margin, not the pass's 10 ms
+    assert shared_step_seconds(Arm("ar"), SHARED, shared_load(7, 40 / 7, 0, 0), {}) == pytest.approx(0.003)
+
+
+def test_at_high_load_arms_cheap_per_row_win() -> None:
+    """Solo the pass is flat to 8 rows and a big tree wins; in a crowded pass every row costs the curve's slope
+    there, and the arms that buy their tokens with fewer rows win, as the model says."""
+    stats = trained_stats(draft=0.75, context=0.0, ngram=0.0)
+    lookup = NO_LOOKUP_NOW
+    solo = choose_arm(ARMS, SHARED, stats, StepCosts(), lookup)
+    assert solo.kind in ("tree", "staged") and verify_rows(solo, lookup) >= 5, solo
+    # 7 others, 4 draft phases, a round of 4 ms and 2 tokens per request; more rows each time
+    loads = [shared_load(7, rows, 4, 3, 0.004) for rows in (1, 3, 6, 12)]
+    chosen = [choose_arm(ARMS, SHARED, stats, StepCosts(), lookup, load=load) for load in loads]
+    rows = [verify_rows(arm, lookup) for arm in chosen]
+    assert rows == sorted(rows, reverse=True) and rows[-1] < verify_rows(solo, lookup), chosen
+    # and the choice is the arm with the best round rate: tokens per marginal second beat the round's rate
+    load = loads[-1]
+    best = chosen[-1]
+    rate = (load.tokens + expected_tokens(best, stats, lookup)) / (
+        load.seconds + shared_step_seconds(best, SHARED, load, lookup))
+    assert rate == pytest.approx(max(expected_rates(ARMS, SHARED, stats, StepCosts(), lookup, load=load).values()))
+
+
+def test_draft_phases_the_others_run_are_cheap_to_join() -> None:
+    """Drafting that costs a solo request more than it gains is worth it inside the draft phases its
+    neighbours already run (their fixed cost is paid), and a new phase is priced as shared by the round."""
+    slow_draft = CostProfile(oracle={r: 0.010 + 0.0002 * max(0, r - 8) for r in BATCH_ROWS},
+                             drafts=[{r: 0.006 for r in (1, 2, 4, 8, 16, 32, 48)}],
+                             draft_overhead={"greedy": 1e-4, "sampled": 1e-4}, segment_seconds=[0.001, 0.0002])
+    stats = trained_stats(draft=0.85, context=0.45, ngram=0.0)
+    lookup = {"context": 6, "ngram": 0}
+    assert choose_arm(ARMS, slow_draft, stats, StepCosts(), lookup).kind in ("lookup", "ar")
+    joined = choose_arm(ARMS, slow_draft, stats, StepCosts(), lookup, load=shared_load(7, 4, 5, 3, 0.004, 2.0))
+    assert joined.kind in ("tree", "staged"), joined
+    staged = Arm("staged", 3)
+    inside = shared_step_seconds(staged, slow_draft, shared_load(7, 4, 5, 3), lookup)
+    beyond = shared_step_seconds(staged, slow_draft, shared_load(7, 4, 0, 0), lookup)
+    alone = shared_step_seconds(staged, slow_draft, SharedLoad(), lookup)
+    assert inside < beyond < alone
+    assert len(draft_pass_rows(staged)) == 3  # the catch-up pass, then two passes of the draft stage
+
+
+def test_the_margin_over_ar_scales_with_the_round() -> None:
+    """In a round of 8 a request's arm moves the round's rate by about an eighth of what it moves its own, so
+    `MARGIN` is divided by the requests: a speculative arm that gains a little is still taken."""
+    stats = trained_stats(draft=0.0, context=0.12, ngram=0.0)  # context chains: a few extra tokens in a hundred
+    lookup = {"context": 1, "ngram": 0}
+    load = shared_load(7, 2, 0, 0, 0.012, 1.0)
+    rates = expected_rates(ARMS, SHARED, stats, StepCosts(), lookup, load=load)
+    gain = rates[Arm("lookup", 1)] / rates[Arm("ar")] - 1
+    assert 0 < gain < 0.03  # under the solo margin, over the shared one
+    assert choose_arm(ARMS, SHARED, stats, StepCosts(), lookup, load=load) == Arm("lookup", 1)
+
+
+def test_the_scheduler_s_load_view_comes_from_finished_rounds() -> None:
+    from stagedspec.server.batching import RaggedPass, RoundRecord
+    from stagedspec.server.scheduler import LoadTracker
+
+    oracle, draft = object(), object()
+    tracker = LoadTracker(oracle)
+    a, b, c, new = object(), object(), object(), object()
+    assert tracker.view(a, [a]) == SharedLoad()  # alone: the solo price
+    assert tracker.view(a, [a, b]) is None  # neighbours but no round measured yet: priced alone
+    record = RoundRecord([id(a), id(b), id(c)], [
+        RaggedPass(draft, {id(a): 2, id(b): 2}, 0.001), RaggedPass(draft, {id(a): 3, id(b): 3}, 0.001),
+        RaggedPass(draft, {id(a): 3}, 0.001), RaggedPass(oracle, {id(a): 7, id(b): 5, id(c): 200}, 0.02)], 0.03)
+    tracker.observe(record, {id(a): 3, id(b): 2, id(c): 1}, first={id(c)})
+    assert tracker.lane_seconds is None  # a round with a prompt's prefill is not a step's cost
+    tracker.observe(RoundRecord([id(a), id(b), id(c)], record.passes, 0.03), {id(a): 3, id(b): 2, id(c): 1},
+                    first=set())
+    assert tracker.lane_seconds == pytest.approx(0.01) and tracker.lane_tokens == pytest.approx(2.0)
+    view = tracker.view(c, [a, b, c, new])
+    assert view == SharedLoad(others=3, oracle_rows=12.0, draft_phases=3, draft_rows=13 / 3, seconds=pytest.approx(0.03),
+                              tokens=pytest.approx(6.0))
+    assert tracker.view(a, [a, b]).draft_phases == 2 and tracker.view(a, [a, b]).oracle_rows == 5.0
+
+
 # --- cost profiles -------------------------------------------------------------------------------------------------
 
 
@@ -146,7 +275,9 @@ def test_profiles_are_measured_once_and_cached(tmp_path, monkeypatch, capsys) ->
     assert load_or_measure(oracle, [], "cpu").key != first.key  # other models, other key
     path.write_text("{not json")
     assert load_or_measure(oracle, [draft], "cpu").oracle  # a corrupt entry is measured again
-    assert json.loads(path.read_text())["version"] == 2 and "draft_overhead" in json.loads(path.read_text())
+    stored = json.loads(path.read_text())
+    assert stored["version"] == 3 and "draft_overhead" in stored and len(stored["segment_seconds"]) == 2
+    assert path.name == f"{first.key}.v3.json"  # beside, not over, what older versions cached
 
 
 # --- dtype auto ----------------------------------------------------------------------------------------------------
@@ -234,3 +365,32 @@ def test_what_auto_learned_is_kept_for_the_next_process(tmp_path, monkeypatch) -
     second = pipeline()
     assert second.auto_policy().greedy_stats.chains["context"].tries == learned
     assert second.auto_policy().state()["version"] == 1
+
+
+def test_the_shared_pricing_is_scaled_to_the_passes_as_measured() -> None:
+    """Rounds whose oracle passes take twice, and whose drafting and host work take three times, what the
+    profile predicts scale a step's oracle and drafting parts by those factors."""
+    from stagedspec.server.batching import RaggedPass, RoundRecord
+    from stagedspec.server.scheduler import LoadTracker
+
+    oracle, draft = object(), object()
+    a, b = object(), object()
+    profile = CostProfile(oracle={1: 0.010, 64: 0.010}, drafts=[{1: 0.001, 64: 0.001}],
+                          draft_overhead={"greedy": 0.0005, "sampled": 0.0005}, segment_seconds=[0.002, 0.0])
+    # predicted: oracle 10 ms + 1 segment x 2 ms = 12 ms; drafting 1 ms + 2 lane passes x 0.5 ms = 2 ms
+    passes = [RaggedPass(draft, {id(a): 3, id(b): 3}, 0.001), RaggedPass(oracle, {id(a): 4, id(b): 4}, 0.024)]
+    tracker = LoadTracker(oracle)
+    for _ in range(40):
+        tracker.observe(RoundRecord([id(a), id(b)], passes, 0.024 + 0.006), {id(a): 2, id(b): 2}, set(), profile)
+    assert tracker.oracle_scale == pytest.approx(2.0, rel=1e-3) and tracker.draft_scale == pytest.approx(3.0, rel=1e-3)
+    view = tracker.view(a, [a, b])
+    assert (view.oracle_scale, view.draft_scale) == (tracker.oracle_scale, tracker.draft_scale)
+    import dataclasses
+
+    plain = dataclasses.replace(view, oracle_scale=1.0, draft_scale=1.0)
+    # (the oracle curve is flat: every arm's oracle part is its segment, as `ar`'s)
+    for arm in (Arm("ar"), Arm("staged", 3), Arm("tree", 8)):
+        scaled = shared_step_seconds(arm, profile, view, {})
+        oracle_part = shared_step_seconds(Arm("ar"), profile, plain, {})
+        draft_part = shared_step_seconds(arm, profile, plain, {}) - oracle_part
+        assert scaled == pytest.approx(2.0 * oracle_part + 3.0 * draft_part, rel=1e-3), arm

@@ -341,3 +341,41 @@ def test_feature_draft_passes_join_the_ragged_passes(feature_engine, method, mon
     assert len(seen["draft"]) < draft_calls and max(seen["draft"]) >= 4  # ... which carried several requests
     assert max(seen["oracle"]) >= 4  # the oracle's passes (hidden states recorded for the draft) too
     assert sum(info["tokens_by_stage"].get("draft", 0) for info in infos) > 0
+
+
+def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, monkeypatch, private_cost_cache):
+    """With batched passes, `auto`'s greedy requests see the round they share (`auto.SharedLoad`: the other
+    requests, their rows and the measured round), built from finished rounds only; a seeded sampled request
+    is priced alone (its draws must be its solo run's).  Every output equals its solo run."""
+    import dataclasses
+
+    from stagedspec.auto import AutoPolicy, SharedLoad
+
+    seen: list[tuple[int, SharedLoad | None]] = []
+    real = AutoPolicy.choose
+
+    def choose(self, sampling, lookup_lengths, max_nodes=None, load=None):  # noqa: ANN001, ANN202
+        seen.append((0 if sampling.greedy else 1, load))
+        return real(self, sampling, lookup_lengths, max_nodes, load)
+
+    monkeypatch.setattr(AutoPolicy, "choose", choose)
+    eng = dataclasses.replace(engine, auto_policy=None, speculation=SpeculationConfig(method="auto"))
+    spec = SpeculationConfig(method="auto")
+    prompts = [engine.tokenizer.encode(p) for p in ("Hello the", "in the in", "def f(x):", "1 2 3 4")]
+    jobs = [job(p, 10 + 3 * i, spec) for i, p in enumerate(prompts)]
+    seeded = Job(prompts[0], 12, SamplingParams(temperature=1.0), 5, [], spec, lambda ev: None)
+    sched = Scheduler(eng, max_batch=5)
+    sched.start()
+    try:
+        events = run_jobs(sched, [*jobs, seeded])
+    finally:
+        sched.stop()
+    shared = [load for kind, load in seen if kind == 0 and load is not None and load.others]
+    assert shared and all(load.seconds > 0 and load.tokens > 0 for load in shared)
+    assert max(load.others for load in shared) == 4 and any(load.oracle_rows > 0 for load in shared)
+    assert all(load is None for kind, load in seen if kind == 1)  # the seeded request: priced alone
+    for j, ev in zip([*jobs, seeded], events):
+        assert ev[-1][0] == "done"
+        solo = Pipeline.from_loaded(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
+            j.prompt_ids, max_new_tokens=j.max_tokens, sampling=j.sampling, seed=j.seed)
+        assert ev[-1][2]["token_ids"] == solo.token_ids

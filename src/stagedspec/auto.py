@@ -29,6 +29,15 @@ statistics never go stale.  A draft's statistics are updated whenever an arm
 that uses it runs.  A speculative arm must beat `ar` by `MARGIN` to run, so
 when the estimates are close the loop decodes plainly.
 
+In the batched server (`stagedspec.server`) a request's step is part of a
+round whose passes it shares with the other running requests, so an arm is
+priced by what it adds to that round (`SharedLoad`, `shared_step_seconds`):
+its oracle rows at the margin of the others' rows on the cost curve, its
+segment's per-request cost, its draft passes either inside the draft phases
+the others already run (their marginal rows) or as new phases (their cost
+shared by the requests that would run them), and the round's other tokens and
+seconds, measured, in the ratio.  Alone (no others) that is the solo price.
+
 Exactness.  The choice depends on earlier steps (the statistics, the
 measured times) and on the drafts' own proposals for this step (whether a
 lookup chain exists), never on the oracle's result for this step — the rule
@@ -288,28 +297,129 @@ def predicted_draft_seconds(arm: Arm, profile: CostProfile, sampled: bool = Fals
     return LOOKUP_SECONDS + catch_up + passes * (profile.draft_seconds(0, 3) + extra)
 
 
+@dataclass(frozen=True)
+class SharedLoad:
+    """One request's view, before its step, of the batched round it is about to share (the server's state).
+
+    Built by the scheduler from the rounds already run (`stagedspec.server.scheduler`), never from the
+    round in progress, so the step's tree shape depends only on history and server state known before it.
+    `others`: the other requests in the round.  `oracle_rows`: the rows their steps put in the round's
+    oracle pass.  `draft_phases`: draft passes the others' steps run (the round's draft phases: a lane's
+    k-th draft pass joins the k-th ragged draft pass), `draft_rows`: their rows per such phase.
+    `seconds` / `tokens`: the others' share of a round's measured wall time and of its emitted tokens.
+    """
+
+    others: int = 0
+    oracle_rows: float = 0.0
+    draft_phases: int = 0
+    draft_rows: float = 0.0
+    seconds: float = 0.0
+    tokens: float = 0.0
+    # Measured / predicted time of the recent rounds' oracle passes, and of the rest of their rounds (draft
+    # passes and the lanes' host work around them): the cost profile, solo and quiet-machine, scaled to the
+    # shared passes as they run.
+    oracle_scale: float = 1.0
+    draft_scale: float = 1.0
+
+    @property
+    def requests(self) -> int:
+        """Requests in the round, this one included."""
+        return self.others + 1
+
+
+def draft_pass_rows(arm: Arm) -> list[int]:
+    """Rows of each draft pass of one step of `arm` (the first: catching the draft up on the last step's
+    tokens), as `predicted_draft_seconds` counts them."""
+    if arm.kind == "tree":
+        depth = tree_depth_for(arm.size)
+        return [2] + [min(8, math.ceil(arm.size / depth) + 1)] * depth
+    if arm.kind == "staged":
+        return [2] + [3] * math.ceil(arm.size / STAGE_INNER_ACCEPT)
+    return []
+
+
+def shared_step_seconds(arm: Arm, profile: CostProfile, load: SharedLoad, lookup_lengths: Mapping[str, int],
+                        sampled: bool = False) -> float:
+    """Seconds `arm`'s step adds to a batched round shared with `load.others` requests.
+
+    - oracle: its rows at the margin of the others' rows on the cost curve, cost(R + r) - cost(R) (the
+      pass's fixed cost is paid by the round whatever this request runs), plus its segment's own cost;
+    - drafting: each draft pass inside the phases the others already run costs its marginal rows and its
+      segment; a pass beyond them opens a new phase, priced as if every request in the round ran it
+      (its cost over `requests`): phases are shared, so one request pricing a new phase alone would keep
+      all from opening one even when all would gain (with identical requests, a request's gain and its
+      share of the cost scale alike, so the choice is the round's best common arm);
+    - plus the host work around each draft pass (`draft_overhead`), which the lanes do one at a time.
+
+    With no others this is the solo price (`expected_rates`' seconds with unit scales).
+    """
+    rows = verify_rows(arm, lookup_lengths)
+    base = load.oracle_rows
+    if load.others and base > 0:
+        seconds = profile.oracle_seconds(base + rows) - profile.oracle_seconds(base) + profile.segment_cost(-1)
+    else:
+        seconds = profile.oracle_seconds(rows)
+    seconds *= load.oracle_scale
+    if arm.kind == "ar":
+        return seconds
+    if arm.kind == "lookup" or not profile.drafts:
+        return seconds + LOOKUP_SECONDS
+    return seconds + load.draft_scale * _shared_draft_seconds(arm, profile, load, sampled)
+
+
+def _shared_draft_seconds(arm: Arm, profile: CostProfile, load: SharedLoad, sampled: bool) -> float:
+    """`shared_step_seconds`' drafting part, unscaled."""
+    seconds = 0.0
+    extra = profile.draft_pass_overhead(sampled)
+    n, phases, per_phase = load.requests, load.draft_phases if load.others else 0, load.draft_rows
+    if arm.kind == "staged":
+        seconds += LOOKUP_SECONDS
+    for k, r in enumerate(draft_pass_rows(arm)):
+        if k < phases:
+            seconds += profile.draft_seconds(0, per_phase + r) - profile.draft_seconds(0, per_phase)
+            seconds += profile.segment_cost(0)
+        else:
+            seconds += profile.draft_seconds(0, n * r) / n + profile.segment_cost(0) * (n - 1) / n
+        if k:
+            seconds += extra
+    return seconds
+
+
 def expected_rates(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
-    lookup_lengths: Mapping[str, int], sampled: bool = False,
+    lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
 ) -> dict[Arm, float]:
-    """Expected tokens per second of each arm: a pure function of the costs and the statistics."""
+    """Expected tokens per second of each arm: a pure function of the costs, the statistics and the load.
+
+    With a `load` of other requests (the batched server), an arm's rate is the round's: (the others'
+    tokens + the arm's) / (the others' seconds + what the arm adds to the round), the others' measured.
+    """
     rates = {}
     for arm in arms:
+        tokens = expected_tokens(arm, stats, lookup_lengths)
+        if load is not None and load.others and load.seconds > 0:
+            seconds = shared_step_seconds(arm, profile, load, lookup_lengths, sampled)
+            rates[arm] = (load.tokens + tokens) / (load.seconds + seconds)
+            continue
         seconds = costs.verify_scale * profile.oracle_seconds(verify_rows(arm, lookup_lengths))
         seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile, sampled))
-        rates[arm] = expected_tokens(arm, stats, lookup_lengths) / seconds
+        rates[arm] = tokens / seconds
     return rates
 
 
 def choose_arm(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
-    lookup_lengths: Mapping[str, int], sampled: bool = False,
+    lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
 ) -> Arm:
-    """The arm with the highest expected tokens per second; `ar` unless another beats it by `MARGIN`."""
-    rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled)
+    """The arm with the highest expected tokens per second; `ar` unless another beats it by `MARGIN`.
+
+    `load`: the batched round this step shares (`SharedLoad`); None or no others: priced alone."""
+    rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled, load)
     best = max(rates, key=lambda a: rates[a])
     plain = Arm("ar")
-    if plain in rates and best != plain and rates[best] < (1.0 + MARGIN) * rates[plain]:
+    # A shared round's rate moves by about 1/requests of what this request's own rate would: so does the margin.
+    margin = MARGIN / load.requests if load is not None and load.others and load.seconds > 0 else MARGIN
+    if plain in rates and best != plain and rates[best] < (1.0 + margin) * rates[plain]:
         return plain
     return best
 
@@ -382,12 +492,13 @@ class AutoPolicy:
         return self.greedy_stats if sampling.greedy else self.sampled_stats
 
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
-               max_nodes: int | None = None) -> Arm:
-        """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does)."""
+               max_nodes: int | None = None, load: SharedLoad | None = None) -> Arm:
+        """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does);
+        `load`: the batched round the step shares (priced alone when None)."""
         arms = self.arms if max_nodes is None else [a for a in self.arms if a.max_nodes <= max_nodes]
         with self.lock:
             arm = choose_arm(arms or [Arm("ar")], self.profile, self.stats_for(sampling), self.costs,
-                             lookup_lengths, not sampling.greedy)
+                             lookup_lengths, not sampling.greedy, load)
             self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
         return arm
 
@@ -457,6 +568,10 @@ class AutoDrafter:
         # Most nodes a tree may have (None: any arm), set by the server under memory pressure
         # (`stagedspec.server.pressure`): arms that could exceed it are not picked, rather than cut.
         self.node_cap: int | None = None
+        # The batched round this request's next step shares, set by the server's scheduler between rounds
+        # (never for a seeded sampled request, whose choices must not depend on its neighbours): see
+        # `SharedLoad`.  None: priced alone.
+        self.shared_load: SharedLoad | None = None
 
     @property
     def forward_passes(self) -> int:
@@ -489,7 +604,7 @@ class AutoDrafter:
                 if proposer not in lengths:  # the proposer's best chain only
                     lengths[proposer] = len(chain)
                     self._pending.append((len(context), proposer, chain))
-        arm = self.policy.choose(sampling, lengths, self.node_cap)
+        arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load)
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
         self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
         drafter, settings = self.arms[arm]

@@ -31,11 +31,14 @@ from stagedspec import hardware
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capacity, wants_fixed_width
 
-# Row counts measured on each kind of device (a GPU's curve stays flat much longer).
-CPU_ORACLE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
-CUDA_ORACLE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-DRAFT_ROWS = (1, 2, 3, 4, 6, 8)
-PROFILE_VERSION = 2  # 2: draft_overhead
+# Row counts measured on each kind of device (a GPU's curve stays flat much longer).  The larger ones are
+# the loads of the batched server's shared passes, where `auto` prices a request's rows by the curve's slope
+# there (`stagedspec.auto.SharedLoad`); a solo run's trees stay within the first ones.
+CPU_ORACLE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
+CUDA_ORACLE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+RAGGED_SEGMENTS = 8  # segments of the ragged pass timed for the per-segment cost
+PROFILE_VERSION = 3  # 2: draft_overhead; 3: shared-pass row counts and segment_seconds
 
 
 def _tree_mask(rows: int) -> tuple[torch.Tensor, list[int]]:
@@ -110,6 +113,59 @@ def forward_cost_curve(
     return monotone(out)
 
 
+def ragged_segment_cost(model: Transformer, context: int = 256, segments: int = RAGGED_SEGMENTS, rows: int = 2,
+                        repeats: int = 5, fixed_width: bool | None = None) -> float:
+    """Seconds one more request's segment adds to a ragged pass (`stagedspec.models.ragged`) beyond its rows.
+
+    A segment has its own attention call per layer against its own cache, and the work around it; the
+    cost curves (one sequence) do not see that.  Times `segments` segments of `rows` rows each against one
+    segment of all those rows (same rows, same cache length and key width), fastest of `repeats`, and
+    returns the difference per extra segment (0 where ragged passes do not run: a quantised head, static
+    passes, or an error).
+    """
+    from stagedspec.models.ragged import Segment, forward_ragged
+
+    if getattr(model, "head_q", None) is not None or pass_mode(model) != "eager" or segments < 2:
+        return 0.0
+    device = model.embed.weight.device
+    total = segments * rows
+    context = max(1, min(context, model.config.max_position - total - 2))
+    cache = model.new_cache(context + total + 1)
+    fixed = wants_fixed_width(model) if fixed_width is None else fixed_width
+    g = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def seg(n: int) -> Segment:
+        toks = torch.randint(0, vocab, (1, n), generator=g).to(device)
+        mask, depth = _tree_mask(n)
+        return Segment(toks, torch.tensor(depth, device=device) + context, cache, mask.to(device), None,
+                       cache.max_len if fixed else None)
+
+    try:
+        with torch.inference_mode():
+            prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
+            model(prompt, torch.arange(context, device=device), cache, logits_rows=slice(-1, None))
+            cache.commit()
+            best = {"one": math.inf, "many": math.inf}
+            shapes = {"one": [seg(total)], "many": [seg(rows) for _ in range(segments)]}
+            for r in range(2 * repeats + 1):  # alternating, so that both shapes see the same machine
+                for key, parts in shapes.items():  # every segment reserves the same slots: the cost, not the result
+                    sync()
+                    t = time.perf_counter()
+                    forward_ragged(model, parts)
+                    sync()
+                    if r:
+                        best[key] = min(best[key], time.perf_counter() - t)
+                    cache.discard()
+    except Exception:  # noqa: BLE001 - a model ragged passes cannot run: no segment cost to price
+        return 0.0
+    return max(0.0, (best["many"] - best["one"]) / (segments - 1))
+
+
 def monotone(curve: Mapping[int, float]) -> dict[int, float]:
     """The curve made non-decreasing in rows: a pass never costs more than a bigger pass measured cheaper.
 
@@ -161,6 +217,14 @@ class CostProfile:
     # Host seconds around each pass of the top draft when it grows a tree ("greedy", "sampled"): top-k,
     # sampling, masks, device-to-host copies.  Next to a 0.3 ms CUDA-graph pass they are most of the cost.
     draft_overhead: dict[str, float] = field(default_factory=dict)
+    # Seconds one more request's segment adds to a ragged pass beyond its rows (`ragged_segment_cost`): the
+    # oracle's, then each draft's.  Empty: unmeasured (priced as 0).
+    segment_seconds: list[float] = field(default_factory=list)
+
+    def segment_cost(self, index: int) -> float:
+        """Per-segment seconds of a ragged pass of model `index` (-1: the oracle, else a draft stage)."""
+        i = 0 if index < 0 else index + 1
+        return self.segment_seconds[i] if i < len(self.segment_seconds) else 0.0
 
     def oracle_seconds(self, rows: float) -> float:
         return self._lookup(-1, self.oracle, rows)
@@ -199,7 +263,8 @@ class CostProfile:
 
         return cls(oracle=curve(d["oracle"]), drafts=[curve(c) for c in d["drafts"]], machine=d.get("machine", ""),
                    key=d.get("key", ""), measured_seconds=float(d.get("measured_seconds", 0.0)),
-                   draft_overhead={str(k): float(v) for k, v in d.get("draft_overhead", {}).items()})
+                   draft_overhead={str(k): float(v) for k, v in d.get("draft_overhead", {}).items()},
+                   segment_seconds=[float(x) for x in d.get("segment_seconds", [])])
 
 
 def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str) -> str:
@@ -214,7 +279,9 @@ def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str)
 def profile_path(key: str) -> Path:
     from stagedspec.models.default import cache_root
 
-    return cache_root() / "costs" / f"{key}.json"
+    # The version is in the name: processes running an older stagedspec keep reading (and rewriting) their
+    # own files rather than re-measuring over each other's.
+    return cache_root() / "costs" / (f"{key}.json" if PROFILE_VERSION == 2 else f"{key}.v{PROFILE_VERSION}.json")
 
 
 def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: str, *, repeats: int = 5,
@@ -229,8 +296,12 @@ def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: 
     draft_curves = [forward_cost_curve(d, sizes=DRAFT_ROWS, context=256, repeats=repeats, fixed_width=False)
                     for d in drafts]
     overhead = draft_pass_overhead(drafts[0], draft_curves[0], repeats=repeats) if drafts else {}
+    # A segment's own work cannot cost more than a whole one-row pass (a noisy machine can make it look so).
+    segment = [min(ragged_segment_cost(oracle, repeats=repeats), oracle_curve[min(oracle_curve)])]
+    segment += [min(ragged_segment_cost(d, repeats=repeats, fixed_width=False), c[min(c)])
+                for d, c in zip(drafts, draft_curves)]
     return CostProfile(oracle_curve, draft_curves, hardware.describe(device), profile_key(oracle, drafts, device),
-                       time.perf_counter() - t0, overhead)
+                       time.perf_counter() - t0, overhead, segment)
 
 
 def draft_pass_overhead(draft: Transformer, curve: Mapping[int, float], repeats: int = 5) -> dict[str, float]:

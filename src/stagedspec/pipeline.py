@@ -618,8 +618,7 @@ def auto_state_path(profile_key: str) -> Path:
     """Where `--method auto`'s learned state lives: beside the cost profile it was learned with."""
     from stagedspec.costs import profile_path
 
-    path = profile_path(profile_key)
-    return path.with_name(path.stem + ".auto.json")
+    return profile_path(profile_key).with_name(f"{profile_key}.auto.json")  # whatever the profile's version
 
 
 def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - GenerationStats

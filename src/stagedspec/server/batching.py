@@ -33,7 +33,9 @@ hangs on one request.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -46,6 +48,27 @@ from stagedspec.runner import PassRouter, routed_passes
 
 IDLE, RUNNING, WAITING, DONE, ABANDONED = "idle", "running", "waiting", "done", "abandoned"
 IDLE_LANES = 16  # finished lanes kept for reuse (above the largest --max-batch in practice: the rest end)
+
+
+@dataclass
+class RaggedPass:
+    """One ragged pass of a round: its model, each lane's rows in it, and how long it took."""
+
+    model: Transformer
+    rows: dict[int, int]  # id(lane) -> rows
+    seconds: float
+
+
+@dataclass
+class RoundRecord:
+    """What one round ran: its lanes, its ragged passes in order, and its wall time.
+
+    The scheduler turns it into each request's view of the load (`stagedspec.auto.SharedLoad`), which
+    `auto` prices the next step's arms by: a step's choice then depends only on earlier rounds."""
+
+    lanes: list[int]  # id(lane) of each lane in the round
+    passes: list[RaggedPass] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 class _Call:
@@ -75,6 +98,8 @@ class PassBatcher:
         self.ragged_passes = 0  # ragged passes run (one per model per barrier)
         self.segments = 0  # lane passes they carried
         self._idle: list[Lane] = []  # finished requests' lanes, whose threads wait for the next request
+        self.last_round: RoundRecord | None = None  # the latest round run (set when it ends)
+        self._record: RoundRecord | None = None
 
     def lane(self, name: str) -> "Lane":
         """A lane for a new request: a finished request's lane when one is idle, else a new thread.
@@ -99,6 +124,8 @@ class PassBatcher:
     def run_round(self, work: list[tuple["Lane", Callable[[], None]]]) -> list["Lane"]:
         """Run one step on every lane (`task` must catch its own errors); returns the lanes abandoned."""
         lanes = [lane for lane, _ in work]
+        record = self._record = RoundRecord([id(lane) for lane in lanes])
+        t0 = time.perf_counter()
         with self._cond:
             for lane, task in work:
                 lane._task, lane.state = task, RUNNING  # noqa: SLF001
@@ -116,6 +143,8 @@ class PassBatcher:
                 calls = [c for c in self._calls if c.model is not self.last] or self._calls
                 self._calls = [c for c in self._calls if c not in calls]
             if not calls:
+                record.seconds = time.perf_counter() - t0
+                self.last_round = record
                 return abandoned
             self._execute(calls)
             with self._cond:
@@ -132,12 +161,18 @@ class PassBatcher:
             by_model[id(call.model)].append(call)
         for group in by_model.values():
             try:
+                t0 = time.perf_counter()
                 with torch.inference_mode():
                     outs = forward_ragged(group[0].model, [c.segment for c in group])
                 for call, out in zip(group, outs):
                     call.out = out
                 self.ragged_passes += 1
                 self.segments += len(group)
+                if self._record is not None:
+                    rows: dict[int, int] = defaultdict(int)
+                    for call in group:
+                        rows[id(call.lane)] += call.segment.tokens.shape[1]
+                    self._record.passes.append(RaggedPass(group[0].model, dict(rows), time.perf_counter() - t0))
             except Exception as e:  # noqa: BLE001 - raised again in each lane's own thread
                 for call in group:
                     call.error = e

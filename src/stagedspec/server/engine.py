@@ -162,7 +162,8 @@ class Engine:
             if self.batched_passes:
                 # A batched request's measured step times include its waits at the barrier for its
                 # neighbours' passes, which priced every draft arm out at 8 streams (bench-serve: auto 1.10x
-                # `ar`, staged 1.46x); the machine's cost profile prices the arms instead, as for a seeded request.
+                # `ar`, staged 1.46x); the machine's cost profile prices the arms instead, as for a seeded request,
+                # at the margin of the round each step shares (`auto.SharedLoad`, set by the scheduler).
                 policy = pipe.auto_policy()
                 if policy.learn_times:
                     from stagedspec.auto import StepCosts

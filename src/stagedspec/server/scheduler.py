@@ -88,7 +88,11 @@ class _Running:
         pipe = engine.pipeline(job.spec)
         max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         self.oracle = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact)
-        self.drafter = pipe.drafter(max_len, reproducible=job.seed is not None and not job.sampling.greedy)
+        reproducible = job.seed is not None and not job.sampling.greedy
+        self.drafter = pipe.drafter(max_len, reproducible=reproducible)
+        # `auto` prices its arms by the batched round it shares (`auto.SharedLoad`), except for a seeded
+        # sampled request: its tree shapes, and so its draws, must be its solo run's.
+        self.load_aware = hasattr(self.drafter, "shared_load") and not reproducible
         self.switch = CappedDrafter(self.drafter, job.spec.max_nodes, level)
         engine.remember_costs(pipe)
         self.stats = GenerationStats()
@@ -162,6 +166,91 @@ class _Running:
         }
 
 
+class LoadTracker:
+    """What the batched rounds cost and carry, for `auto`'s pricing of a request's next step (`auto.SharedLoad`).
+
+    Per lane, from the latest round: its rows in the oracle's ragged pass, its draft passes and their rows.
+    Over rounds (an exponential mean, rounds with a prompt's prefill left out): the round's wall time and
+    emitted tokens per request in it, and how the round's oracle passes and the rest of it (drafting, host
+    work) compare with the cost profile's prediction for them.  A request's view is then the other lanes' latest rows and draft
+    phases, and their share (per request) of a round's seconds and tokens.  Only finished rounds are read,
+    so a step's choice depends on server state known before it.
+    """
+
+    SMOOTHING = 0.3  # weight of the newest round in the means
+
+    def __init__(self, oracle: Any) -> None:
+        self.oracle = oracle
+        self.lanes: dict[int, tuple[int, int, int]] = {}  # id(lane) -> (oracle rows, draft passes, draft rows)
+        self.lane_seconds: float | None = None  # round seconds / requests in the round
+        self.lane_tokens: float | None = None  # round tokens / requests in the round
+        self.oracle_scale = 1.0  # measured / predicted seconds of the oracle's ragged passes
+        self.draft_scale = 1.0  # measured / predicted seconds of the rest of the round (drafting, host work)
+
+    def _scale(self, old: float, measured: float, predicted: float) -> float:
+        if measured <= 0 or predicted <= 0:
+            return old
+        ratio = min(20.0, max(0.25, measured / predicted))
+        return (1 - self.SMOOTHING) * old + self.SMOOTHING * ratio
+
+    def _rescale(self, record: Any, profile: Any) -> None:
+        """Compare the round's passes with what the cost profile predicts for them (`auto.SharedLoad`'s scales)."""
+        oracle_measured = oracle_predicted = draft_predicted = 0.0
+        lane_passes = 0
+        for p in record.passes:
+            rows, segments = sum(p.rows.values()), len(p.rows)
+            if p.model is self.oracle:
+                oracle_measured += p.seconds
+                oracle_predicted += profile.oracle_seconds(rows) + (segments - 1) * profile.segment_cost(-1)
+            elif profile.drafts:
+                draft_predicted += profile.draft_seconds(0, rows) + (segments - 1) * profile.segment_cost(0)
+                lane_passes += segments
+        self.oracle_scale = self._scale(self.oracle_scale, oracle_measured, oracle_predicted)
+        if lane_passes:  # the rest of the round: draft passes, and the lanes' host work, one lane at a time
+            draft_predicted += lane_passes * profile.draft_pass_overhead(False)
+            self.draft_scale = self._scale(self.draft_scale, record.seconds - oracle_measured, draft_predicted)
+
+    def observe(self, record: Any, tokens: dict[int, int], first: set[int], profile: Any = None) -> None:
+        """Fold in a finished round (`batching.RoundRecord`); `tokens`: id(lane) -> tokens its step emitted,
+        `first`: lanes whose step was their request's first (its prompt's prefill); `profile`: the cost
+        profile `auto` prices with (None: no scales are learned)."""
+        lanes: dict[int, list[int]] = {lane: [0, 0, 0] for lane in record.lanes}
+        for p in record.passes:
+            for lane, rows in p.rows.items():
+                if lane in lanes:
+                    if p.model is self.oracle:
+                        lanes[lane][0] += rows
+                    else:
+                        lanes[lane][1] += 1
+                        lanes[lane][2] += rows
+        self.lanes = {lane: tuple(v) for lane, v in lanes.items() if lane not in first}  # type: ignore[misc]
+        n = len(record.lanes)
+        if not n or first or record.seconds <= 0 or not tokens:
+            return
+        if profile is not None:
+            self._rescale(record, profile)
+        a = self.SMOOTHING
+        seconds, emitted = record.seconds / n, sum(tokens.values()) / n
+        self.lane_seconds = seconds if self.lane_seconds is None else (1 - a) * self.lane_seconds + a * seconds
+        self.lane_tokens = emitted if self.lane_tokens is None else (1 - a) * self.lane_tokens + a * emitted
+
+    def view(self, lane: Any, lanes: list[Any]) -> Any:
+        """`lane`'s `auto.SharedLoad` for the next round of `lanes` (None: nothing measured yet)."""
+        from stagedspec.auto import SharedLoad
+
+        others = [x for x in lanes if x is not lane]
+        if not others:
+            return SharedLoad()
+        if self.lane_seconds is None or self.lane_tokens is None:
+            return None
+        seen = [self.lanes[id(x)] for x in others if id(x) in self.lanes]
+        phases = max((s[1] for s in seen), default=0)
+        return SharedLoad(others=len(others), oracle_rows=float(sum(s[0] for s in seen)), draft_phases=phases,
+                          draft_rows=sum(s[2] for s in seen) / phases if phases else 0.0,
+                          seconds=self.lane_seconds * len(others), tokens=self.lane_tokens * len(others),
+                          oracle_scale=self.oracle_scale, draft_scale=self.draft_scale)
+
+
 class Scheduler:
     """Owns the models; runs every admitted request's loop, one step each per round (see the module docstring)."""
 
@@ -198,6 +287,7 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.round_pause = round_pause
         self.batcher = PassBatcher(step_timeout, last=engine.model) if batch_passes else None
+        self.load = LoadTracker(engine.model)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[_Running] = []
@@ -343,7 +433,16 @@ class Scheduler:
             else:
                 active.append(r)
         if self.batcher is not None:
+            for r in active:
+                if r.load_aware:
+                    r.drafter.shared_load = self.load.view(r.lane, [x.lane for x in active])
+            first = {id(r.lane) for r in active if not r.token_ids}  # prompt prefill: not a step's load
             abandoned = set(map(id, self.batcher.run_round([(r.lane, r.run_step) for r in active])))
+            record = self.batcher.last_round
+            if record is not None:
+                self.load.observe(record, {id(r.lane): len(r.outcome[0][0]) for r in active
+                                           if r.outcome[0] is not None}, first,
+                                  getattr(self.engine.auto_policy, "profile", None))
             for r in active:
                 if id(r.lane) in abandoned:
                     r.outcome = (None, StagedSpecError("this request's step took too long and was stopped"))
