@@ -279,9 +279,9 @@ def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str)
 def profile_path(key: str) -> Path:
     from stagedspec.models.default import cache_root
 
-    # The version is in the name: processes running an older stagedspec keep reading (and rewriting) their
-    # own files rather than re-measuring over each other's.
-    return cache_root() / "costs" / (f"{key}.json" if PROFILE_VERSION == 2 else f"{key}.v{PROFILE_VERSION}.json")
+    # The version is in the name (from version 3): processes running an older stagedspec keep reading (and
+    # rewriting) their own files rather than re-measuring over each other's.
+    return cache_root() / "costs" / f"{key}.v{PROFILE_VERSION}.json"
 
 
 def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: str, *, repeats: int = 5,
