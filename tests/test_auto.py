@@ -106,6 +106,19 @@ def test_arm_calibration_follows_what_the_arm_yielded() -> None:
     assert stats.calibration(arm) == pytest.approx(0.5, abs=0.05)
 
 
+def test_arm_calibration_is_learned_against_the_raw_prediction() -> None:
+    """What a step records is the chains' prediction without the calibration, so the factor reaches the true
+    actual/predicted ratio (recording the calibrated prediction made it settle at its square root)."""
+    stats = AcceptanceStats()
+    arm = Arm("tree", 8)
+    raw = expected_tokens(arm, stats, {}, calibrated=False) - 1.0  # the chains' prior: about 2 extra tokens
+    assert raw > 1.5
+    for _ in range(400):  # the arm yields one extra token a step, as `AutoDrafter` records it
+        stats.observe_arm(arm, predicted_tokens=expected_tokens(arm, stats, {}, calibrated=False), tokens=2)
+    assert stats.calibration(arm) == pytest.approx(1.0 / raw, rel=0.05)
+    assert expected_tokens(arm, stats, {}) == pytest.approx(2.0, rel=0.05)
+
+
 def test_spine_and_matched_prefix() -> None:
     tree = TokenTree([0], [-1])
     a = tree.add(0, 5)

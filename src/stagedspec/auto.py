@@ -237,11 +237,16 @@ class StepCosts:
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * ratio
 
 
-def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[str, int]) -> float:
+def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[str, int],
+                    calibrated: bool = True) -> float:
     """Tokens a step of `arm` is expected to emit (its accepted draft tokens + the oracle's own).
 
     `lookup_lengths`: how long this step's context and n-gram chains are (a
-    proposer with no chain now cannot be accepted now).
+    proposer with no chain now cannot be accepted now).  `calibrated=False`:
+    the chains' prediction alone, without the arm's actual/predicted factor;
+    that factor is learned against this raw prediction (a prediction that
+    already included it would make the factor settle at the square root of
+    the true ratio).
     """
     if arm.kind == "ar":
         return 1.0
@@ -255,7 +260,7 @@ def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[st
     else:  # staged: the draft's chain, with the prompt-lookup chain merged in
         reach = _best_reach([chains["draft"].reach(arm.size),
                              chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0)))])
-    return 1.0 + stats.calibration(arm) * sum(reach)
+    return 1.0 + (stats.calibration(arm) if calibrated else 1.0) * sum(reach)
 
 
 def _best_reach(curves: Iterable[list[float]]) -> list[float]:
@@ -612,7 +617,7 @@ class AutoDrafter:
             setattr(obj, attr, value)
         tree = drafter.propose(context, sampling, generator, max_tokens)
         with self.policy.lock:
-            predicted = expected_tokens(arm, self.policy.stats_for(sampling), lengths)
+            predicted = expected_tokens(arm, self.policy.stats_for(sampling), lengths, calibrated=False)
         self._last = _Step(len(context), arm, tree, predicted, len(tree), time.perf_counter() - t0,
                            sampled=not sampling.greedy)
         return tree
