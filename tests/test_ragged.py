@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stagedspec.models.config import ModelConfig
-from stagedspec.models.ragged import Segment, forward_ragged
+from stagedspec.models.ragged import Segment, forward_ragged, padded_rows
 from stagedspec.models.transformer import Transformer, init_random
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,7 +64,7 @@ def cases(model: Transformer, seed: int):  # noqa: ANN201
     return out
 
 
-def run(model: Transformer, ragged: bool, row_independent: bool, seed: int):  # noqa: ANN201
+def run(model: Transformer, ragged: bool, row_independent: bool, seed: int, pad: bool = False):  # noqa: ANN201
     seqs = cases(model, seed)
     caches = [model.new_cache(64) for _ in seqs]
     # prompts: solo passes (the same for both sides)
@@ -75,7 +75,7 @@ def run(model: Transformer, ragged: bool, row_independent: bool, seed: int):  # 
                     kw.get("key_width"), row_independent)
             for cache, (_, toks, plen, kw) in zip(caches, seqs)]
     if ragged:
-        outs = forward_ragged(model, segs)
+        outs = forward_ragged(model, segs, pad=pad)
     else:
         outs = [model(s.tokens, s.positions, s.cache, tree_mask=s.tree_mask, key_width=s.key_width,
                       row_independent=row_independent) for s in segs]
@@ -97,6 +97,70 @@ def test_ragged_segments_match_solo_passes(arch, row_independent):
     for a, b in zip(solo_caches, ragged_caches):
         assert a.length == b.length
         torch.testing.assert_close(b.k[:, :, :, :a.length], a.k[:, :, :, :a.length], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_rows_are_few_sizes_and_little_padding():
+    sizes = [padded_rows(n) for n in range(1, 4097)]
+    assert all(p >= n for n, p in zip(range(1, 4097), sizes))
+    assert sizes == sorted(sizes)
+    assert len(set(sizes)) == 35  # what bounds the native per-shape state (oneDNN primitives, heap sizes)
+    assert [padded_rows(n) for n in (1, 2, 3, 5, 9, 17, 33, 64, 65, 129)] == [1, 2, 4, 8, 16, 24, 40, 64, 80, 160]
+    assert all((p - n) / p <= 0.2 for n, p in zip(range(65, 4097), sizes[64:]))
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("row_independent", [False, True])
+def test_padded_ragged_pass_leaves_real_rows_unchanged(arch, row_independent):
+    """The server pads a ragged pass's rows (`pad=True`); in fp32 every segment's logits and cache entries are
+    those of the unpadded pass (padding rows are only extra rows of the row-wise matmuls, never attended to),
+    and the slots past each cache's entries stay untouched (bit-identical here: both run the same fp32
+    matmul kernels, which compute each row alone; the bound that matters is that of the neighbours' rows,
+    `test_ragged_segments_match_solo_passes`)."""
+    model = init_random(Transformer(CONFIGS[arch]), seed=1).eval()
+    with torch.inference_mode():
+        plain, plain_caches = run(model, True, row_independent, seed=3)
+        padded, padded_caches = run(model, True, row_independent, seed=3, pad=True)
+    total = sum(seq[1].shape[1] for seq in cases(model, 3))
+    assert padded_rows(total) > total  # 13 rows run as 16: there is padding to test
+    for a, b in zip(plain, padded):
+        assert torch.equal(b, a)  # bit-identical: a row's matmul result does not depend on the other rows
+    for a, b in zip(plain_caches, padded_caches):
+        assert a.length == b.length
+        assert torch.equal(b.k, a.k) and torch.equal(b.v, a.v)
+        assert not b.k[:, :, :, b.length:].any()
+
+
+def test_padded_pass_returns_hidden_states_and_takes_features_per_segment():
+    """`return_hidden` (picked rows and "all") and a feature draft's input features under padding."""
+    from stagedspec.models.feature_draft import FeatureDraftModel
+
+    oracle = init_random(Transformer(CONFIGS["llama"]), seed=4).eval()
+    H = oracle.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+
+    def segs(model, features: bool):  # noqa: ANN001, ANN202
+        out = []
+        for i, T in enumerate((3, 1, 2)):
+            toks = torch.randint(0, 80, (1, T), generator=g)
+            feats = torch.randn(1, T, H, generator=g) if features and i != 1 else None
+            out.append(Segment(toks, torch.arange(T), model.new_cache(16), logits_rows=slice(-1, None),
+                               return_hidden="all" if i == 0 else True, features=feats))
+        return out
+
+    for model in (oracle, init_random(FeatureDraftModel(oracle), seed=6).eval()):
+        state = g.get_state()
+        with torch.inference_mode():
+            plain = forward_ragged(model, segs(model, model is not oracle))
+            g.set_state(state)
+            padded = forward_ragged(model, segs(model, model is not oracle), pad=True)
+        for (la, ha), (lb, hb) in zip(plain, padded):
+            assert torch.equal(lb, la) and torch.equal(hb, ha)
+
+
+def test_the_server_batcher_pads_by_default():
+    from stagedspec.server.batching import PassBatcher
+
+    assert PassBatcher().pad and not PassBatcher(pad=False).pad
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))

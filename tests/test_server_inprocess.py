@@ -275,7 +275,7 @@ def test_batched_memory_pressure_shrinks_running_trees_and_output_stays_exact(en
 def test_batched_pass_error_reaches_the_request_not_the_server(engine, monkeypatch):
     import stagedspec.server.batching as batching
 
-    def broken(model, segments):  # noqa: ANN001, ANN202
+    def broken(model, segments, pad=False):  # noqa: ANN001, ANN202
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(batching, "forward_ragged", broken)
@@ -315,11 +315,11 @@ def test_feature_draft_passes_join_the_ragged_passes(feature_engine, method, mon
     seen: dict[str, list[int]] = {"draft": [], "oracle": []}
     real = batching.forward_ragged
 
-    def counting(model, segments):  # noqa: ANN001, ANN202
+    def counting(model, segments, pad=False):  # noqa: ANN001, ANN202
         if model is draft:
             assert all(s.features is not None and s.return_hidden for s in segments)
         seen["draft" if model is draft else "oracle"].append(len(segments))
-        return real(model, segments)
+        return real(model, segments, pad=pad)
 
     monkeypatch.setattr(batching, "forward_ragged", counting)
     spec = SpeculationConfig(method=method)

@@ -21,10 +21,26 @@ draft) and per-row input `features` (a `FeatureDraftModel` fuses them with
 the token embedding, a row-wise op like the others).
 `tests/test_ragged.py` checks a one-segment pass is bit-identical to
 `Transformer.forward`, and several segments agree with their solo passes.
+
+Padding (`pad=True`, what the server's batcher asks for): the total row
+count of a ragged pass changes from round to round, and so do the matmuls'
+shapes.  On the CPU every new row count M costs native memory that is kept:
+oneDNN builds (and caches, 1024 by default) a bf16 matmul primitive per
+(M, weight shape), and glibc keeps the heap fragmented by the many
+differently sized buffers; a server that saw hundreds of row counts grew
+by hundreds of MB (docs/serving.md, the soak).  So the concatenated rows
+are padded up to one of a few sizes (`padded_rows`: 1, 2, 4, 8, then steps
+of an eighth of the next power of two: 35 sizes up to 4096 rows), and so are the head's picked rows.  Padding rows are token 0 at
+position 0, take no part in attention (each segment attends over its own
+rows and cache only; a padding row's attention output is zero) and nothing
+reads their outputs, so a real row sees them only as other rows of the
+row-wise matmuls, as it sees its neighbours' rows (`tests/test_ragged.py`:
+padded and unpadded passes agree).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +49,22 @@ from torch import Tensor
 
 from stagedspec.cache import KVCache
 from stagedspec.models.transformer import Transformer, _attend_row_by_row, apply_rope, decoding_mode
+
+
+PAD_BY_DEFAULT = os.environ.get("STAGEDSPEC_RAGGED_PAD", "1") not in ("0", "false", "no", "off", "")
+
+
+def padded_rows(n: int) -> int:
+    """The rows a padded ragged pass of `n` rows runs as: 1, 2, 4 or 8, then the next multiple of an eighth
+    of the next power of two, at least 8 (9-64 in steps of 8, 65-128 of 16, 129-256 of 32, ...): 35 sizes up
+    to 4096 rows.  Up to 64 rows a pass costs about the same whatever its rows (the weights' streaming
+    dominates); beyond, at most a fifth of the rows are padding."""
+    if n <= 0:
+        return n
+    if n <= 8:
+        return 1 << max(n - 1, 0).bit_length()
+    step = max(8, (1 << (n - 1).bit_length()) // 8)
+    return -(-n // step) * step
 
 
 @dataclass
@@ -60,9 +92,11 @@ class _Prepared:
     local_mask: Tensor | None  # of the sliding-window layers
 
 
-def forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor | tuple[Tensor, Tensor]]:
+def forward_ragged(model: Transformer, segments: list[Segment],
+                   pad: bool = False) -> list[Tensor | tuple[Tensor, Tensor]]:
     """Run every segment's pass in one go; returns each segment's logits [1, T', V] (with `return_hidden`:
-    logits and hidden states [1, T' or T, H]), as `forward` would."""
+    logits and hidden states [1, T' or T, H]), as `forward` would.  `pad`: run the row-wise ops over
+    `padded_rows` rows, and the head over `padded_rows` of the picked rows (see the module docstring)."""
     if not segments:
         return []
     if model.head_q is not None or any(s.tokens.shape[0] != 1 for s in segments):
@@ -77,9 +111,16 @@ def _forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor 
         T = s.tokens.shape[1]
         prepared.append(_prepare(model, s, offset))
         offset += T
+    extra = padded_rows(offset) - offset if pad else 0
     tokens = torch.cat([s.tokens for s in segments], dim=1)
     positions = torch.cat([s.positions for s in segments])
-    x, rope, local_rope = model._embed(tokens, positions, _features(model, segments))  # noqa: SLF001 - row-wise
+    features = _features(model, segments)
+    if extra:  # padding rows: token 0 at position 0 (zero features), never attended to nor read
+        tokens = torch.cat([tokens, tokens.new_zeros(1, extra)], dim=1)
+        positions = torch.cat([positions, positions.new_zeros(extra)])
+        if features is not None:
+            features = torch.cat([features, features.new_zeros(1, extra, features.shape[-1])], dim=1)
+    x, rope, local_rope = model._embed(tokens, positions, features)  # noqa: SLF001 - row-wise
     for i, layer in enumerate(model.layers):
         local = bool(model.local) and model.local[i]
         h = _attention(layer.attn, layer.attn_norm(x), local_rope if local else rope, segments, prepared, i, local)
@@ -88,7 +129,10 @@ def _forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor 
     for s, p in zip(segments, prepared):
         rows = range(p.rows.start, p.rows.stop)
         picked.append(rows[s.logits_rows] if s.logits_rows is not None else rows)
-    index = torch.tensor([r for rows in picked for r in rows], dtype=torch.long, device=x.device)
+    index_rows = [r for rows in picked for r in rows]
+    if pad and index_rows:  # the head's rows padded too (repeats of the last; their logits are not read)
+        index_rows += [index_rows[-1]] * (padded_rows(len(index_rows)) - len(index_rows))
+    index = torch.tensor(index_rows, dtype=torch.long, device=x.device)
     hidden = None
     if any(s.return_hidden for s in segments):  # the norm over every row (row-wise), the head over the picked
         logits, hidden = model._head(x, index, "all")  # noqa: SLF001
@@ -175,5 +219,8 @@ def _attention(attn, x: Tensor, rope, segments: list[Segment], prepared: list[_P
             o = F.scaled_dot_product_attention(qs.reshape(1, Hkv, G * n, D), keys, values, attn_mask=mask,
                                                scale=attn.scale)
         outs.append(o.reshape(1, H, n, D).transpose(1, 2).reshape(1, n, H * D))
+    extra = T - prepared[-1].rows.stop
+    if extra:  # padding rows attend to nothing: their attention output is zero
+        outs.append(x.new_zeros(1, extra, H * D))
     return attn.wo(torch.cat(outs, dim=1))
 

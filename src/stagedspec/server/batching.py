@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from stagedspec.errors import StagedSpecError
-from stagedspec.models.ragged import Segment, forward_ragged
+from stagedspec.models.ragged import PAD_BY_DEFAULT, Segment, forward_ragged
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import PassRouter, routed_passes
 
@@ -86,12 +86,15 @@ class _Call:
 class PassBatcher:
     """Runs the steps of several requests as rounds whose model passes are gathered into ragged passes."""
 
-    def __init__(self, timeout: float = 300.0, last: Transformer | None = None) -> None:
+    def __init__(self, timeout: float = 300.0, last: Transformer | None = None, pad: bool | None = None) -> None:
         """`timeout`: seconds a lane may compute without asking for a pass or finishing its step.
         `last` (the oracle): its passes wait while any other model's are pending.  A step drafts
         before it verifies, so holding the oracle's passes until every lane has finished drafting
-        puts all the round's verifications in one pass, rather than one pass per drafting phase."""
+        puts all the round's verifications in one pass, rather than one pass per drafting phase.
+        `pad`: pad each ragged pass's rows to a few sizes (`models.ragged.padded_rows`), which keeps a long-running
+        server's resident memory flat (default: on; `STAGEDSPEC_RAGGED_PAD=0` turns it off)."""
         self.timeout = timeout
+        self.pad = PAD_BY_DEFAULT if pad is None else pad
         self.last = last
         self._cond = threading.Condition()
         self._calls: list[_Call] = []
@@ -163,7 +166,7 @@ class PassBatcher:
             try:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    outs = forward_ragged(group[0].model, [c.segment for c in group])
+                    outs = forward_ragged(group[0].model, [c.segment for c in group], pad=self.pad)
                 for call, out in zip(group, outs):
                     call.out = out
                 self.ragged_passes += 1
