@@ -102,10 +102,10 @@ def forward_ragged(model: Transformer, segments: list[Segment],
     if model.head_q is not None or any(s.tokens.shape[0] != 1 for s in segments):
         raise ValueError("ragged passes take batch-1 segments of an unquantised model")
     with decoding_mode(model):
-        return _forward_ragged(model, segments)
+        return _forward_ragged(model, segments, pad)
 
 
-def _forward_ragged(model: Transformer, segments: list[Segment]) -> list[Tensor | tuple[Tensor, Tensor]]:
+def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> list[Tensor | tuple[Tensor, Tensor]]:
     prepared, offset = [], 0
     for s in segments:
         T = s.tokens.shape[1]
