@@ -30,8 +30,8 @@ oneDNN builds (and caches, 1024 by default) a bf16 matmul primitive per
 differently sized buffers; a server that saw hundreds of row counts grew
 by hundreds of MB (docs/serving.md, the soak).  So the concatenated rows
 are padded up to one of a few sizes (`padded_rows`: 1, 2, 4, 8, then steps
-of an eighth of the next power of two: 35 sizes up to 4096 rows), and so are the head's picked rows.  Padding rows are token 0 at
-position 0, take no part in attention (each segment attends over its own
+of an eighth of the next power of two: 35 sizes up to 4096 rows), and so
+are the head's picked rows.  Padding rows are token 0 at position 0, take no part in attention (each segment attends over its own
 rows and cache only; a padding row's attention output is zero) and nothing
 reads their outputs, so a real row sees them only as other rows of the
 row-wise matmuls, as it sees its neighbours' rows (`tests/test_ragged.py`:

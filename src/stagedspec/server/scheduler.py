@@ -172,8 +172,8 @@ class LoadTracker:
     Per lane, from the latest round: its rows in the oracle's ragged pass, its draft passes and their rows.
     Over rounds (an exponential mean, rounds with a prompt's prefill left out): the round's wall time and
     emitted tokens per request in it, and how the round's oracle passes and the rest of it (drafting, host
-    work) compare with the cost profile's prediction for them.  A request's view is then the other lanes' latest rows and draft
-    phases, and their share (per request) of a round's seconds and tokens.  Only finished rounds are read,
+    work) compare with the cost profile's prediction for them.  A request's view is then the other lanes'
+    latest rows and draft phases, and their share (per request) of a round's seconds and tokens.  Only finished rounds are read,
     so a step's choice depends on server state known before it.
     """
 
