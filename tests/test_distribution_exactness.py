@@ -54,7 +54,7 @@ from torch import Tensor
 from stagedspec.auto import Arm, AutoDrafter, AutoPolicy
 from stagedspec.costs import CostProfile
 from stagedspec.generation import NoDrafter, speculative_generate
-from stagedspec.sampling import SamplingParams, probs_from_logits
+from stagedspec.sampling import SamplingParams, inverse_cdf_rows, probs_from_logits
 from stagedspec.server.pressure import cut_tree
 from stagedspec.tree import TokenTree, grow_tree
 from stagedspec.verification import (
@@ -63,7 +63,6 @@ from stagedspec.verification import (
     deterministic_node_rule,
     sampled_node_rule,
     _decide_children,
-    _inverse_cdf,
     verify,
     verify_sampled,
     walk_tree,
@@ -550,7 +549,7 @@ def batched_leftover_ignores_rejections(tree: TokenTree, logits: Tensor, samplin
     if parents:
         u_child = torch.rand(n, generator=generator, dtype=torch.float64)
         accept = (u_child < _decide_children(tree, order, parents, probs)[1]).tolist()
-    tokens = _inverse_cdf(probs, u_final).tolist()
+    tokens = inverse_cdf_rows(probs, u_final).tolist()
     node, path = 0, []
     while (nxt := next((c for c in order[node] if accept[c]), None)) is not None:
         node = nxt

@@ -64,11 +64,19 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> int:
     need the probabilities copied over first.  A token of probability 0 is
     never drawn: its CDF step is empty.
     """
-    u = float(torch.rand((), generator=generator, dtype=torch.float64,
-                         device=generator.device if generator is not None else None))
-    cdf = probs.double().cumsum(-1)
-    x = cdf[-1:] * u
-    index = int(torch.searchsorted(cdf, x, right=True).clamp_max_(cdf.shape[-1] - 1))
-    if float(probs[index]) <= 0:  # rounding put x at the very top: take the last token with mass
-        index = int(torch.nonzero(probs > 0)[-1])
-    return index
+    u = torch.rand(1, generator=generator, dtype=torch.float64,
+                   device=generator.device if generator is not None else None)
+    return int(inverse_cdf_rows(probs.double()[None], u.to(probs.device))[0])
+
+
+def inverse_cdf_rows(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row of `probs` [n, V] (unnormalised is fine) for the uniforms `u` [n], on their device.
+
+    A token of probability 0 is never drawn; if rounding puts the draw past
+    the last step, the last token with mass is taken.
+    """
+    cdf = probs.cumsum(-1)
+    index = torch.searchsorted(cdf, cdf[:, -1:] * u[:, None], right=True).clamp_max_(probs.shape[-1] - 1)
+    has_mass = probs.gather(1, index) > 0
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1, keepdim=True)
+    return torch.where(has_mass, index, last)[:, 0]

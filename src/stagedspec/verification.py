@@ -81,7 +81,7 @@ import torch
 from torch import Tensor
 
 from stagedspec.errors import StagedSpecError
-from stagedspec.sampling import SamplingParams, probs_from_logits, sample
+from stagedspec.sampling import SamplingParams, inverse_cdf_rows, probs_from_logits, sample
 from stagedspec.tree import TokenTree
 
 # Residual mass below which a rejection is treated as (numerically) impossible.
@@ -174,7 +174,7 @@ def verify_sampled(
         u_child = torch.rand(n, generator=generator, dtype=torch.float64, device=device)
         leftover, accept_prob, no_q = _decide_children(tree, order, parents, probs)
         decision = (u_child < accept_prob).long() + 2 * no_q.long()
-    drawn = _inverse_cdf(leftover, u_final)
+    drawn = inverse_cdf_rows(leftover, u_final)
     packed = torch.cat([decision, drawn]).tolist()
     decided, tokens = packed[:n], packed[n:]
     node, path = 0, []
@@ -258,19 +258,6 @@ def _deterministic_rank(target: Tensor, group: list[tuple[int, int]], tokens: li
     mass = rest.sum(-1, keepdim=True)
     keep = (px[:, None] <= 0) | (mass <= _RESIDUAL_EPS)  # p(x) = 0: no draw, p unchanged; mass ~ 0: see below
     target[rows] = torch.where(keep, t, rest / mass.clamp_min(_RESIDUAL_EPS))
-
-
-def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    """One token per row of `probs` (unnormalised is fine) for the uniforms `u`, as `sample` draws one.
-
-    A token of probability 0 is never drawn; if rounding puts the draw past
-    the last step, the last token with mass is taken.
-    """
-    cdf = probs.cumsum(-1)
-    index = torch.searchsorted(cdf, cdf[:, -1:] * u[:, None], right=True).clamp_max_(probs.shape[-1] - 1)
-    has_mass = probs.gather(1, index) > 0
-    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1, keepdim=True)
-    return torch.where(has_mass, index, last)[:, 0]
 
 
 def walk_tree(
