@@ -30,6 +30,7 @@ from stagedspec.auto import (
     spine,
     verify_rows,
 )
+from stagedspec.sampling import SamplingParams
 from stagedspec.costs import CostProfile, interpolate, load_or_measure, monotone, profile_path
 from stagedspec.tree import TokenTree
 
@@ -85,6 +86,38 @@ def test_measured_draft_time_overrides_the_prediction() -> None:
         if arm.kind in ("tree", "staged"):
             costs.draft_seconds[arm] = 1.0  # drafting turned out to cost 100 oracle passes
     assert choose_arm(ARMS, FLAT, stats, costs, NO_LOOKUP_NOW).kind in ("ar", "lookup")
+
+
+def test_verification_time_is_learned_per_arm_kind_so_ar_is_not_charged_the_trees_work() -> None:
+    """On a GPU at T=1 a lookup step's verification cost far more than its pass (host work per node),
+    while `ar`'s did not: with one scale for both, `ar` was priced like lookup and lost to it."""
+    stats = trained_stats(draft=0.0, context=0.35, ngram=0.0)
+    lookup_now = {"context": 4, "ngram": 0}
+    costs = StepCosts()
+    assert choose_arm(ARMS, FLAT, stats, costs, lookup_now, sampled=True).kind == "lookup"
+    for _ in range(60):  # lookup's steps took 1.6x the curve, ar's 1.0x
+        costs.observe(Arm("lookup", 4), 2e-4, 0.016, 0.010, 2e-4, sampled=True)
+        costs.observe(Arm("ar"), 0.0, 0.010, 0.010, 0.0, sampled=True)
+    assert costs.verify_scale_for("lookup", True) == pytest.approx(1.6, rel=0.01)
+    assert costs.verify_scale_for("ar", True) == pytest.approx(1.0, rel=0.01)
+    assert costs.verify_scale_for("tree", True) == pytest.approx(costs.verify_scale)  # not seen: all steps' scale
+    plain_or_lookup = [a for a in ARMS if a.kind in ("ar", "lookup")]
+    assert choose_arm(plain_or_lookup, FLAT, stats, costs, lookup_now, sampled=True) == Arm("ar")
+    assert costs.verify_scale_for("lookup", False) == pytest.approx(costs.verify_scale)  # greedy: not seen yet
+
+
+def test_ar_is_probed_when_its_price_could_change_the_choice() -> None:
+    """After `AR_PROBE_EVERY` steps without `ar`, a step runs it when the best arm's lead is small (its
+    measured time keeps `ar`'s price honest), never when the lead is large."""
+    close = AutoPolicy(ARMS, FLAT)
+    close.sampled_stats = trained_stats(draft=0.0, context=0.3, ngram=0.0)
+    t1 = SamplingParams(temperature=1.0)
+    lookup_now = {"context": 4, "ngram": 0}
+    assert close.choose(t1, lookup_now).kind == "lookup"
+    assert close.choose(t1, lookup_now, probe_plain=True) == Arm("ar")
+    far = AutoPolicy(ARMS, FLAT)
+    far.greedy_stats = trained_stats(draft=0.8)
+    assert far.choose(SamplingParams(), NO_LOOKUP_NOW, probe_plain=True).kind in ("tree", "staged")
 
 
 def test_chain_stats_learn_per_depth_rates_from_a_prior() -> None:

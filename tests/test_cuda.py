@@ -74,6 +74,34 @@ def test_greedy_fp32_every_method_identical_to_ar(mode: str) -> None:
             assert tokens == out["ar"], f"{mode}, seed {seed}: {name}"
 
 
+def test_sampled_methods_run_end_to_end_on_cuda_and_reproduce_their_seed() -> None:
+    """The loop's sampled path on the GPU: CPU generator, CUDA logits (a session-8 crash), same seed same tokens."""
+    from stagedspec.drafters.lookup import LookupDrafter
+    from stagedspec.drafters.model import ModelDrafter
+    from stagedspec.generation import ModelOracle, speculative_generate
+    from stagedspec.sampling import SamplingParams
+    from stagedspec.stages import StageDrafter
+
+    oracle, draft = tiny(7), tiny(57, layers=1)
+    prompt = list(range(1, 10))
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+
+    def run(drafter_factory, seed: int) -> list[int]:  # noqa: ANN001
+        with torch.inference_mode():
+            return speculative_generate(ModelOracle(oracle, 300), drafter_factory(), prompt, max_new_tokens=30,
+                                        sampling=sampling, seed=seed).token_ids
+
+    factories = {
+        "tree": lambda: ModelDrafter(draft, budget=16, max_len=300),
+        "staged": lambda: StageDrafter(ModelOracle(draft, 300), LookupDrafter(None, context=True, chain_length=4),
+                                       chain_length=4, branching=2),
+        "lookup": lambda: LookupDrafter(None, context=True, chain_length=5),
+    }
+    for name, factory in factories.items():
+        a, b = run(factory, 3), run(factory, 3)
+        assert len(a) == 30 and a == b, name
+
+
 def test_capture_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     m = tiny(2)
     reference = StaticRunner(m, 256, graphs=False)
@@ -135,7 +163,8 @@ def _on_cuda(tree, logits, sampling, generator):  # noqa: ANN001, ANN202
 
     tree.child_q = {u: q.cuda() for u, q in tree.child_q.items()}
     seed = int(torch.randint(2**62, (), generator=generator))
-    return verify(tree, logits.cuda(), sampling, torch.Generator("cuda").manual_seed(seed))
+    # The loop's generator is on the CPU (it also draws the drafts' tokens), the logits on the GPU.
+    return verify(tree, logits.cuda(), sampling, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("name", ["sampled-321-T1-bad", "mixed-sampled-21-fixed2-T1-bad", "topk-cut-T1-good"])

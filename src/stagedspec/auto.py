@@ -73,6 +73,8 @@ LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measur
 STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself sped up by lookup
 PLAIN_STREAK = 8  # after this many `ar` steps in a row, lookup chains are computed only ...
 LOOKUP_PROBE_EVERY = 4  # ... every this many steps
+AR_PROBE_EVERY = 32  # a step runs `ar` when its time was last measured this many steps ago ...
+AR_PROBE_BELOW = 1.5  # ... and the best arm promises less than this many times `ar`'s rate
 STATE_CAP = 200.0  # observations per series kept when the learned state is saved for the next process
 
 
@@ -204,11 +206,19 @@ class StepCosts:
     """What the policy has measured about time: drafting per arm, and how real steps compare to the curve."""
 
     draft_seconds: dict[Arm, float] = field(default_factory=dict)  # running mean per arm
-    verify_scale: float = 1.0  # measured verification time / the cost curve's prediction
+    verify_scale: float = 1.0  # measured verification time / the cost curve's prediction, all steps
+    # The same per arm kind and decoding mode ("tree/sampled"): verifying a tree costs host work that
+    # the cost curve (a pass) does not show, and `ar`'s step has the least.  One scale for all would
+    # charge `ar` the trees' extra work (on a GPU, at T=1: a lookup arm 0.9x `ar` looked 1.1x).
+    verify_scales: dict[str, float] = field(default_factory=dict)
     # Per arm kind, measured drafting time / the cost curves' prediction: an arm not run yet is priced
     # by what its siblings taught (a GPU draft pass costs far more than its graph replay once the tree
     # building around it is counted), so every size need not be tried to learn that.
     draft_scale: dict[str, float] = field(default_factory=dict)
+
+    def verify_scale_for(self, kind: str, sampled: bool) -> float:
+        """Measured / predicted verification time of a step of this arm kind (all steps' scale until seen)."""
+        return self.verify_scales.get(_verify_key(kind, sampled), self.verify_scale)
 
     def draft_estimate(self, arm: Arm, predicted: float) -> float:
         """Seconds of `arm`'s drafting: its own record, else the prediction scaled by its kind's record."""
@@ -216,7 +226,7 @@ class StepCosts:
         return seen if seen is not None else predicted * self.draft_scale.get(arm.kind, 1.0)
 
     def observe(self, arm: Arm, draft_seconds: float, verify_seconds: float, predicted_verify: float,
-                predicted_draft: float) -> None:
+                predicted_draft: float, sampled: bool = False) -> None:
         """Fold in one step's times.
 
         Single outliers are clipped to 3x the current estimate (the prediction
@@ -235,6 +245,13 @@ class StepCosts:
         if predicted_verify > 0 and verify_seconds > 0:
             ratio = min(4.0, max(0.25, verify_seconds / predicted_verify))
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * ratio
+            key = _verify_key(arm.kind, sampled)
+            scale = self.verify_scales.get(key)
+            self.verify_scales[key] = ratio if scale is None else 0.9 * scale + 0.1 * ratio
+
+
+def _verify_key(kind: str, sampled: bool) -> str:
+    return f"{kind}/{'sampled' if sampled else 'greedy'}"
 
 
 def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[str, int],
@@ -406,7 +423,7 @@ def expected_rates(
             seconds = shared_step_seconds(arm, profile, load, lookup_lengths, sampled)
             rates[arm] = (load.tokens + tokens) / (load.seconds + seconds)
             continue
-        seconds = costs.verify_scale * profile.oracle_seconds(verify_rows(arm, lookup_lengths))
+        seconds = costs.verify_scale_for(arm.kind, sampled) * profile.oracle_seconds(verify_rows(arm, lookup_lengths))
         seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile, sampled))
         rates[arm] = tokens / seconds
     return rates
@@ -471,7 +488,8 @@ class AutoPolicy:
             return {"version": 1, "greedy": {"chains": chains(self.greedy_stats), "arms": arms(self.greedy_stats)},
                     "sampled": {"chains": chains(self.sampled_stats), "arms": arms(self.sampled_stats)},
                     "draft_seconds": {a.name: v for a, v in self.costs.draft_seconds.items()},
-                    "verify_scale": self.costs.verify_scale, "draft_scale": dict(self.costs.draft_scale)}
+                    "verify_scale": self.costs.verify_scale, "verify_scales": dict(self.costs.verify_scales),
+                    "draft_scale": dict(self.costs.draft_scale)}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Start from what an earlier process learned on this machine (see `state`); unknown arms are ignored."""
@@ -491,19 +509,32 @@ class AutoPolicy:
             if name in by_name:
                 self.costs.draft_seconds[by_name[name]] = float(seconds)
         self.costs.verify_scale = float(state.get("verify_scale", 1.0))
+        self.costs.verify_scales = {str(k): float(v) for k, v in state.get("verify_scales", {}).items()}
         self.costs.draft_scale = {str(k): float(v) for k, v in state.get("draft_scale", {}).items()}
 
     def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
         return self.greedy_stats if sampling.greedy else self.sampled_stats
 
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
-               max_nodes: int | None = None, load: SharedLoad | None = None) -> Arm:
+               max_nodes: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False) -> Arm:
         """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does);
-        `load`: the batched round the step shares (priced alone when None)."""
+        `load`: the batched round the step shares (priced alone when None).
+
+        `probe_plain`: `ar`'s step time has not been measured for a while (`AutoDrafter`): run `ar` now
+        if the best arm's promise over it is small enough that `ar`'s true price could change the choice
+        (`AR_PROBE_BELOW`).  The other arms' times are measured whenever they run; without probes, `ar`
+        would be priced by a scale the others taught once it stopped running.
+        """
         arms = self.arms if max_nodes is None else [a for a in self.arms if a.max_nodes <= max_nodes]
+        plain = Arm("ar")
         with self.lock:
-            arm = choose_arm(arms or [Arm("ar")], self.profile, self.stats_for(sampling), self.costs,
+            arm = choose_arm(arms or [plain], self.profile, self.stats_for(sampling), self.costs,
                              lookup_lengths, not sampling.greedy, load)
+            if probe_plain and arm != plain and plain in arms:
+                rates = expected_rates([arm, plain], self.profile, self.stats_for(sampling), self.costs,
+                                       lookup_lengths, not sampling.greedy, load)
+                if rates[arm] < AR_PROBE_BELOW * rates[plain]:
+                    arm = plain
             self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
         return arm
 
@@ -566,6 +597,7 @@ class AutoDrafter:
         self._last: _Step | None = None
         self._first_step = True  # its times include the prompt's prefill: not a step's cost
         self._plain_streak = 0  # consecutive steps that ran `ar`
+        self._since_plain = 0  # steps since `ar` last ran (its step time last measured)
         self._probe_tick = 0
         self.request_choices: dict[str, int] = {}
         self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
@@ -609,9 +641,12 @@ class AutoDrafter:
                 if proposer not in lengths:  # the proposer's best chain only
                     lengths[proposer] = len(chain)
                     self._pending.append((len(context), proposer, chain))
-        arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load)
+        probe = (self.policy.learn_times and self.shared_load is None and not self._first_step
+                 and self._since_plain >= AR_PROBE_EVERY)
+        arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe)
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
         self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
+        self._since_plain = 0 if arm.kind == "ar" else self._since_plain + 1
         drafter, settings = self.arms[arm]
         for obj, attr, value in settings:
             setattr(obj, attr, value)
@@ -669,4 +704,5 @@ class AutoDrafter:
             return
         predicted_verify = self.policy.profile.oracle_seconds(last.rows)
         self.policy.costs.observe(last.arm, last.draft_seconds, last.verify_seconds, predicted_verify,
-                                  predicted_draft_seconds(last.arm, self.policy.profile, last.sampled))
+                                  predicted_draft_seconds(last.arm, self.policy.profile, last.sampled),
+                                  sampled=last.sampled)

@@ -167,11 +167,11 @@ def verify_sampled(
     else:
         order = kids
     parents = [u for u in range(n) if order[u]]
-    u_final = torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+    u_final = _uniforms(n, generator, device)
     leftover = probs
     decision = torch.zeros(n, dtype=torch.long, device=device)  # per child: 1 accepted, 2 no draft probability
     if parents:
-        u_child = torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+        u_child = _uniforms(n, generator, device)
         leftover, accept_prob, no_q = _decide_children(tree, order, parents, probs)
         decision = (u_child < accept_prob).long() + 2 * no_q.long()
     drawn = inverse_cdf_rows(leftover, u_final)
@@ -346,6 +346,17 @@ def residual(p: Tensor, q: Tensor) -> Tensor:
     r = (p - q).clamp_min(0.0)
     mass = float(r.sum())
     return r / mass if mass > _RESIDUAL_EPS else p
+
+
+def _uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """`n` uniforms from `generator`, on `device`.
+
+    The loop's generator lives on the CPU (it also draws the drafts' tokens),
+    while the logits may be on a GPU: draw where the generator is, then copy
+    (a few hundred bytes, asynchronous to the host's next line).
+    """
+    source = generator.device if generator is not None else device
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=source).to(device, non_blocking=True)
 
 
 def _uniform(generator: torch.Generator | None) -> float:
