@@ -99,7 +99,8 @@ def test_static_pass_on_sliding_window_layers() -> None:
 
 
 def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, list[int]]:
-    """Greedy tokens of ar, tree, chain, staged, staged + lookup and lookup (also used by tests/test_cuda.py)."""
+    """Greedy tokens of ar, tree, chain, staged, staged + lookup, lookup and, on static passes, trees grown
+    level by level (also used by tests/test_cuda.py)."""
     out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n).token_ids}
     out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, budget=16, max_len=300),
                                        prompt, max_new_tokens=n).token_ids
@@ -113,6 +114,9 @@ def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: i
     out["staged+lookup"] = speculative_generate(ModelOracle(oracle, 300), merged, prompt, max_new_tokens=n).token_ids
     out["lookup"] = speculative_generate(ModelOracle(oracle, 300), LookupDrafter(None, context=True, chain_length=5),
                                          prompt, max_new_tokens=n).token_ids
+    if pass_mode(draft) != "eager":  # trees grown level by level on the device
+        levels = ModelDrafter(draft, budget=16, max_len=300, growth="levels")
+        out["tree-levels"] = speculative_generate(ModelOracle(oracle, 300), levels, prompt, max_new_tokens=n).token_ids
     return out
 
 
@@ -175,13 +179,16 @@ def _exact_two_tokens(oracle: Transformer, prompt: list[int], sampling: Sampling
 
 
 def _sample_counts(oracle: Transformer, draft: Transformer, prompt: list[int], sampling: SamplingParams, n: int,
-                   verifier=None) -> Counter:  # noqa: ANN001
+                   verifier=None, levels: bool = False) -> Counter:  # noqa: ANN001
     counts: Counter = Counter()
     with torch.inference_mode():
         for i in range(n):
-            stage = StageDrafter(ModelOracle(draft, 32), LookupDrafter(None, context=True, chain_length=2),
-                                 chain_length=2)
-            out = speculative_generate(ModelOracle(oracle, 32), stage, prompt, max_new_tokens=2, sampling=sampling,
+            if levels:  # a tree grown level by level on the device
+                drafter = ModelDrafter(draft, budget=5, max_depth=3, branching=2, max_len=32, growth="levels")
+            else:
+                drafter = StageDrafter(ModelOracle(draft, 32), LookupDrafter(None, context=True, chain_length=2),
+                                       chain_length=2)
+            out = speculative_generate(ModelOracle(oracle, 32), drafter, prompt, max_new_tokens=2, sampling=sampling,
                                        seed=i, verifier=verifier).token_ids
             counts[tuple(out)] += 1
     return counts
@@ -208,6 +215,66 @@ def test_static_staged_sampling_keeps_the_oracle_distribution() -> None:
     # negative control: a verifier that ignores the oracle must be caught
     p_bad, _ = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, _accept_first_children), exact)
     assert p_bad < 1e-6, p_bad
+
+
+def test_level_grown_sampling_keeps_the_oracle_distribution() -> None:
+    """T=1, top-k 4: trees grown level by level (their children one-hot proposals) keep the oracle's law."""
+    oracle, draft = tiny(13, layers=2, vocab=6), tiny(14, layers=1, vocab=6)
+    set_pass_mode(oracle, "static")
+    set_pass_mode(draft, "static")
+    prompt, sampling = [1, 2, 3], SamplingParams(temperature=1.0, top_k=4)
+    exact = _exact_two_tokens(oracle, prompt, sampling)
+    p, df = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, levels=True), exact)
+    assert df > 5 and p > 1e-3, p
+    p_bad, _ = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, _accept_first_children,
+                                                levels=True), exact)
+    assert p_bad < 1e-6, p_bad
+
+
+def test_level_growth_scores_are_the_draft_s_own_path_probabilities() -> None:
+    """Each node of a level-grown tree carries the product of the draft's probabilities along its path, as a
+    teacher-forced forward over context + path computes them: masks, positions and slots are right."""
+    draft = tiny(21, layers=3)
+    reference = tiny(21, layers=3)
+    set_pass_mode(draft, "static")
+    prompt = [3, 1, 4, 1, 5, 9]
+    drafter = ModelDrafter(draft, budget=16, max_depth=5, branching=3, max_len=64, growth="levels")
+    drafter.begin(prompt)
+    with torch.inference_mode():
+        tree = drafter.propose(prompt, SamplingParams(), None, 40)
+        assert len(tree) == 17 and tree.draft_passes == 5 and max(tree.depths) >= 3
+        for node in range(1, len(tree)):
+            chain = [tree.tokens[x] for x in tree.path_to(node)]
+            logits = reference(torch.tensor([prompt + chain]), torch.arange(len(prompt) + len(chain)),
+                               reference.new_cache(64))[0]
+            logp = logits.float().log_softmax(-1)[len(prompt) - 1:]
+            expected = float(sum(logp[j, t] for j, t in enumerate(chain)).exp())
+            assert tree.scores[node] == pytest.approx(expected, rel=1e-4), node
+        # the kept nodes are the best of the candidates: no node scores below a child it dropped
+        assert drafter.cache.length == len(prompt)  # the tree's entries are gone
+
+
+def test_level_growth_with_the_oracle_as_its_own_draft_accepts_every_level() -> None:
+    oracle = tiny(5, layers=2)
+    set_pass_mode(oracle, "static")
+    prompt = [2, 7, 1, 8]
+    ref = generate_ar(oracle, prompt, max_new_tokens=30).token_ids
+    drafter = ModelDrafter(oracle, budget=12, max_depth=4, branching=2, max_len=300, growth="levels")
+    out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=30)
+    assert out.token_ids == ref
+    assert out.stats.mean_accepted_length >= 4.0  # 4 draft levels + the oracle's own token, nearly every step
+
+
+def test_level_growth_needs_static_passes_and_a_token_draft() -> None:
+    from stagedspec.errors import StagedSpecError
+
+    with pytest.raises(StagedSpecError, match="static-shape passes"):
+        ModelDrafter(tiny(0), growth="levels")  # eager CPU passes
+    with pytest.raises(StagedSpecError, match="unknown tree growth"):
+        ModelDrafter(tiny(0), growth="sideways")
+    m = tiny(0)
+    set_pass_mode(m, "static")
+    assert ModelDrafter(m).growth == "best-first"  # a CPU: reading results back costs nothing
 
 
 def test_cuda_graphs_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:

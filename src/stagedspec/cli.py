@@ -78,6 +78,9 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive-budget", action="store_true",
                    help="tree: each step verify only the best nodes that pay for themselves, priced by a "
                         "measured cost curve of this machine (--tree-budget is then the most)")
+    p.add_argument("--tree-growth", choices=["auto", "best-first", "levels"], default=d.tree_growth,
+                   help="tree: grow best-first on the host, or level by level on the device with one copy back "
+                        "(needs static passes); auto: levels on CUDA, best-first on a CPU")
     p.add_argument("--tree-budget", type=_positive_int, default=None, metavar="N",
                    help=f"tree nodes per step (default {d.tree_budget}; {q['tree_budget']} with --quant)")
     p.add_argument("--tree-depth", type=_positive_int, default=None, metavar="D",
@@ -192,7 +195,7 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
                                    lookup_chain_length=args.lookup_chain_length,
                                    stage_chain_length=args.stage_chain_length,
                                    stage_branching=args.stage_branching, oracle_lookup=not args.no_oracle_lookup,
-                                   adaptive_budget=args.adaptive_budget)
+                                   adaptive_budget=args.adaptive_budget, tree_growth=args.tree_growth)
     return oracle, drafts, spec
 
 

@@ -131,6 +131,9 @@ class SpeculationConfig:
     stage_branching: int = 1  # spine token + (b - 1) alternatives per position
     oracle_lookup: bool = True  # staged: prompt-lookup chains also go straight to the oracle's tree
     adaptive_budget: bool = False  # tree: verify only the nodes that pay for themselves (tree_budget = the most)
+    # tree: "best-first" on the host, "levels" on the device with one copy back (`stagedspec.tree_levels`),
+    # "auto": levels where a copy back waits for the device (CUDA), best-first on a CPU
+    tree_growth: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -142,6 +145,10 @@ class SpeculationConfig:
                              ("--stage-branching", self.stage_branching)):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
+        from stagedspec.drafters.model import GROWTHS
+
+        if self.tree_growth not in GROWTHS:
+            raise StagedSpecError(f"unknown --tree-growth {self.tree_growth!r}: use one of {', '.join(GROWTHS)}")
 
     @classmethod
     def tuned(cls, method: str, quant: str = "none", device: str = "cpu", **overrides: Any) -> "SpeculationConfig":
@@ -473,7 +480,8 @@ class Pipeline:
         if tree_arms:
             biggest = max(a.size for a in tree_arms)
             tree = tree_drafter(self.draft_models[0], method="tree", budget=biggest,
-                                max_depth=tree_depth_for(biggest), branching=2, max_len=max_len)
+                                max_depth=tree_depth_for(biggest), branching=2, max_len=max_len,
+                                growth=s.tree_growth)
             for arm in tree_arms:
                 arms[arm] = (tree, [(tree, "budget", arm.size), (tree, "max_depth", tree_depth_for(arm.size))])
         stage_arms = [a for a in policy.arms if a.kind == "staged"]
@@ -523,7 +531,8 @@ class Pipeline:
 
                 adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
             return tree_drafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
-                                branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive)
+                                branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive,
+                                growth=s.tree_growth)
         from stagedspec.drafters.lookup import LookupDrafter
 
         below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length)

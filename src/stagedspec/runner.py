@@ -233,6 +233,47 @@ class StaticRunner:
         self.hidden = torch.cat(hiddens) if self.keep_hidden else None
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def run_on_device(self, tokens: Tensor, position: int, tree_mask: Tensor, tree_start: int) -> Tensor:
+        """One pass whose inputs are already on the device: no host copy, no wait (`tree_levels`).
+
+        `tokens` [n] (device), all at `position`; each row sees the committed
+        slots before `tree_start`, and from `tree_start` on the slots flagged in
+        its row of `tree_mask` [n, used + n] (the last n columns: the rows' own
+        new slots, which must come right after the `used` ones).  Returns the
+        logits [n, V]: on a GPU a view of the captured graph's output buffer,
+        valid until the next pass of the same bucket (stream order keeps work
+        queued before that pass reading the right values).
+        """
+        n = tokens.shape[0]
+        rows = self.bucket(n)
+        if rows is None:
+            raise ValueError(f"a device-side pass takes at most {self.buckets[-1]} rows, got {n}")
+        start = self.cache.reserve(n)
+        if start + n != tree_start + tree_mask.shape[1]:
+            raise ValueError(f"tree mask of width {tree_mask.shape[1]} from slot {tree_start} does not end at "
+                             f"this pass's last slot {start + n}")
+        index, mask = self.index[:, :rows], self.mask[:rows]
+        index[0, :n].copy_(tokens)
+        index[0, n:].zero_()
+        index[1].fill_(position)
+        torch.arange(start, start + rows, out=index[2])
+        mask.zero_()
+        mask[:, :tree_start] = True
+        mask[:n, tree_start:start + n] = tree_mask
+        if rows > n:  # padding rows see the context and themselves
+            pad = torch.arange(n, rows, device=self.device)
+            mask[pad, start + pad] = True
+        if self.features is not None:
+            self.features[0, :rows].zero_()
+        if self.use_graphs:
+            graph = self.graphs.get(rows) or self._capture(rows)
+            if graph is not None:
+                graph.replay()
+                return self._outputs[rows][0][0, :n]
+        logits, _ = self._forward(self.index[0:1, :rows], self.index[1, :rows], self.index[2, :rows],
+                                  self.mask[:rows], self.cache, None, True, self._features(rows))
+        return logits[0, :n]
+
     @staticmethod
     def _full_mask(T: int, start: int, mask: Tensor | None) -> Tensor:
         """The host mask [T, start + T] of a pass (see `run` for the forms `mask` takes)."""

@@ -38,12 +38,13 @@ from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 
 OURS = ("ar", "auto", "chain", "tree", "tree-adaptive", "lookup", "staged")
+VARIANTS = ("tree-best-first",)  # run only when named: `tree` grown on the host, beside `tree` on a GPU
 QUANTISED = ("int4", "int8")  # suffixes of our methods: `staged@int4` runs staged on the int4 oracle
 INT4 = ("ar@int4", "auto@int4", "lookup@int4", "staged@int4")
 TRANSFORMERS = ("hf-generate", "hf-assisted", "hf-lookup")
 LLAMACPP = ("llamacpp", "llamacpp-lookup")
-ALL_METHODS = (*OURS, *INT4, *TRANSFORMERS, *LLAMACPP)
-NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "staged", "hf-assisted")
+ALL_METHODS = (*OURS, *VARIANTS, *INT4, *TRANSFORMERS, *LLAMACPP)
+NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "tree-best-first", "staged", "hf-assisted")
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
 
@@ -251,7 +252,7 @@ def ours(
                 f"{_bottom(s.context, ngram_spec) or 'no lookup'})",
         "chain": f"our engine, chain speculation ({s.chain_length} draft tokens) with draft {first}",
         "tree": f"our engine, tree speculation ({'adaptive budget, at most' if s.adaptive_budget else 'budget'} "
-                f"{s.tree_budget}) with draft {first}",
+                f"{s.tree_budget}{', grown ' + s.tree_growth if s.tree_growth != 'auto' else ''}) with draft {first}",
         "lookup": f"our engine, model-free drafts ({'prompt lookup' if s.context else ''}"
                   f"{' + ' if s.context and ngram_spec else ''}{'n-gram ' + ngram_spec if ngram_spec else ''})",
         "staged": "our engine, staged: oracle <- " + " <- ".join([*draft_specs, _bottom(s.context, ngram_spec)])

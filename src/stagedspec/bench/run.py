@@ -32,6 +32,7 @@ from stagedspec.bench.methods import (
     QUANTISED,
     NEEDS_DRAFT,
     OURS,
+    VARIANTS,
     TRANSFORMERS,
     BenchModels,
     Method,
@@ -47,7 +48,7 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.sampling import SamplingParams
 
 QUICK_METHODS = ("ar", "auto", "tree", "lookup", "staged", "hf-generate")
-GROUPS = {"all": ALL_METHODS, "ours": OURS, "int4": INT4, "transformers": TRANSFORMERS, "llamacpp": LLAMACPP}
+GROUPS = {"all": tuple(m for m in ALL_METHODS if m not in VARIANTS), "ours": OURS, "int4": INT4, "transformers": TRANSFORMERS, "llamacpp": LLAMACPP}
 
 
 @dataclass
@@ -225,6 +226,9 @@ def build_methods(
             if base == "tree-adaptive":  # a bigger tree, cut each step by the measured cost curve
                 spec = SpeculationConfig.tuned("tree", quant, tree_budget=16, tree_depth=6, branching=3,
                                                adaptive_budget=True)
+                methods.append(ours(models, name, spec, [draft], None, quant))
+            elif base == "tree-best-first":  # `tree` grown on the host, beside `tree` (levels on a GPU)
+                spec = SpeculationConfig.tuned("tree", quant, cfg.device, tree_growth="best-first")
                 methods.append(ours(models, name, spec, [draft], None, quant))
             elif base in OURS:  # the defaults `stagedspec generate` uses on these weights
                 uses_ngram = base in ("lookup", "staged", "auto")

@@ -118,6 +118,8 @@ class FeatureDrafter(ModelDrafter):
     """`ModelDrafter` (tree or chain) over a feature draft: the root reads the oracle's feature, deeper
     nodes their parent's predicted one."""
 
+    supports_levels = False  # deeper nodes read their parent's predicted feature: built per node on the host
+
     def __init__(self, model: Transformer, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         if self.runner is not None:

@@ -23,6 +23,9 @@ from stagedspec.models.transformer import Transformer
 from stagedspec.runner import acquire_runner, draft_cache_len, pass_mode, run_model
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree, grow_tree
+from stagedspec.tree_levels import grow_levels
+
+GROWTHS = ("auto", "best-first", "levels")
 
 
 class ModelDrafter:
@@ -31,7 +34,15 @@ class ModelDrafter:
     Subclasses change what a pass reads (`FeatureDrafter` adds the oracle's
     hidden states) through `_root` and `_run_nodes`; the tree growth, the
     cache bookkeeping and the adaptive budget stay here.
+
+    Trees grow best-first on the host (`tree.grow_tree`), or level by level
+    on the device (`tree_levels.grow_levels`, `growth="levels"`): the same
+    kind of tree with one copy back instead of one per draft pass.  "auto"
+    picks levels where a copy back waits for the device (CUDA) and best-first
+    on a CPU, where reading a result costs nothing.
     """
+
+    supports_levels = True  # a subclass whose passes need per-node inputs it cannot build on the device: False
 
     def __init__(
         self,
@@ -46,6 +57,7 @@ class ModelDrafter:
         name: str = "draft",
         max_len: int | None = None,
         adaptive: AdaptiveBudget | None = None,
+        growth: str = "auto",
     ) -> None:
         """`adaptive`: cut each tree to the number of best nodes that maximises expected tokens per
         second (see `stagedspec.budget`); `budget` is then the most it may keep."""
@@ -69,6 +81,15 @@ class ModelDrafter:
         self.device = model.embed.weight.device
         self.forward_passes = 0
         self.adaptive = adaptive if method == "tree" else None
+        if growth not in GROWTHS:
+            raise StagedSpecError(f"unknown tree growth {growth!r}: use one of {', '.join(GROWTHS)}")
+        if growth == "levels" and (self.runner is None or not self.supports_levels):
+            raise StagedSpecError("tree growth 'levels' needs static-shape passes (CUDA, or --static-passes on a "
+                                  "CPU) and a draft whose passes read tokens only")
+        if growth == "auto":
+            growth = "levels" if self.runner is not None and self.supports_levels and self.device.type == "cuda" \
+                else "best-first"
+        self.growth = growth
         self._last_step: tuple[int, float] | None = None  # (context length, predicted tokens) of the last tree
 
     @property
@@ -146,6 +167,16 @@ class ModelDrafter:
             else:
                 tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="sampled",
                                  budget=k, max_depth=k, branching=[1] * k, proposer=self.name)
+        elif self.growth == "levels":
+            def run_level(tokens: Tensor, level: int, tree_mask: Tensor) -> Tensor:
+                self.forward_passes += 1
+                logits = self.runner.run_on_device(tokens, base - 1 + level, tree_mask, base)
+                self.cache.commit()
+                return logits
+
+            width = self.width or max(1, -(-self.budget // depth))
+            tree = grow_levels(context[-1], root_logits, run_level, sampling=sampling, budget=self.budget,
+                               max_depth=depth, width=width, branching=self.branching, proposer=self.name)
         else:
             tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="topk",
                              budget=self.budget, max_depth=depth, branching=self.branching, width=self.width,
