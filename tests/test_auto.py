@@ -106,6 +106,22 @@ def test_verification_time_is_learned_per_arm_kind_so_ar_is_not_charged_the_tree
     assert costs.verify_scale_for("lookup", False) == pytest.approx(costs.verify_scale)  # greedy: not seen yet
 
 
+def test_a_step_is_priced_with_its_verification_overhead() -> None:
+    """The measured host work of verifying (per mode, linear in the rows) is part of a step's price: with a
+    sampled tree's verification dear, as on a GPU at T=1, a lookup chain that would win on passes alone loses."""
+    cheap = CostProfile(oracle={r: 0.003 for r in ROWS}, drafts=FLAT.drafts)
+    dear = CostProfile(oracle=cheap.oracle, drafts=FLAT.drafts,
+                       verify_overhead={"greedy": [0.0002, 0.0004], "sampled": [0.0004, 0.0074]})
+    assert dear.step_seconds(1, True) == pytest.approx(0.0034)
+    assert dear.step_seconds(8, True) == pytest.approx(0.0104) and dear.step_seconds(15, True) == pytest.approx(0.0174)
+    assert dear.step_seconds(8, False) == pytest.approx(0.0034) and cheap.step_seconds(8, True) == 0.003
+    stats = trained_stats(draft=0.0, context=0.3, ngram=0.0)
+    lookup_now = {"context": 6, "ngram": 0}
+    plain_or_lookup = [a for a in ARMS if a.kind in ("ar", "lookup")]
+    assert choose_arm(plain_or_lookup, cheap, stats, StepCosts(), lookup_now, sampled=True).kind == "lookup"
+    assert choose_arm(plain_or_lookup, dear, stats, StepCosts(), lookup_now, sampled=True) == Arm("ar")
+
+
 def test_ar_is_probed_when_its_price_could_change_the_choice() -> None:
     """After `AR_PROBE_EVERY` steps without `ar`, a step runs it when the best arm's lead is small (its
     measured time keeps `ar`'s price honest), never when the lead is large."""
@@ -322,8 +338,10 @@ def test_profiles_are_measured_once_and_cached(tmp_path, monkeypatch, capsys) ->
     path.write_text("{not json")
     assert load_or_measure(oracle, [draft], "cpu").oracle  # a corrupt entry is measured again
     stored = json.loads(path.read_text())
-    assert stored["version"] == 3 and "draft_overhead" in stored and len(stored["segment_seconds"]) == 2
-    assert path.name == f"{first.key}.v3.json"  # beside, not over, what older versions cached
+    assert stored["version"] == 4 and "draft_overhead" in stored and len(stored["segment_seconds"]) == 2
+    assert set(stored["verify_overhead"]) == {"greedy", "sampled"}
+    assert all(len(v) == 2 and min(v) >= 0 for v in stored["verify_overhead"].values())
+    assert path.name == f"{first.key}.v4.json"  # beside, not over, what older versions cached
 
 
 # --- dtype auto ----------------------------------------------------------------------------------------------------

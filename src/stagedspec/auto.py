@@ -14,10 +14,11 @@ machine.  Each step weighs its candidate configurations (`Arm`s):
 
 by expected tokens / expected seconds, where
 
-- seconds = the oracle's pass over the arm's rows (the measured cost curve
-  of this machine, `stagedspec.costs`, scaled by how long steps actually
-  took) + the arm's drafting time (predicted from the drafts' cost curves,
-  then measured);
+- seconds = the oracle's pass over the arm's rows and the verification
+  around it (the measured cost curve and verification overhead of this
+  machine, `stagedspec.costs`, scaled by how long that arm kind's steps
+  actually took) + the arm's drafting time (predicted from the drafts' cost
+  curves, then measured);
 - tokens = 1 + sum over depths j of P(accepted length >= j), from
   per-proposer, per-depth acceptance statistics (`ChainStats`: context,
   n-gram, draft) that start from priors and are updated after every
@@ -423,7 +424,8 @@ def expected_rates(
             seconds = shared_step_seconds(arm, profile, load, lookup_lengths, sampled)
             rates[arm] = (load.tokens + tokens) / (load.seconds + seconds)
             continue
-        seconds = costs.verify_scale_for(arm.kind, sampled) * profile.oracle_seconds(verify_rows(arm, lookup_lengths))
+        seconds = costs.verify_scale_for(arm.kind, sampled) * profile.step_seconds(verify_rows(arm, lookup_lengths),
+                                                                               sampled)
         seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile, sampled))
         rates[arm] = tokens / seconds
     return rates
@@ -702,7 +704,7 @@ class AutoDrafter:
         if self._first_step or last.verify_seconds is None or not self.policy.learn_times:
             self._first_step = False
             return
-        predicted_verify = self.policy.profile.oracle_seconds(last.rows)
+        predicted_verify = self.policy.profile.step_seconds(last.rows, last.sampled)
         self.policy.costs.observe(last.arm, last.draft_seconds, last.verify_seconds, predicted_verify,
                                   predicted_draft_seconds(last.arm, self.policy.profile, last.sampled),
                                   sampled=last.sampled)

@@ -38,7 +38,8 @@ CPU_ORACLE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 CUDA_ORACLE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 RAGGED_SEGMENTS = 8  # segments of the ragged pass timed for the per-segment cost
-PROFILE_VERSION = 3  # 2: draft_overhead; 3: shared-pass row counts and segment_seconds
+PROFILE_VERSION = 4  # 2: draft_overhead; 3: shared-pass row counts and segment_seconds; 4: verify_overhead
+VERIFY_ROWS = (1, 8)  # verification overhead is measured on a root-only tree (`ar`) and an 8-node chain
 
 
 def _tree_mask(rows: int) -> tuple[torch.Tensor, list[int]]:
@@ -220,6 +221,20 @@ class CostProfile:
     # Seconds one more request's segment adds to a ragged pass beyond its rows (`ragged_segment_cost`): the
     # oracle's, then each draft's.  Empty: unmeasured (priced as 0).
     segment_seconds: list[float] = field(default_factory=list)
+    # Host seconds of a loop step's scoring and verification beyond the oracle's pass ("greedy", "sampled"),
+    # at `VERIFY_ROWS` rows: reading the decisions back, and at T > 0 the acceptance rules and the draws.  On a
+    # GPU at T=1 an 8-node tree's cost about a millisecond more than `ar`'s, a third of a pass.  Empty: 0.
+    verify_overhead: dict[str, list[float]] = field(default_factory=dict)
+
+    def step_seconds(self, rows: float, sampled: bool) -> float:
+        """Predicted seconds of verifying a tree of `rows` nodes: the oracle's pass plus the host work around it
+        (`verify_overhead`, linear in the rows through its two measured points, never below 0)."""
+        points = self.verify_overhead.get("sampled" if sampled else "greedy")
+        extra = 0.0
+        if points and len(points) == len(VERIFY_ROWS):
+            (r0, r1), (a, b) = VERIFY_ROWS, points
+            extra = max(0.0, a + (b - a) * (rows - r0) / (r1 - r0))
+        return self.oracle_seconds(rows) + extra
 
     def segment_cost(self, index: int) -> float:
         """Per-segment seconds of a ragged pass of model `index` (-1: the oracle, else a draft stage)."""
@@ -264,7 +279,8 @@ class CostProfile:
         return cls(oracle=curve(d["oracle"]), drafts=[curve(c) for c in d["drafts"]], machine=d.get("machine", ""),
                    key=d.get("key", ""), measured_seconds=float(d.get("measured_seconds", 0.0)),
                    draft_overhead={str(k): float(v) for k, v in d.get("draft_overhead", {}).items()},
-                   segment_seconds=[float(x) for x in d.get("segment_seconds", [])])
+                   segment_seconds=[float(x) for x in d.get("segment_seconds", [])],
+                   verify_overhead={str(k): [float(x) for x in v] for k, v in d.get("verify_overhead", {}).items()})
 
 
 def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str) -> str:
@@ -300,8 +316,48 @@ def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: 
     segment = [min(ragged_segment_cost(oracle, repeats=repeats), oracle_curve[min(oracle_curve)])]
     segment += [min(ragged_segment_cost(d, repeats=repeats, fixed_width=False), c[min(c)])
                 for d, c in zip(drafts, draft_curves)]
+    verify = verify_step_overhead(oracle, oracle_curve, repeats=repeats)
     return CostProfile(oracle_curve, draft_curves, hardware.describe(device), profile_key(oracle, drafts, device),
-                       time.perf_counter() - t0, overhead, segment)
+                       time.perf_counter() - t0, overhead, segment, verify)
+
+
+def verify_step_overhead(oracle: Transformer, curve: Mapping[int, float], repeats: int = 5) -> dict[str, list[float]]:
+    """Host seconds of a step's scoring and verification beyond the oracle's pass, at `VERIFY_ROWS` rows.
+
+    Runs the loop's own calls (`ModelOracle.score`, `verify`, `commit`) on
+    chains of random tokens, greedy and sampled (T=1, top-k 50), and
+    subtracts the pass's cost from `curve`; the fastest of `repeats`.  Why:
+    `auto` priced a step as its pass alone, so on a GPU at T=1 a tree whose
+    verification cost 1-2 ms more than `ar`'s looked as cheap as `ar`.
+    """
+    from stagedspec.runner import ModelOracle
+    from stagedspec.sampling import SamplingParams
+    from stagedspec.tree import TokenTree
+    from stagedspec.verification import verify
+
+    g = torch.Generator().manual_seed(2)
+    vocab = oracle.config.vocab_size
+    out: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for key, sampling in (("greedy", SamplingParams()), ("sampled", SamplingParams(temperature=1.0, top_k=50))):
+            points = []
+            for rows in VERIFY_ROWS:
+                runner = ModelOracle(oracle, 256)
+                runner.prefill(torch.randint(0, vocab, (32,), generator=g).tolist())
+                root = int(torch.randint(0, vocab, (), generator=g))
+                best = math.inf
+                for i in range(repeats + 1):  # the first step warms this shape up (a graph capture on CUDA)
+                    tree = TokenTree.chain(root, torch.randint(0, vocab, (rows - 1,), generator=g).tolist())
+                    t = time.perf_counter()
+                    result = verify(tree, runner.score(tree), sampling, g)
+                    runner.commit(result.accepted)
+                    seconds = time.perf_counter() - t
+                    root = result.next_token
+                    if i:
+                        best = min(best, max(0.0, seconds - interpolate(curve, rows)))
+                points.append(best)
+            out[key] = points
+    return out
 
 
 def draft_pass_overhead(draft: Transformer, curve: Mapping[int, float], repeats: int = 5) -> dict[str, float]:
