@@ -309,3 +309,21 @@ def test_bit_exact_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
     _apply_pass_flags(argparse.Namespace(bit_exact=True, device="cpu"))
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"  # no AMX: nothing to cap
+
+
+def test_compiled_static_pass_computes_what_the_plain_one_computes() -> None:
+    """`--compile`: one bucket's pass through torch.compile equals the uncompiled pass (fp32, tiny model), and
+    the compiled region sees no inference-mode switch of its own (`decoding_mode`; one broke CUDA compiles)."""
+    m = tiny(3, layers=2)
+    plain, compiled = StaticRunner(m, 64), StaticRunner(m, 64)
+    runner_mod.set_compiled(m, True)
+    try:
+        prompt = [1, 5, 2, 7]
+        with torch.inference_mode():
+            out_c = compiled.run(prompt, torch.arange(4), None)
+            assert runner_mod.is_compiled(m), "the compile failed and fell back"
+            runner_mod.set_compiled(m, False)
+            out_p = plain.run(prompt, torch.arange(4), None)
+        torch.testing.assert_close(out_c, out_p, rtol=1e-4, atol=1e-5)
+    finally:
+        runner_mod.set_compiled(m, False)

@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from stagedspec.models.transformer import Transformer
+from stagedspec.models.transformer import Transformer, decoding_mode
 from stagedspec.tree import TokenTree
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows of a static pass; more rows run as several passes of the biggest
@@ -348,7 +348,8 @@ class StaticRunner:
         if forward is self.model.forward_static:
             return forward(*args)
         try:
-            return forward(*args)
+            with decoding_mode(self.model):  # entered outside the compiled region (see `decoding_mode`)
+                return forward(*args)
         except Exception as exc:  # noqa: BLE001 - no compiler, an unsupported op: run uncompiled
             set_compiled(self.model, False)
             print(f"stagedspec: torch.compile failed ({type(exc).__name__}); running uncompiled passes",

@@ -37,8 +37,11 @@ def decoding_mode(model: nn.Module) -> contextlib.AbstractContextManager:
     place (allowed on ordinary tensors); what it returns is an inference
     tensor, which decoding only reads (training code that keeps an eval-mode
     teacher's outputs clones them, as `distill.teacher_topk` does).
+    Already in inference mode (a compiled pass, which `stagedspec.runner`
+    enters it around): nothing more, so the compiler traces no mode switch
+    (one inside a CUDA-compiled pass broke PyTorch's dispatcher state).
     """
-    if model.training and torch.is_grad_enabled():
+    if (model.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
         return contextlib.nullcontext()
     return torch.inference_mode()
 
