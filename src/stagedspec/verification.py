@@ -167,11 +167,12 @@ def verify_sampled(
     else:
         order = kids
     parents = [u for u in range(n) if order[u]]
-    u_final = _uniforms(n, generator, device)
+    # One uniform per node (its leftover draw), then one per child: drawn and copied over together.
+    u = _uniforms(2 * n if parents else n, generator, device)
+    u_final, u_child = u[:n], u[n:]
     leftover = probs
     decision = torch.zeros(n, dtype=torch.long, device=device)  # per child: 1 accepted, 2 no draft probability
     if parents:
-        u_child = _uniforms(n, generator, device)
         leftover, accept_prob, no_q = _decide_children(tree, order, parents, probs)
         decision = (u_child < accept_prob).long() + 2 * no_q.long()
     drawn = inverse_cdf_rows(leftover, u_final)
@@ -202,10 +203,26 @@ def _decide_children(
     Returns (leftover [n, V], accept probability per node index [n], and per
     node index whether it is a drawn child with zero draft probability, or
     whose parent has no `child_q`).
+
+    Every index the ranks use (rows, tokens, child ids) is built on the host
+    and sent over in one copy: a tensor made from a Python list on a GPU is a
+    synchronous copy, and three per rank cost more than the rules' kernels.
     """
     n, device = len(tree), probs.device
-    target = probs[parents].clone()  # [M, V]
     row_of = {u: i for i, u in enumerate(parents)}
+    flat: list[int] = list(parents)
+    groups: list[tuple[bool, int, int]] = []  # (drawn?, offset into flat, group size): rows, tokens, children
+    for rank in range(max(len(order[u]) for u in parents)):
+        at_rank = [(row_of[u], order[u][rank]) for u in parents if len(order[u]) > rank]
+        drawn = [(i, c) for i, c in at_rank if tree.sampled and c not in tree.fixed]
+        fixed = [(i, c) for i, c in at_rank if not (tree.sampled and c not in tree.fixed)]
+        for is_drawn, group in ((True, drawn), (False, fixed)):
+            if group:
+                groups.append((is_drawn, len(flat), len(group)))
+                flat += [i for i, _ in group] + [tree.tokens[c] for _, c in group] + [c for _, c in group]
+    index = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+    parent_rows = index[: len(parents)]
+    target = probs.index_select(0, parent_rows)  # [M, V]
     q = None
     if tree.sampled:
         rows = [tree.child_q[u].to(device, torch.float64) if u in tree.child_q else torch.zeros_like(probs[0])
@@ -214,28 +231,22 @@ def _decide_children(
         q = q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
     accept_prob = torch.zeros(n, dtype=torch.float64, device=device)
     no_q = torch.zeros(n, dtype=torch.bool, device=device)
-    for rank in range(max(len(order[u]) for u in parents)):
-        at_rank = [(row_of[u], order[u][rank]) for u in parents if len(order[u]) > rank]
-        drawn = [(i, c) for i, c in at_rank if tree.sampled and c not in tree.fixed]
-        fixed = [(i, c) for i, c in at_rank if not (tree.sampled and c not in tree.fixed)]
-        if drawn:
-            _sampled_rank(target, q, drawn, tree.tokens, accept_prob, no_q)
-        if fixed:
-            _deterministic_rank(target, fixed, tree.tokens, accept_prob)
+    for is_drawn, at, size in groups:
+        rows, x, children = index[at:at + size], index[at + size:at + 2 * size], index[at + 2 * size:at + 3 * size]
+        if is_drawn:
+            _sampled_rank(target, q, rows, x, children, accept_prob, no_q)
+        else:
+            _deterministic_rank(target, rows, x, children, accept_prob)
     leftover = probs.clone()
-    leftover[parents] = target
+    leftover.index_copy_(0, parent_rows, target)
     return leftover, accept_prob, no_q
 
 
-def _sampled_rank(target: Tensor, q: Tensor, group: list[tuple[int, int]], tokens: list[int],
+def _sampled_rank(target: Tensor, q: Tensor, rows: Tensor, x: Tensor, children: Tensor,
                   accept_prob: Tensor, no_q: Tensor) -> None:
-    """`sampled_node_rule`'s step for one drawn sibling of each row in `group`, in place; `no_q` where q(x) = 0."""
-    device = target.device
-    rows = torch.tensor([i for i, _ in group], device=device)
-    x = torch.tensor([tokens[c] for _, c in group], device=device)
+    """`sampled_node_rule`'s step for one drawn sibling `x` of each of `rows` (in place); `no_q` where q(x) = 0."""
     t, qr = target[rows], q[rows]
     px, qx = t.gather(1, x[:, None])[:, 0], qr.gather(1, x[:, None])[:, 0]
-    children = torch.tensor([c for _, c in group], device=device)
     accept_prob[children] = (px / qx.clamp_min(1e-300)).clamp_max(1.0)
     no_q[children] = qx <= 0
     r = (t - qr).clamp_min(0.0)
@@ -246,14 +257,11 @@ def _sampled_rank(target: Tensor, q: Tensor, group: list[tuple[int, int]], token
     q[rows] = torch.where(q_mass > 0, qr / q_mass.clamp_min(torch.finfo(torch.float64).tiny), qr)
 
 
-def _deterministic_rank(target: Tensor, group: list[tuple[int, int]], tokens: list[int], accept_prob: Tensor) -> None:
-    """`deterministic_node_rule`'s step for one fixed sibling of each row in `group`, in place."""
-    device = target.device
-    rows = torch.tensor([i for i, _ in group], device=device)
-    x = torch.tensor([tokens[c] for _, c in group], device=device)
+def _deterministic_rank(target: Tensor, rows: Tensor, x: Tensor, children: Tensor, accept_prob: Tensor) -> None:
+    """`deterministic_node_rule`'s step for one fixed sibling `x` of each of `rows`, in place."""
     t = target[rows]
     px = t.gather(1, x[:, None])[:, 0]
-    accept_prob[torch.tensor([c for _, c in group], device=device)] = px
+    accept_prob[children] = px
     rest = t.scatter(1, x[:, None], 0.0)
     mass = rest.sum(-1, keepdim=True)
     keep = (px[:, None] <= 0) | (mass <= _RESIDUAL_EPS)  # p(x) = 0: no draw, p unchanged; mass ~ 0: see below
