@@ -458,3 +458,35 @@ def test_the_shared_pricing_is_scaled_to_the_passes_as_measured() -> None:
         oracle_part = shared_step_seconds(Arm("ar"), profile, plain, {})
         draft_part = shared_step_seconds(arm, profile, plain, {}) - oracle_part
         assert scaled == pytest.approx(2.0 * oracle_part + 3.0 * draft_part, rel=1e-3), arm
+
+
+def test_deep_in_a_plain_run_only_probe_steps_price_the_arms(monkeypatch) -> None:  # noqa: ANN001
+    """After `PLAIN_STREAK` steps of `ar`, steps between lookup probes run `ar` without pricing every arm (on a
+    GPU that pricing was a few percent of a step); probe steps still price them."""
+    from stagedspec.auto import LOOKUP_PROBE_EVERY, PLAIN_STREAK, AutoDrafter
+    from stagedspec.generation import NoDrafter
+
+    policy = AutoPolicy([Arm("ar")], STEEP)
+    priced = []
+    real_choose = policy.choose
+    monkeypatch.setattr(policy, "choose", lambda *a, **k: priced.append(1) or real_choose(*a, **k))
+
+    class Lookup:  # chains that never exist
+        chain_length = 0
+
+        def chains(self, context, k):  # noqa: ANN001, ANN201
+            return []
+
+        def begin(self, prompt):  # noqa: ANN001, ANN201
+            pass
+
+    drafter = AutoDrafter(policy, {Arm("ar"): (NoDrafter(), [])}, lookup=Lookup())
+    context = [1, 2, 3]
+    drafter.begin(context)
+    steps = PLAIN_STREAK + 4 * LOOKUP_PROBE_EVERY
+    for _ in range(steps):
+        tree = drafter.propose(context, SamplingParams(), None, 8)
+        assert len(tree) == 1
+        context = context + [4]
+    assert policy.choices["ar"] == steps
+    assert PLAIN_STREAK < len(priced) < PLAIN_STREAK + 4 * LOOKUP_PROBE_EVERY
