@@ -327,3 +327,15 @@ def test_compiled_static_pass_computes_what_the_plain_one_computes() -> None:
         torch.testing.assert_close(out_c, out_p, rtol=1e-4, atol=1e-5)
     finally:
         runner_mod.set_compiled(m, False)
+
+
+def test_level_growth_keeps_its_levels_within_the_tree_s_cache_slots() -> None:
+    """A width wider than the budget allows is narrowed: the levels' entries fit the slots kept for a tree."""
+    m = tiny(6)
+    set_pass_mode(m, "static")
+    prompt = [i % 24 for i in range(1, 40)]
+    drafter = ModelDrafter(m, budget=4, max_depth=4, branching=3, width=8, max_len=len(prompt) + 1, growth="levels")
+    drafter.begin(prompt)
+    with torch.inference_mode():
+        tree = drafter.propose(prompt, SamplingParams(), None, 8)
+    assert 1 < len(tree) <= 5 and drafter.cache.length == len(prompt)

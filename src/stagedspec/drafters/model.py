@@ -174,7 +174,9 @@ class ModelDrafter:
                 self.cache.commit()
                 return logits
 
-            width = self.width or max(1, -(-self.budget // depth))
+            # Levels 1..depth-1 are expanded `width` nodes each; their cache entries must fit the `budget`
+            # slots the cache keeps for a tree (`draft_cache_len`).
+            width = max(1, min(self.width or -(-self.budget // depth), self.budget // max(1, depth - 1)))
             tree = grow_levels(context[-1], root_logits, run_level, sampling=sampling, budget=self.budget,
                                max_depth=depth, width=width, branching=self.branching, proposer=self.name)
         else:
