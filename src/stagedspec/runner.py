@@ -265,14 +265,7 @@ class StaticRunner:
             mask[pad, start + pad] = True
         if self.features is not None:
             self.features[0, :rows].zero_()
-        if self.use_graphs:
-            graph = self.graphs.get(rows) or self._capture(rows)
-            if graph is not None:
-                graph.replay()
-                return self._outputs[rows][0][0, :n]
-        logits, _ = self._forward(self.index[0:1, :rows], self.index[1, :rows], self.index[2, :rows],
-                                  self.mask[:rows], self.cache, None, True, self._features(rows))
-        return logits[0, :n]
+        return self._launch(rows)[0][0, :n]
 
     @staticmethod
     def _full_mask(T: int, start: int, mask: Tensor | None) -> Tensor:
@@ -329,15 +322,24 @@ class StaticRunner:
         if cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
+        logits, hidden, replayed = self._launch(rows)
+        if replayed:  # the graph's output buffers: copies, as the next replay overwrites them
+            return logits[0, :n].clone(), hidden[0, :n].clone() if self.keep_hidden else None
+        return logits[0, :n], hidden[0, :n] if self.keep_hidden else None
+
+    def _launch(self, rows: int) -> tuple[Tensor, Tensor, bool]:
+        """Bucket `rows`' pass on the inputs already in the buffers: (logits, hidden, replayed).
+
+        Replayed: the captured graph's own output buffers (captured on first use); else an eager pass's."""
         if self.use_graphs:
             graph = self.graphs.get(rows) or self._capture(rows)
             if graph is not None:
                 graph.replay()
                 logits, hidden = self._outputs[rows]
-                return logits[0, :n].clone(), hidden[0, :n].clone() if self.keep_hidden else None
+                return logits, hidden, True
         logits, hidden = self._forward(self.index[0:1, :rows], self.index[1, :rows], self.index[2, :rows],
                                        self.mask[:rows], self.cache, None, True, self._features(rows))
-        return logits[0, :n], hidden[0, :n] if self.keep_hidden else None
+        return logits, hidden, False
 
     def _features(self, rows: int) -> Tensor | None:
         return None if self.features is None else self.features[:, :rows]

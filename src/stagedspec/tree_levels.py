@@ -3,8 +3,9 @@
 `tree.grow_tree` grows best-first on the host: after every draft pass it
 brings the top-k tokens back to choose what to expand next.  On a GPU each
 such copy waits for the pass and for everything queued before it, so a
-depth-6 tree costs six round trips (about 0.7 ms each on an H100 with the
-default draft, far more than the 0.3 ms graph replay of the pass itself).
+depth-6 tree costs six round trips.  (Measured on an H100 in session 8 this
+growth ran level with best-first, 1.41x against 1.44x `ar` greedy: there the
+draft's own passes, not the round trips, bound drafting; docs/gpu.md.)
 
 Here the choices stay on the device (EAGLE-2's dynamic tree, in fixed
 shapes): level d's `width` best candidates by cumulative draft probability
