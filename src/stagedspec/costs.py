@@ -222,8 +222,8 @@ class CostProfile:
     # oracle's, then each draft's.  Empty: unmeasured (priced as 0).
     segment_seconds: list[float] = field(default_factory=list)
     # Host seconds of a loop step's scoring and verification beyond the oracle's pass ("greedy", "sampled"),
-    # at `VERIFY_ROWS` rows: reading the decisions back, and at T > 0 the acceptance rules and the draws.  On a
-    # GPU at T=1 an 8-node tree's cost about a millisecond more than `ar`'s, a third of a pass.  Empty: 0.
+    # at `VERIFY_ROWS` rows: reading the decisions back, and at T > 0 the acceptance rules and the draws.  On an
+    # H100 at T=1 an 8-node tree's cost 0.67 ms more than `ar`'s, a fifth of a pass (session 8).  Empty: 0.
     verify_overhead: dict[str, list[float]] = field(default_factory=dict)
 
     def step_seconds(self, rows: float, sampled: bool) -> float:
@@ -328,7 +328,8 @@ def verify_step_overhead(oracle: Transformer, curve: Mapping[int, float], repeat
     chains of random tokens, greedy and sampled (T=1, top-k 50), and
     subtracts the pass's cost from `curve`; the fastest of `repeats`.  Why:
     `auto` priced a step as its pass alone, so on a GPU at T=1 a tree whose
-    verification cost 1-2 ms more than `ar`'s looked as cheap as `ar`.
+    verification cost more than `ar`'s (0.67 ms at 8 rows on an H100) looked
+    as cheap as `ar`.
     """
     from stagedspec.runner import ModelOracle
     from stagedspec.sampling import SamplingParams
