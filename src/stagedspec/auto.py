@@ -65,6 +65,10 @@ LOOKUP_SIZES = (1, 2, 3, 4, 6)
 CPU_TREE_SIZES = (2, 4, 8, 16)
 CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
 STAGE_SIZES = (1, 2, 3, 4, 6)
+# A `staged:k` arm merges a prompt-lookup chain one token longer than its draft's k, as the tuned fixed
+# configurations do (bf16: 3 draft + 4 lookup; int4: 1 + 2, which no arm could express before: `auto@int4`
+# then ran at 1.10-1.17x `ar@int4` against `staged@int4`'s 1.35x, session 8).
+STAGE_LOOKUP_EXTRA = 1
 # Priors: mean per-depth acceptance of each proposer before any observation, and its weight in steps.
 PRIOR_ACCEPTANCE = {"context": 0.5, "ngram": 0.3, "draft": 0.6}
 PRIOR_WEIGHT = 2.0
@@ -96,7 +100,7 @@ class Arm:
         if self.kind == "lookup":
             return 3 * self.size  # the context chain and two n-gram chains
         if self.kind == "staged":
-            return 2 * self.size  # the draft's chain and the merged context chain
+            return 2 * self.size + STAGE_LOOKUP_EXTRA  # the draft's chain and the merged context chain
         return self.size
 
 
@@ -278,7 +282,7 @@ def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[st
         reach = chains["draft"].reach(depth, width=arm.size / depth)
     else:  # staged: the draft's chain, with the prompt-lookup chain merged in
         reach = _best_reach([chains["draft"].reach(arm.size),
-                             chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0)))])
+                             chains["context"].reach(min(staged_lookup_length(arm), lookup_lengths.get("context", 0)))])
     return 1.0 + (stats.calibration(arm) if calibrated else 1.0) * sum(reach)
 
 
@@ -297,8 +301,13 @@ def verify_rows(arm: Arm, lookup_lengths: Mapping[str, int]) -> int:
     if arm.kind == "lookup":
         return 1 + min(arm.size, lookup_lengths.get("context", 0)) + 2 * min(arm.size, lookup_lengths.get("ngram", 0))
     if arm.kind == "staged":
-        return 1 + arm.size + min(arm.size, lookup_lengths.get("context", 0))
+        return 1 + arm.size + min(staged_lookup_length(arm), lookup_lengths.get("context", 0))
     return 1 + arm.size
+
+
+def staged_lookup_length(arm: Arm) -> int:
+    """Tokens of the prompt-lookup chain a `staged` arm merges into the oracle's tree."""
+    return arm.size + STAGE_LOOKUP_EXTRA
 
 
 def predicted_draft_seconds(arm: Arm, profile: CostProfile, sampled: bool = False) -> float:

@@ -461,7 +461,8 @@ class Pipeline:
 
         `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
         seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
-        from stagedspec.auto import LOOKUP_SIZES, STAGE_SIZES, AutoDrafter, AutoPolicy, tree_depth_for
+        from stagedspec.auto import (LOOKUP_SIZES, STAGE_LOOKUP_EXTRA, STAGE_SIZES, AutoDrafter, AutoPolicy,
+                                     staged_lookup_length, tree_depth_for)
         from stagedspec.drafters.lookup import LookupDrafter
 
         s = self.speculation
@@ -494,12 +495,12 @@ class Pipeline:
             if s.context:
                 from stagedspec.drafters.merged import MergedDrafter
 
-                merged_lookup = LookupDrafter(None, True, chain_length=max(STAGE_SIZES))
+                merged_lookup = LookupDrafter(None, True, chain_length=max(STAGE_SIZES) + STAGE_LOOKUP_EXTRA)
                 staged = MergedDrafter(top, merged_lookup)
             for arm in stage_arms:
                 settings = [(top, "chain_length", arm.size)]
                 if merged_lookup is not None:
-                    settings.append((merged_lookup, "chain_length", arm.size))
+                    settings.append((merged_lookup, "chain_length", staged_lookup_length(arm)))
                 arms[arm] = (staged, settings)
         return AutoDrafter(policy, {a: arms[a] for a in policy.arms}, lookup=lookup)
 
