@@ -41,6 +41,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:
+    from stagedspec.drafters.model import GROWTHS
     from stagedspec.pipeline import QUANTISED_DEFAULTS as q
     from stagedspec.pipeline import SpeculationConfig
 
@@ -78,7 +79,7 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive-budget", action="store_true",
                    help="tree: each step verify only the best nodes that pay for themselves, priced by a "
                         "measured cost curve of this machine (--tree-budget is then the most)")
-    p.add_argument("--tree-growth", choices=["auto", "best-first", "levels"], default=d.tree_growth,
+    p.add_argument("--tree-growth", choices=GROWTHS, default=d.tree_growth,
                    help="tree: grow best-first on the host, or level by level on the device with one copy back "
                         "(needs static passes); auto: levels on CUDA, best-first on a CPU")
     p.add_argument("--tree-budget", type=_positive_int, default=None, metavar="N",

@@ -48,7 +48,8 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.sampling import SamplingParams
 
 QUICK_METHODS = ("ar", "auto", "tree", "lookup", "staged", "hf-generate")
-GROUPS = {"all": tuple(m for m in ALL_METHODS if m not in VARIANTS), "ours": OURS, "int4": INT4, "transformers": TRANSFORMERS, "llamacpp": LLAMACPP}
+GROUPS = {"all": tuple(m for m in ALL_METHODS if m not in VARIANTS), "ours": OURS, "int4": INT4,
+          "transformers": TRANSFORMERS, "llamacpp": LLAMACPP}
 
 
 @dataclass
