@@ -100,7 +100,7 @@ class Arm:
         if self.kind == "lookup":
             return 3 * self.size  # the context chain and two n-gram chains
         if self.kind == "staged":
-            return 2 * self.size + STAGE_LOOKUP_EXTRA  # the draft's chain and the merged context chain
+            return self.size + staged_lookup_length(self)  # the draft's chain and the merged context chain
         return self.size
 
 
@@ -281,8 +281,8 @@ def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[st
         depth = tree_depth_for(arm.size)
         reach = chains["draft"].reach(depth, width=arm.size / depth)
     else:  # staged: the draft's chain, with the prompt-lookup chain merged in
-        reach = _best_reach([chains["draft"].reach(arm.size),
-                             chains["context"].reach(min(staged_lookup_length(arm), lookup_lengths.get("context", 0)))])
+        merged = min(staged_lookup_length(arm), lookup_lengths.get("context", 0))
+        reach = _best_reach([chains["draft"].reach(arm.size), chains["context"].reach(merged)])
     return 1.0 + (stats.calibration(arm) if calibrated else 1.0) * sum(reach)
 
 

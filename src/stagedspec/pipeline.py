@@ -461,8 +461,8 @@ class Pipeline:
 
         `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
         seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
-        from stagedspec.auto import (LOOKUP_SIZES, STAGE_LOOKUP_EXTRA, STAGE_SIZES, AutoDrafter, AutoPolicy,
-                                     staged_lookup_length, tree_depth_for)
+        from stagedspec.auto import (LOOKUP_SIZES, STAGE_SIZES, Arm, AutoDrafter, AutoPolicy, staged_lookup_length,
+                                     tree_depth_for)
         from stagedspec.drafters.lookup import LookupDrafter
 
         s = self.speculation
@@ -495,7 +495,8 @@ class Pipeline:
             if s.context:
                 from stagedspec.drafters.merged import MergedDrafter
 
-                merged_lookup = LookupDrafter(None, True, chain_length=max(STAGE_SIZES) + STAGE_LOOKUP_EXTRA)
+                merged_lookup = LookupDrafter(None, True,
+                                              chain_length=staged_lookup_length(Arm("staged", max(STAGE_SIZES))))
                 staged = MergedDrafter(top, merged_lookup)
             for arm in stage_arms:
                 settings = [(top, "chain_length", arm.size)]
