@@ -148,3 +148,18 @@ def test_sampling_is_reproducible_with_a_seed() -> None:
 
     assert run(5) == run(5)
     assert run(5) != run(6)
+
+
+def test_greedy_tokens_match_argmax_with_ties_and_nan():
+    """`greedy_tokens` (max on the CPU) picks argmax's index: the first among ties, NaN as the maximum."""
+    from stagedspec.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        rows, vocab = 1 + trial % 13, (49152, 8192, 7)[trial % 3]
+        x = (torch.randint(-4, 5, (rows, vocab), generator=g) * 0.5).to((torch.bfloat16, torch.float32)[trial % 2])
+        if trial % 5 == 0:
+            x[0, trial % vocab] = float("nan")
+        if trial % 4 == 0:
+            x = x.t().contiguous().t()  # a strided view
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))

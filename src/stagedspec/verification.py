@@ -81,7 +81,7 @@ import torch
 from torch import Tensor
 
 from stagedspec.errors import StagedSpecError
-from stagedspec.sampling import SamplingParams, inverse_cdf_rows, probs_from_logits, sample
+from stagedspec.sampling import SamplingParams, greedy_tokens, inverse_cdf_rows, probs_from_logits, sample
 from stagedspec.tree import TokenTree
 
 # Residual mass below which a rejection is treated as (numerically) impossible.
@@ -115,7 +115,7 @@ def verify(
 
 def verify_greedy(tree: TokenTree, oracle_logits: Tensor) -> VerifyResult:
     """Follow the oracle's argmax through the tree (one argmax over all rows, no softmax)."""
-    best = oracle_logits.argmax(-1).tolist()
+    best = greedy_tokens(oracle_logits).tolist()
     kids = tree.children_lists()
     node, accepted = 0, []
     while True:
