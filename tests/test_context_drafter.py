@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -95,3 +97,39 @@ def test_rejects_bad_settings() -> None:
         ContextDrafter(max_ngram=1, min_ngram=2)
     with pytest.raises(StagedSpecError, match="recent"):
         ContextDrafter(recent=0)
+
+
+def _index_state(d: ContextDrafter) -> dict:
+    """What proposals can read of the index: the recent ends, next-token stats and totals per n-gram."""
+    return {key: (occ.ends[-d.recent:], {t: list(s) for t, s in occ.nexts.items()}, occ.total)
+            for key, occ in d._index.items()}
+
+
+@pytest.mark.parametrize("recent", [1, 2, 32])
+def test_truncate_leaves_the_index_reset_would_build(recent):
+    """Taking tokens back (as below a model stage) gives the state and proposals of a fresh index."""
+    rng = random.Random(recent)
+    d = ContextDrafter(max_ngram=3, recent=recent)
+    for _ in range(300):
+        if rng.random() < 0.6 or len(d) == 0:
+            d.update(rng.choice([0, 1, 2, 3]) for _ in range(rng.randint(1, 12)))
+        else:
+            d.truncate(len(d) - rng.randint(1, min(len(d), 8)))
+        fresh = ContextDrafter(d.tokens, max_ngram=3, recent=recent)
+        assert _index_state(d) == _index_state(fresh)
+        assert d.propose_chain(5) == fresh.propose_chain(5) and d.top_k(3) == fresh.top_k(3)
+
+
+def test_lookup_drafter_follows_a_context_that_takes_tokens_back():
+    """The lookup drafter's proposals after the context lost its tail equal those of a fresh drafter."""
+    from stagedspec.drafters.lookup import LookupDrafter
+
+    rng = random.Random(0)
+    base = [rng.choice(range(6)) for _ in range(80)]
+    d = LookupDrafter()
+    d.begin(base)
+    for _ in range(50):
+        cut = len(base) - rng.randint(0, 5)
+        base = base[:cut] + [rng.choice(range(6)) for _ in range(rng.randint(1, 5))]
+        fresh = LookupDrafter()
+        assert d.chains(base, 4) == fresh.chains(base, 4)

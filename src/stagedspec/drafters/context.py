@@ -92,6 +92,53 @@ class ContextDrafter:
                 occ.total += 1
             hist.append(tok)
 
+    def truncate(self, length: int) -> None:
+        """Forget the tokens past the first `length`, as if they had never been added.
+
+        Why: a drafter below a model stage sees that stage's speculative
+        tokens, and the next step's context often takes some of them back;
+        undoing the last few tokens costs far less than `reset` re-indexing
+        the whole prompt.  The index ends up exactly as `reset(first length
+        tokens)` would build it.
+        """
+        hist, index = self._history, self._index
+        lo, hi, keep = self.min_ngram, self.max_ngram, self.recent
+        while len(hist) > max(0, length):
+            i = len(hist) - 1  # position of the token to take back
+            tok = hist.pop()
+            for n in range(lo, min(hi, i) + 1):
+                key = tuple(hist[i - n : i])
+                occ = index[key]
+                occ.ends.pop()  # the newest end is i - 1: trimming only ever drops old ones
+                occ.total -= 1
+                if occ.total == 0:
+                    del index[key]
+                    continue
+                if len(occ.ends) < min(keep, occ.total):  # older ends were trimmed away: find them again
+                    occ.ends = self._ends_before(key, i - 1)[-keep:]
+                stat = occ.nexts[tok]
+                stat[0] -= 1
+                if stat[0] == 0:
+                    del occ.nexts[tok]
+                else:
+                    stat[1] = self._latest_next(key, tok, occ.ends)
+
+    def _ends_before(self, key: tuple[int, ...], before: int) -> list[int]:
+        """Ends (index of the last token) of every occurrence of `key` that ends before `before`."""
+        hist, n = self._history, len(key)
+        return [e for e in range(n - 1, before) if tuple(hist[e - n + 1 : e + 1]) == key]
+
+    def _latest_next(self, key: tuple[int, ...], tok: int, recent_ends: list[int]) -> int:
+        """Where `tok` last followed `key`: among the recent ends first, else further back in the history."""
+        hist = self._history
+        for e in reversed(recent_ends):
+            if hist[e + 1] == tok:
+                return e + 1
+        for e in reversed(self._ends_before(key, recent_ends[0] if recent_ends else len(hist) - 1)):
+            if hist[e + 1] == tok:
+                return e + 1
+        raise AssertionError(f"token {tok} never followed {key}")  # its count said it did
+
     def __len__(self) -> int:
         return len(self._history)
 

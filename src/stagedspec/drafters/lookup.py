@@ -65,11 +65,18 @@ class LookupDrafter:
         """Follow the context incrementally; restart only when it is not an extension of what we saw."""
         if self.context is None:
             return
-        n = len(self._known)
-        if len(context) >= n and list(context[:n]) == self._known:
+        known, n = self._known, len(self._known)
+        if len(context) >= n and list(context[:n]) == known:
             self.context.update(context[n:])
         else:
-            self.context.reset(context)
+            # Below a model stage the context often takes back a few speculative tokens: undo those
+            # instead of re-indexing the prompt, unless most of what was seen differs (a new prompt).
+            same = next((i for i, (a, b) in enumerate(zip(context, known)) if a != b), min(len(context), n))
+            if n - same <= same:
+                self.context.truncate(same)
+                self.context.update(context[same:])
+            else:
+                self.context.reset(context)
         self._known = list(context)
 
     def chains(self, context: Sequence[int], max_tokens: int) -> list[tuple[str, list[int]]]:
