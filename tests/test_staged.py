@@ -164,3 +164,26 @@ def test_staged_sampling_is_reproducible_with_a_seed() -> None:
                                     sampling=sampling, seed=7).token_ids
 
     assert run() == run()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_merged_lookup_length_follows_the_machines_bf16(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """`staged` merges 8 prompt-lookup tokens only where bf16 rows are nearly free; a given length wins."""
+    import stagedspec.hardware
+    from stagedspec.pipeline import NATIVE_BF16_DEFAULTS, SpeculationConfig
+
+    monkeypatch.setattr(stagedspec.hardware, "cpu_has_native_bf16", lambda: native)
+    tuned = SpeculationConfig.tuned
+    base = SpeculationConfig().lookup_chain_length
+    wide = NATIVE_BF16_DEFAULTS["oracle_lookup_length"] if native else base
+    assert tuned("staged", dtype="bf16").merged_lookup_length == wide
+    assert tuned("staged", dtype=torch.bfloat16).merged_lookup_length == wide
+    assert tuned("staged", dtype="fp32").merged_lookup_length == base
+    assert tuned("staged").merged_lookup_length == base  # dtype not known
+    assert tuned("staged", "int4", dtype="bf16").merged_lookup_length == 2
+    assert tuned("staged", device="cuda", dtype="bf16").merged_lookup_length == 8  # CUDA's own lookup length
+    assert tuned("staged", dtype="bf16", lookup_chain_length=3).merged_lookup_length == 3
+    assert tuned("staged", dtype="bf16", oracle_lookup_length=5).merged_lookup_length == 5
+    assert tuned("staged", dtype="bf16").max_nodes >= 3 + wide
+    with pytest.raises(Exception, match="oracle-lookup-length"):
+        SpeculationConfig(method="staged", oracle_lookup_length=0)

@@ -257,7 +257,8 @@ def ours(
                   f"{' + ' if s.context and ngram_spec else ''}{'n-gram ' + ngram_spec if ngram_spec else ''})",
         "staged": "our engine, staged: oracle <- " + " <- ".join([*draft_specs, _bottom(s.context, ngram_spec)])
                   + f" ({s.stage_chain_length} tokens per stage step"
-                  + ("; prompt lookup also merged into the oracle's tree)" if s.oracle_lookup and s.context else ")"),
+                  + (f"; prompt lookup of {s.merged_lookup_length} tokens also merged into the oracle's tree)"
+                     if s.oracle_lookup and s.context else ")"),
     }[s.method]
     if quant != "none":
         desc += f", oracle on {quant} weights"

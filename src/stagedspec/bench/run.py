@@ -233,8 +233,8 @@ def build_methods(
                 methods.append(ours(models, name, spec, [draft], None, quant))
             elif base in OURS:  # the defaults `stagedspec generate` uses on these weights
                 uses_ngram = base in ("lookup", "staged", "auto")
-                spec = SpeculationConfig.tuned(base, quant, cfg.device, ngram=cfg.ngram if uses_ngram else None,
-                                               context=True)
+                spec = SpeculationConfig.tuned(base, quant, cfg.device, cfg.dtype,
+                                               ngram=cfg.ngram if uses_ngram else None, context=True)
                 methods.append(ours(models, name, spec, [draft] if draft else [], spec.ngram, quant))
             elif name in TRANSFORMERS:
                 methods.append(transformers_method(models, name, draft))
