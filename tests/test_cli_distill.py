@@ -250,6 +250,12 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
         assert all(1 >= a >= b >= 0 for a, b in zip(reach, reach[1:]))  # deeper is reached no more often
         assert abs(1 + sum(reach) - one[f"{kind}_mean_accepted_length"]) < 1e-9
 
+    # The tree after every reply prefix: one tree per agreement position, the same depth identity.
+    every = one["tree_every_position"]
+    assert every["trees"] == one["positions"] and every["draft_passes_per_tree"] > 0
+    assert all(1 >= a >= b >= 0 for a, b in zip(every["depth_reach"], every["depth_reach"][1:]))
+    assert abs(1 + sum(every["depth_reach"]) - every["mean_accepted_length"]) < 1e-9
+
     # Two drafts (a repeated flag and a comma list, the duplicate dropped): one table, a column each,
     # measured on the same oracle replies.
     assert run(common + ["--draft", str(out), "--draft", f"layers:1,{out}"]) == 0
@@ -257,7 +263,8 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
     assert text.startswith("2 drafts vs oracle")
     header = text.splitlines()[1].split()
     assert header == ["draft", "layers:1"]
-    for row in ("top-1", "top-4 @ reply 0-15", "mean accepted, tree 16", "tree reaches depth 3", "cost (bfloat16"):
+    for row in ("top-1", "top-4 @ reply 0-15", "mean accepted, tree 16", "tree reaches depth 3",
+                "mean accepted, tree 16, every position", "cost (bfloat16"):
         assert any(line.strip().startswith(row) for line in text.splitlines()), row
     assert run(common + ["--draft", f"{out},layers:1", "--json"]) == 0
     both = json.loads(capsys.readouterr().out)
@@ -270,3 +277,27 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
     assert run(common + ["--draft", str(out)]) == 0
     text = capsys.readouterr().out
     assert "top-1 agreement" in text and "by reply position 0-15" in text and "depth reached" in text
+    assert "after every reply prefix" in text
+    assert run(common + ["--draft", str(out), "--no-every-position", "--json"]) == 0
+    assert "tree_every_position" not in json.loads(capsys.readouterr().out)
+
+
+def test_tree_acceptance_everywhere_with_the_oracle_as_its_own_draft(oracle_dir: Path) -> None:
+    """A draft that is the oracle (fp32) spells the oracle's greedy reply: every chain is accepted whole."""
+    from stagedspec.distill import oracle_greedy_continuations
+    from stagedspec.models.loading import load_model
+    from stagedspec.tree import TokenTree
+    from stagedspec.tree_acceptance import matched_depth, tree_acceptance_everywhere
+
+    oracle, _ = load_model(str(oracle_dir), dtype=torch.float32)
+    prompts = [[1, 5, 9, 3], [2, 2, 7]]
+    replies = oracle_greedy_continuations(oracle, prompts, 10)
+    depth = 3
+    got = tree_acceptance_everywhere(oracle, prompts, replies, budget=depth, max_depth=depth, branching=1)
+    lengths = [min(depth, len(r) - i) for r in replies for i in range(len(r))]
+    assert got["trees"] == len(lengths)
+    assert abs(got["mean_accepted_length"] - (1 + sum(lengths) / len(lengths))) < 1e-9
+
+    tree = TokenTree([0, 4, 6, 5, 8], [-1, 0, 0, 2, 3])  # root -> 4; root -> 6 -> 5 -> 8
+    assert matched_depth(tree, [6, 5, 9]) == 2 and matched_depth(tree, [4, 1]) == 1
+    assert matched_depth(tree, [7]) == 0 and matched_depth(tree, [6, 5, 8, 1]) == 3 and matched_depth(tree, []) == 0

@@ -165,6 +165,10 @@ def add_commands(subparsers: Any) -> None:
     e.add_argument("--tree-budget", type=_int_at_least(1), default=16, metavar="N")
     e.add_argument("--tree-depth", type=_int_at_least(1), default=6, metavar="D")
     e.add_argument("--branching", type=_int_at_least(1), default=4, metavar="B")
+    e.add_argument("--every-position", action=argparse.BooleanOptionalAction, default=True,
+                   help="also grow the draft's tree after every prefix of the oracle's replies and report its "
+                        "mean accepted length there: the same positions for every draft, far more trees "
+                        "(default: on)")
     e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
     e.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N")
     e.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda (default: cpu)")
@@ -468,6 +472,13 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
     with torch.inference_mode():
         report: dict[str, Any] = eval_draft(pipe.model, model, streams, args.tokens, timing_dtype=torch.bfloat16,
                                             continuations=continuations, oracle_seconds=oracle_s)
+    if args.every_position:
+        from stagedspec.tree_acceptance import tree_acceptance_everywhere
+
+        everywhere = tree_acceptance_everywhere(model, streams, continuations, budget=args.tree_budget,
+                                                max_depth=args.tree_depth, branching=args.branching)
+        if everywhere is not None:  # None: a feature draft (its trees need a decoding run's oracle features)
+            report["tree_every_position"] = everywhere
     accept: dict[str, Any] = {}
     methods = ("chain", "tree") + (("ar",) if ar_speed is None else ())
     for method in (methods if args.accept_prompts else ()):
@@ -524,6 +535,10 @@ def _print_one(args: argparse.Namespace, report: dict[str, Any], where: str) -> 
               f"tree {_reach(report['tree_depth_reach'])}")
         sp = report["speed"]
         print(f"  speed (tokens/s): ar {sp['ar']:.1f}, chain {sp['chain']:.1f}, tree {sp['tree']:.1f}")
+    if "tree_every_position" in report:
+        ev = report["tree_every_position"]
+        print(f"  tree budget={args.tree_budget} after every reply prefix ({ev['trees']} trees): mean accepted length "
+              f"{ev['mean_accepted_length']:.2f}; depth reached {_reach(ev['depth_reach'])}")
     print(f"  cost per token    draft {report['draft_ms_per_token']:.2f} ms / oracle {report['oracle_ms_per_token']:.2f} ms "
           f"= {report['draft_cost_ratio']:.3f} in {report['timing_dtype']} (target <= 0.167: {ok('draft_cost_ratio')})")
 
@@ -555,6 +570,9 @@ def _comparison_table(args: argparse.Namespace, reports: list[dict[str, Any]]) -
         rows.append(("tok/s chain", col(lambda r: f"{r['speed']['chain']:.1f}")))
         rows.append(("tok/s tree", col(lambda r: f"{r['speed']['tree']:.1f}")))
         rows.append(("tok/s ar (oracle alone)", col(lambda r: f"{r['speed']['ar']:.1f}")))
+    if all("tree_every_position" in r for r in reports):
+        rows.append((f"mean accepted, tree {args.tree_budget}, every position ({reports[0]['tree_every_position']['trees']})",
+                     col(lambda r: f"{r['tree_every_position']['mean_accepted_length']:.2f}")))
     rows.append((f"cost ({reports[0]['timing_dtype']}, draft/oracle)", col(lambda r: f"{r['draft_cost_ratio']:.3f}")))
     rows.append(("draft ms/token", col(lambda r: f"{r['draft_ms_per_token']:.2f}")))
     headers = _column_names([r["draft"] for r in reports])
