@@ -571,7 +571,8 @@ def _comparison_table(args: argparse.Namespace, reports: list[dict[str, Any]]) -
         rows.append(("tok/s tree", col(lambda r: f"{r['speed']['tree']:.1f}")))
         rows.append(("tok/s ar (oracle alone)", col(lambda r: f"{r['speed']['ar']:.1f}")))
     if all("tree_every_position" in r for r in reports):
-        rows.append((f"mean accepted, tree {args.tree_budget}, every position ({reports[0]['tree_every_position']['trees']})",
+        trees = reports[0]["tree_every_position"]["trees"]
+        rows.append((f"mean accepted, tree {args.tree_budget}, every position ({trees})",
                      col(lambda r: f"{r['tree_every_position']['mean_accepted_length']:.2f}")))
     rows.append((f"cost ({reports[0]['timing_dtype']}, draft/oracle)", col(lambda r: f"{r['draft_cost_ratio']:.3f}")))
     rows.append(("draft ms/token", col(lambda r: f"{r['draft_ms_per_token']:.2f}")))

@@ -99,7 +99,7 @@ QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "chain_length": 2, "loo
 CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_chain_length": 8}
 # bf16 on a CPU with native bf16 (AVX-512 BF16 or AMX): a verification row costs next to nothing (AMX, 2
 # threads: 12 rows 1.1x one), so `staged` merges a longer prompt-lookup chain into the oracle's tree
-# (session 9, README: 1.75x -> 1.89x bf16 `ar` greedy, 1.49x -> 1.51x at T=1).  Where rows are dear
+# (session 9, README: 1.75x -> 1.78-1.87x bf16 `ar` greedy in four runs, T=1 1.44-1.51x).  Where rows are dear
 # (AVX2 CPUs: a 16-row bf16 pass 6.3x one row), the chain stays `lookup_chain_length` long.
 NATIVE_BF16_DEFAULTS = {"oracle_lookup_length": 8}
 
@@ -149,7 +149,8 @@ class SpeculationConfig:
                              ("--lookup-chain-length", self.lookup_chain_length),
                              ("--stage-chain-length", self.stage_chain_length),
                              ("--stage-branching", self.stage_branching),
-                             ("--oracle-lookup-length", 1 if self.oracle_lookup_length is None else self.oracle_lookup_length)):
+                             ("--oracle-lookup-length",
+                              1 if self.oracle_lookup_length is None else self.oracle_lookup_length)):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
         from stagedspec.drafters.model import GROWTHS

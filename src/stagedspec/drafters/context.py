@@ -129,12 +129,13 @@ class ContextDrafter:
         return [e for e in range(n - 1, before) if tuple(hist[e - n + 1 : e + 1]) == key]
 
     def _latest_next(self, key: tuple[int, ...], tok: int, recent_ends: list[int]) -> int:
-        """Where `tok` last followed `key`: among the recent ends first, else further back in the history."""
+        """Where `tok` last followed `key`: among the recent ends first (never empty while `key` has
+        occurrences), else further back in the history."""
         hist = self._history
         for e in reversed(recent_ends):
             if hist[e + 1] == tok:
                 return e + 1
-        for e in reversed(self._ends_before(key, recent_ends[0] if recent_ends else len(hist) - 1)):
+        for e in reversed(self._ends_before(key, recent_ends[0])):
             if hist[e + 1] == tok:
                 return e + 1
         raise AssertionError(f"token {tok} never followed {key}")  # its count said it did
