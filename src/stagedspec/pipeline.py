@@ -183,7 +183,8 @@ class SpeculationConfig:
             values.update(CUDA_DEFAULTS)
         if quant != "none" and method == "lookup":
             values["lookup_chain_length"] = 1
-        if quant == "none" and overrides.get("lookup_chain_length") is None and _native_bf16_cpu(device, dtype):
+        if (method == "staged" and quant == "none" and overrides.get("lookup_chain_length") is None
+                and _native_bf16_cpu(device, dtype)):
             values.update(NATIVE_BF16_DEFAULTS)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(method=method, **values)
