@@ -490,3 +490,126 @@ def test_deep_in_a_plain_run_only_probe_steps_price_the_arms(monkeypatch) -> Non
         context = context + [4]
     assert policy.choices["ar"] == steps
     assert PLAIN_STREAK < len(priced) < PLAIN_STREAK + 4 * LOOKUP_PROBE_EVERY
+
+
+def test_a_best_first_tree_is_priced_by_its_nodes_chances() -> None:
+    """A tree arm's expectation is the sum of its nodes' chances of lying on the accepted path, for the tree
+    grown best-first as the drafter grows it (not its nodes spread evenly over the levels)."""
+    from stagedspec.auto import SECOND_CHOICE
+
+    chains = ChainStats(prior=0.6, weight=1e9)  # every depth's rate stays 0.6
+    a, second = 0.6, SECOND_CHOICE * 0.6
+    assert chains.best_first(1, 1) == pytest.approx(a)
+    assert chains.best_first(2, 1) == pytest.approx(a + (1 - a) * second)  # a sibling hedges the first
+    assert chains.best_first(2, 2) == pytest.approx(a + a * a)  # a child of the first beats its sibling
+    values = [chains.best_first(n, 8) for n in (1, 2, 4, 8, 16, 32)]
+    assert values == sorted(values)  # more nodes help ...
+    assert (values[-1] - values[-2]) / 16 < (values[1] - values[0]) / 1  # ... less per node
+    sure = ChainStats(prior=1.0, weight=1e9)
+    assert sure.best_first(5, 5) == pytest.approx(5.0)  # a draft that is always right: the chain, all accepted
+    assert expected_tokens(Arm("tree", 8), AcceptanceStats(), {}) > expected_tokens(Arm("tree", 2), AcceptanceStats(), {})
+
+
+def test_a_staged_arm_prices_the_union_of_its_draft_and_lookup_chains() -> None:
+    """The oracle takes the longer match of the draft's chain and the merged lookup chain: both count, and a
+    longer draft chain still adds beside a long lookup chain."""
+    stats = trained_stats(draft=0.6, context=0.6)
+    long_context = {"context": 8, "ngram": 0}
+    draft_only = expected_tokens(Arm("staged", 3), stats, NO_LOOKUP_NOW)
+    both = expected_tokens(Arm("staged", 3), stats, long_context)
+    assert both > draft_only
+    assert expected_tokens(Arm("staged", 3, 8), stats, long_context) > both  # 8 lookup tokens, not 4
+    assert (expected_tokens(Arm("staged", 3, 8), stats, long_context)
+            > expected_tokens(Arm("staged", 1, 8), stats, long_context) + 0.1)
+
+
+def test_long_lookup_staged_arms_are_offered_and_named() -> None:
+    from stagedspec.auto import STAGE_LONG_LOOKUP, lookup_horizon, staged_lookup_length
+
+    long_arms = [a for a in ARMS if a.kind == "staged" and a.lookup]
+    assert long_arms and all(staged_lookup_length(a) == STAGE_LONG_LOOKUP for a in long_arms)
+    assert Arm("staged", 3, 8).name == "staged:3+8" and Arm("staged", 3).name == "staged:3"
+    assert Arm("staged", 3, 8).max_nodes == 11 and Arm("staged", 3).max_nodes == 7
+    assert lookup_horizon(ARMS) == STAGE_LONG_LOOKUP  # the chains scored every step reach the longest arm's
+    assert verify_rows(Arm("staged", 3, 8), {"context": 5}) == 1 + 3 + 5  # a shorter chain now: its rows only
+
+
+def test_an_arm_tried_once_is_judged_by_its_family_too() -> None:
+    """One unlucky step no longer writes an arm off: its calibration is shrunk towards its family's, and an
+    arm never run is priced by what its siblings yielded."""
+    stats = AcceptanceStats()
+    for _ in range(50):  # staged arms yield twice the extra tokens the chain model says
+        stats.observe_arm(Arm("staged", 3), 2.0, 3)
+    family = stats.family_calibration("staged")
+    assert family > 1.5
+    assert stats.calibration(Arm("staged", 6)) == pytest.approx(family)  # never run: its family's
+    stats.observe_arm(Arm("staged", 6), 3.0, 1)  # one step, nothing accepted
+    assert 1.0 < stats.calibration(Arm("staged", 6)) < family  # moved, not written off
+    assert stats.calibration(Arm("staged", 6, 8)) == pytest.approx(1.0)  # the long-lookup family is apart
+    assert stats.calibration(Arm("tree", 8)) == pytest.approx(1.0)
+
+
+def test_an_exploring_step_tries_an_arm_that_ran_little() -> None:
+    """Ranked by upper confidence bounds, an arm a little below the best but hardly tried is explored; the
+    ordinary choice stays the best estimate."""
+    stats = trained_stats(draft=0.7)
+    best = choose_arm(ARMS, FLAT, stats, StepCosts(), NO_LOOKUP_NOW)
+    for _ in range(300):  # the best arm ran a lot and yielded what the model said
+        stats.observe_arm(best, 3.0, 3)
+    assert choose_arm(ARMS, FLAT, stats, StepCosts(), NO_LOOKUP_NOW) == best
+    explored = choose_arm(ARMS, FLAT, stats, StepCosts(), NO_LOOKUP_NOW, explore=True)
+    assert explored != best
+    assert stats.arm_steps.get(explored, 0) < stats.arm_steps.get(best, 0)
+    # An arm far worse than `ar` is not explored: the bonus cannot lift it past plain decoding.
+    assert choose_arm(ARMS, STEEP, trained_stats(draft=0.05), StepCosts(), NO_LOOKUP_NOW, explore=True) == Arm("ar")
+
+
+def test_catching_up_is_not_learned_as_an_arm_s_drafting_time() -> None:
+    costs = StepCosts()
+    arm = Arm("staged", 3)
+    costs.observe(arm, None, 0.03, 0.03, 0.005)  # a cold step: only the verification is learned
+    assert arm not in costs.draft_seconds and "staged" not in costs.draft_scale
+    assert costs.verify_scales["staged/greedy"] == pytest.approx(1.0)
+    costs.observe(arm, 0.006, 0.03, 0.03, 0.005)
+    assert costs.draft_seconds[arm] == pytest.approx(0.006)
+
+
+def test_an_exploration_runs_its_arm_twice_and_learns_its_time_from_the_warm_step(monkeypatch) -> None:  # noqa: ANN001
+    """The exploring step's draft catches up on what other drafters decoded; the repeat, on a warm cache, is
+    what teaches the arm's drafting time."""
+    import stagedspec.auto as auto_module
+    from stagedspec.auto import AutoDrafter
+    from stagedspec.generation import NoDrafter
+
+    class Drafter:  # proposes a one-node chain; a model drafter in miniature
+        forward_passes = 0
+
+        def begin(self, prompt):  # noqa: ANN001, ANN201
+            pass
+
+        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+            return TokenTree.chain(context[-1], [5])
+
+    monkeypatch.setattr(auto_module, "EXPLORE_EVERY", 3)
+    a, b = Arm("tree", 2), Arm("tree", 4)
+    policy = AutoPolicy([a, b], FLAT)
+    da, db = Drafter(), Drafter()
+    drafter = AutoDrafter(policy, {a: (da, []), b: (db, [])})
+    observed = []
+    real_observe = policy.costs.observe
+    monkeypatch.setattr(policy.costs, "observe",
+                        lambda arm, draft, *rest, **k: observed.append((arm, draft)) or real_observe(arm, draft, *rest, **k))
+    context = [1, 2, 3]
+    drafter.begin(context)
+    runs = []
+    for _ in range(10):
+        drafter.propose(context, SamplingParams(), None, 8)
+        drafter.verified(0.01)
+        runs.append(drafter._last.arm)
+        context = context + [4]
+    explored = [i for i in range(1, len(runs)) if runs[i] != runs[i - 1]]
+    assert explored, runs
+    first = explored[0]
+    assert runs[first + 1] == runs[first]  # the exploration ran twice
+    learned = dict((i + 1, d) for i, (_, d) in enumerate(observed))  # observation i is of step i + 1
+    assert learned[first] is None and learned[first + 1] is not None  # cold step skipped, warm step learned

@@ -9,8 +9,9 @@ machine.  Each step weighs its candidate configurations (`Arm`s):
 - `ar`: no speculation (one token per oracle pass);
 - `lookup:k`: prompt-lookup / n-gram chains of up to k tokens;
 - `tree:n`: a best-first draft tree of n nodes;
-- `staged:k`: the draft decodes k tokens, itself sped up by lookup below,
-  with the prompt-lookup chain merged into the oracle's tree;
+- `staged:k` / `staged:k+m`: the draft decodes k tokens, itself sped up by
+  lookup below, with a prompt-lookup chain (k + 1 tokens, or m) merged into
+  the oracle's tree;
 
 by expected tokens / expected seconds, where
 
@@ -22,13 +23,24 @@ by expected tokens / expected seconds, where
 - tokens = 1 + sum over depths j of P(accepted length >= j), from
   per-proposer, per-depth acceptance statistics (`ChainStats`: context,
   n-gram, draft) that start from priors and are updated after every
-  verification, calibrated per arm by what that arm actually yielded.
+  verification, calibrated per arm by what that arm actually yielded
+  (shrunk towards what its kind yielded, so an arm tried once is judged by
+  its siblings too).
 
 Prompt lookup costs microseconds, so its chains are computed every step and
 scored against the tokens the oracle went on to emit, whichever arm ran: its
 statistics never go stale.  A draft's statistics are updated whenever an arm
 that uses it runs.  A speculative arm must beat `ar` by `MARGIN` to run, so
 when the estimates are close the loop decodes plainly.
+
+Exploration.  A step's yield is noisy (1 token one step, 8 the next), so an
+arm judged on one unlucky step could be written off for good.  Every
+`EXPLORE_EVERY`-th priced step therefore runs the arm with the highest
+*optimistic* rate (its calibration raised by `EXPLORE_WIDTH` / sqrt(1 + the
+steps it ran), UCB-style), twice in a row so that its drafting time is
+measured on a warm draft cache: a step whose drafter did not run the step
+before pays for catching up on the tokens decoded meanwhile, which is not
+the arm's price and is not learned as such.
 
 In the batched server (`stagedspec.server`) a request's step is part of a
 round whose passes it shares with the other running requests, so an arm is
@@ -48,6 +60,7 @@ by the ordinary rules, so every arm, and any sequence of arms, is exact.
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import time
@@ -65,6 +78,10 @@ LOOKUP_SIZES = (1, 2, 3, 4, 6)
 CPU_TREE_SIZES = (2, 4, 8, 16)
 CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
 STAGE_SIZES = (1, 2, 3, 4, 6)
+# `staged:k+m` arms also merge a long chain: where verification rows are nearly free (a CPU with native bf16,
+# a GPU) the copies it catches are long; where rows are dear the pricing leaves these arms alone.  The fixed
+# `staged` merges this many on a native-bf16 CPU (session 9: 1.75x -> 1.78-1.87x `ar`).
+STAGE_LONG_LOOKUP = 8
 # A `staged:k` arm merges a prompt-lookup chain one token longer than its draft's k, as the tuned fixed
 # configurations do (bf16: 3 draft + 4 lookup; int4: 1 + 2, which no arm could express before: `auto@int4`
 # then ran at 1.10-1.17x `ar@int4` against `staged@int4`'s 1.35x, session 8).
@@ -72,7 +89,10 @@ STAGE_LOOKUP_EXTRA = 1
 # Priors: mean per-depth acceptance of each proposer before any observation, and its weight in steps.
 PRIOR_ACCEPTANCE = {"context": 0.5, "ngram": 0.3, "draft": 0.6}
 PRIOR_WEIGHT = 2.0
-ARM_PRIOR_STEPS = 3.0  # how many steps' worth the model's prediction counts against an arm's own record
+ARM_PRIOR_STEPS = 10.0  # how many steps' worth the model's prediction counts against an arm's own record
+EXPLORE_EVERY = 8  # every this many priced steps, run the arm with the highest optimistic rate ...
+EXPLORE_WIDTH = 0.5  # ... its calibration raised by this / sqrt(1 + steps it ran)
+EXPLORE_STEPS = 2  # ... this many steps in a row (the first may catch its draft up: its time is not learned)
 SECOND_CHOICE = 0.5  # P(a node's next child is right | the ones before it were wrong) / the first's P(right)
 LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measured
 STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself sped up by lookup
@@ -89,10 +109,19 @@ class Arm:
 
     kind: str  # "ar" | "lookup" | "tree" | "staged"
     size: int = 0  # lookup chain length / tree nodes / tokens the draft stage decodes
+    lookup: int = 0  # staged: tokens of the merged prompt-lookup chain (0: size + STAGE_LOOKUP_EXTRA)
 
     @property
     def name(self) -> str:
-        return self.kind if self.kind == "ar" else f"{self.kind}:{self.size}"
+        if self.kind == "ar":
+            return "ar"
+        return f"{self.kind}:{self.size}" + (f"+{self.lookup}" if self.lookup else "")
+
+    @property
+    def family(self) -> str:
+        """Arms the chain model prices alike, whose calibrations are pooled (`AcceptanceStats.calibration`):
+        the kind, with `staged` arms merging a long lookup chain apart (the model overrates that chain)."""
+        return f"{self.kind}+" if self.lookup else self.kind
 
     @property
     def max_nodes(self) -> int:
@@ -113,6 +142,7 @@ def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu") -> list[Arm
         sizes = CUDA_TREE_SIZES if device.startswith("cuda") else CPU_TREE_SIZES
         arms += [Arm("tree", n) for n in sizes]
         arms += [Arm("staged", k) for k in STAGE_SIZES]
+        arms += [Arm("staged", k, STAGE_LONG_LOOKUP) for k in STAGE_SIZES if k + STAGE_LOOKUP_EXTRA < STAGE_LONG_LOOKUP]
     return arms
 
 
@@ -136,12 +166,13 @@ class ChainStats:
         # Per-depth rates and reach curves, kept until the counts change: the policy prices every arm
         # every step, and on a GPU a step is 3 ms, so recomputing them cost a sixth of it.
         self._rates: list[float] = []
-        self._reach: dict[tuple[int, float], list[float]] = {}
+        self._reach: dict[int, list[float]] = {}
+        self._trees: dict[tuple[int, int], float] = {}
 
     def set_counts(self, hits: list[float], tries: list[float]) -> None:
         """Replace the counts (a restored state)."""
         self.hits, self.tries = list(hits), list(tries)
-        self._rates, self._reach = [], {}
+        self._rates, self._reach, self._trees = [], {}, {}
 
     def record(self, matched: int, length: int) -> None:
         """A chain of `length` tokens whose first `matched` were accepted (the next one, if any, rejected)."""
@@ -151,7 +182,7 @@ class ChainStats:
                 self.hits.append(0.0)
             self.tries[d] += 1
             self.hits[d] += d < matched
-        self._rates, self._reach = [], {}
+        self._rates, self._reach, self._trees = [], {}, {}
 
     def rate(self, depth: int) -> float:
         """P(the node at 0-based `depth` is accepted | its parent was)."""
@@ -164,20 +195,52 @@ class ChainStats:
             rates.append(mean)
         return rates[depth]
 
-    def reach(self, length: int, width: float = 1.0) -> list[float]:
-        """P(accepted length >= j) for j = 1..length; `width` > 1 hedges each depth with more children."""
-        cached = self._reach.get((length, width))
+    def reach(self, length: int) -> list[float]:
+        """P(accepted length >= j) for j = 1..length, of a chain."""
+        cached = self._reach.get(length)
         if cached is not None:
             return cached
         out, p = [], 1.0
         for d in range(length):
-            a = self.rate(d)
-            if width > 1:  # another child is right as often as the draft's skill allows
-                a = 1.0 - (1.0 - a) * (1.0 - SECOND_CHOICE * a) ** (width - 1.0)
-            p *= a
+            p *= self.rate(d)
             out.append(p)
-        self._reach[(length, width)] = out
+        self._reach[length] = out
         return out
+
+    def best_first(self, nodes: int, depth: int) -> float:
+        """Expected accepted nodes of a best-first tree of `nodes` nodes at most `depth` deep.
+
+        The tree is grown as the drafter grows its own, by the probability
+        that a node lies on the accepted path, here from the per-depth rates:
+        a node's first child is right with the depth's rate a, each further
+        child with `SECOND_CHOICE` * a of what the ones before it left.
+        Siblings exclude each other, so the expectation is the sum of the
+        chosen nodes' probabilities.  (Spreading the nodes evenly over the
+        levels instead priced a 16-node tree at 3.3 tokens where it yielded
+        2.7, and so picked it over the arms that were faster.)
+        """
+        cached = self._trees.get((nodes, depth))
+        if cached is not None:
+            return cached
+
+        def child(parent: float, d: int, rank: int) -> float:
+            a = self.rate(d)
+            if rank == 0:
+                return parent * a
+            second = SECOND_CHOICE * a
+            return parent * (1.0 - a) * (1.0 - second) ** (rank - 1) * second
+
+        total, heap = 0.0, [(-child(1.0, 0, 0), 0, 0, 1.0)]  # (-P(on path), depth, rank, parent's P)
+        for _ in range(nodes):
+            if not heap:
+                break
+            neg, d, rank, parent = heapq.heappop(heap)
+            total -= neg
+            heapq.heappush(heap, (-child(parent, d, rank + 1), d, rank + 1, parent))
+            if d + 1 < depth:
+                heapq.heappush(heap, (-child(-neg, d + 1, 0), d + 1, 0, -neg))
+        self._trees[(nodes, depth)] = total
+        return total
 
 
 @dataclass
@@ -191,14 +254,31 @@ class AcceptanceStats:
     arm_steps: dict[Arm, int] = field(default_factory=dict)
 
     def calibration(self, arm: Arm) -> float:
-        """Actual / predicted accepted tokens of `arm` so far, shrunk towards 1 by `ARM_PRIOR_STEPS`."""
+        """Actual / predicted accepted tokens of `arm` so far, shrunk by `ARM_PRIOR_STEPS` towards its family's
+        (`family_calibration`): the chain model errs alike for the sizes of one kind, so an arm tried once or
+        never is priced by what its siblings yielded, and one unlucky step moves it less."""
         steps = self.arm_steps.get(arm, 0)
-        predicted = self.arm_predicted.get(arm, 0.0)
+        towards = self.family_calibration(arm.family)
         if not steps:
-            return 1.0
+            return towards
+        predicted = self.arm_predicted.get(arm, 0.0)
         per_step = predicted / steps if predicted > 0 else 1.0
         prior = ARM_PRIOR_STEPS * per_step
-        return (self.arm_tokens.get(arm, 0.0) + prior) / (predicted + prior)
+        return (self.arm_tokens.get(arm, 0.0) + towards * prior) / (predicted + prior)
+
+    def family_calibration(self, family: str) -> float:
+        """Actual / predicted accepted tokens of all arms of `family` (`Arm.family`), shrunk towards 1 by
+        `ARM_PRIOR_STEPS`."""
+        steps = tokens = predicted = 0.0
+        for arm, n in self.arm_steps.items():
+            if arm.family == family:
+                steps += n
+                tokens += self.arm_tokens.get(arm, 0.0)
+                predicted += self.arm_predicted.get(arm, 0.0)
+        if not steps:
+            return 1.0
+        prior = ARM_PRIOR_STEPS * (predicted / steps if predicted > 0 else 1.0)
+        return (tokens + prior) / (predicted + prior)
 
     def observe_arm(self, arm: Arm, predicted_tokens: float, tokens: int) -> None:
         self.arm_steps[arm] = self.arm_steps.get(arm, 0) + 1
@@ -231,14 +311,24 @@ class StepCosts:
         seen = self.draft_seconds.get(arm)
         return seen if seen is not None else predicted * self.draft_scale.get(arm.kind, 1.0)
 
-    def observe(self, arm: Arm, draft_seconds: float, verify_seconds: float, predicted_verify: float,
+    def observe(self, arm: Arm, draft_seconds: float | None, verify_seconds: float, predicted_verify: float,
                 predicted_draft: float, sampled: bool = False) -> None:
-        """Fold in one step's times.
+        """Fold in one step's times; `draft_seconds=None`: the drafting time is not the arm's (its draft
+        caught up on the tokens other arms decoded), so only the verification is learned.
 
         Single outliers are clipped to 3x the current estimate (the prediction
-        before the first observation): a draft that catches up on tokens
-        decoded while other arms ran pays that once, not every step.
+        before the first observation).
         """
+        if draft_seconds is not None:
+            self._observe_draft(arm, draft_seconds, predicted_draft)
+        if predicted_verify > 0 and verify_seconds > 0:
+            ratio = min(4.0, max(0.25, verify_seconds / predicted_verify))
+            self.verify_scale = 0.9 * self.verify_scale + 0.1 * ratio
+            key = _verify_key(arm.kind, sampled)
+            scale = self.verify_scales.get(key)
+            self.verify_scales[key] = ratio if scale is None else 0.9 * scale + 0.1 * ratio
+
+    def _observe_draft(self, arm: Arm, draft_seconds: float, predicted_draft: float) -> None:
         if predicted_draft > 0 and draft_seconds > 0:
             ratio = min(20.0, max(0.05, draft_seconds / predicted_draft))
             scale = self.draft_scale.get(arm.kind)
@@ -248,12 +338,6 @@ class StepCosts:
         old = predicted_draft if first else old
         clipped = min(3.0 * old, max(old / 3.0, draft_seconds)) if old > 0 else draft_seconds
         self.draft_seconds[arm] = clipped if first else 0.8 * old + 0.2 * clipped
-        if predicted_verify > 0 and verify_seconds > 0:
-            ratio = min(4.0, max(0.25, verify_seconds / predicted_verify))
-            self.verify_scale = 0.9 * self.verify_scale + 0.1 * ratio
-            key = _verify_key(arm.kind, sampled)
-            scale = self.verify_scales.get(key)
-            self.verify_scales[key] = ratio if scale is None else 0.9 * scale + 0.1 * ratio
 
 
 def _verify_key(kind: str, sampled: bool) -> str:
@@ -261,7 +345,7 @@ def _verify_key(kind: str, sampled: bool) -> str:
 
 
 def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[str, int],
-                    calibrated: bool = True) -> float:
+                    calibrated: bool = True, optimism: float = 0.0) -> float:
     """Tokens a step of `arm` is expected to emit (its accepted draft tokens + the oracle's own).
 
     `lookup_lengths`: how long this step's context and n-gram chains are (a
@@ -269,21 +353,24 @@ def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[st
     the chains' prediction alone, without the arm's actual/predicted factor;
     that factor is learned against this raw prediction (a prediction that
     already included it would make the factor settle at the square root of
-    the true ratio).
+    the true ratio).  `optimism`: the factor is raised by this / sqrt(1 +
+    the arm's steps) (an exploring step's upper confidence bound).
     """
     if arm.kind == "ar":
         return 1.0
     chains = stats.chains
+    factor = stats.calibration(arm) if calibrated else 1.0
+    if optimism:
+        factor += optimism / math.sqrt(1.0 + stats.arm_steps.get(arm, 0))
+    if arm.kind == "tree":
+        return 1.0 + factor * chains["draft"].best_first(arm.size, tree_depth_for(arm.size))
     if arm.kind == "lookup":
         reach = _best_reach([chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0))),
                              chains["ngram"].reach(min(arm.size, lookup_lengths.get("ngram", 0)))])
-    elif arm.kind == "tree":
-        depth = tree_depth_for(arm.size)
-        reach = chains["draft"].reach(depth, width=arm.size / depth)
     else:  # staged: the draft's chain, with the prompt-lookup chain merged in
         merged = min(staged_lookup_length(arm), lookup_lengths.get("context", 0))
-        reach = _best_reach([chains["draft"].reach(arm.size), chains["context"].reach(merged)])
-    return 1.0 + (stats.calibration(arm) if calibrated else 1.0) * sum(reach)
+        reach = _union_reach(chains["draft"].reach(arm.size), chains["context"].reach(merged))
+    return 1.0 + factor * sum(reach)
 
 
 def _best_reach(curves: Iterable[list[float]]) -> list[float]:
@@ -292,6 +379,20 @@ def _best_reach(curves: Iterable[list[float]]) -> list[float]:
     if not curves:
         return []
     return [max(c[j] if j < len(c) else 0.0 for c in curves) for j in range(max(map(len, curves)))]
+
+
+def _union_reach(a: list[float], b: list[float]) -> list[float]:
+    """Per depth, P(either of two chains is accepted to that depth) were they independent.
+
+    A `staged` tree holds both chains, and the oracle takes the longer match:
+    the draft is often right where the prompt has nothing to copy, and the
+    other way round, so their union reaches further than either (the best
+    of the two, `_best_reach`, would price a draft's k as next to worthless
+    beside a long lookup chain).  They are not independent (both are right
+    on easy tokens); the arm's calibration takes up the difference.
+    """
+    n = max(len(a), len(b))
+    return [1.0 - (1.0 - (a[j] if j < len(a) else 0.0)) * (1.0 - (b[j] if j < len(b) else 0.0)) for j in range(n)]
 
 
 def verify_rows(arm: Arm, lookup_lengths: Mapping[str, int]) -> int:
@@ -307,7 +408,14 @@ def verify_rows(arm: Arm, lookup_lengths: Mapping[str, int]) -> int:
 
 def staged_lookup_length(arm: Arm) -> int:
     """Tokens of the prompt-lookup chain a `staged` arm merges into the oracle's tree."""
-    return arm.size + STAGE_LOOKUP_EXTRA
+    return arm.lookup or arm.size + STAGE_LOOKUP_EXTRA
+
+
+def lookup_horizon(arms: Iterable[Arm]) -> int:
+    """The longest prompt-lookup chain any of `arms` proposes (so the chains scored every step reach it)."""
+    lengths = [a.size for a in arms if a.kind == "lookup"] + [staged_lookup_length(a) for a in arms
+                                                              if a.kind == "staged"]
+    return max(lengths, default=max(LOOKUP_SIZES))
 
 
 def predicted_draft_seconds(arm: Arm, profile: CostProfile, sampled: bool = False) -> float:
@@ -421,15 +529,17 @@ def _shared_draft_seconds(arm: Arm, profile: CostProfile, load: SharedLoad, samp
 def expected_rates(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
     lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
+    optimism: float = 0.0,
 ) -> dict[Arm, float]:
     """Expected tokens per second of each arm: a pure function of the costs, the statistics and the load.
 
     With a `load` of other requests (the batched server), an arm's rate is the round's: (the others'
     tokens + the arm's) / (the others' seconds + what the arm adds to the round), the others' measured.
+    `optimism`: upper confidence bounds instead (`expected_tokens`), for an exploring step.
     """
     rates = {}
     for arm in arms:
-        tokens = expected_tokens(arm, stats, lookup_lengths)
+        tokens = expected_tokens(arm, stats, lookup_lengths, optimism=optimism)
         if load is not None and load.others and load.seconds > 0:
             seconds = shared_step_seconds(arm, profile, load, lookup_lengths, sampled)
             rates[arm] = (load.tokens + tokens) / (load.seconds + seconds)
@@ -444,11 +554,14 @@ def expected_rates(
 def choose_arm(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
     lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
+    explore: bool = False,
 ) -> Arm:
     """The arm with the highest expected tokens per second; `ar` unless another beats it by `MARGIN`.
 
-    `load`: the batched round this step shares (`SharedLoad`); None or no others: priced alone."""
-    rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled, load)
+    `load`: the batched round this step shares (`SharedLoad`); None or no others: priced alone.
+    `explore`: rank by upper confidence bounds (`EXPLORE_WIDTH`), which favour arms that ran little."""
+    rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled, load,
+                           EXPLORE_WIDTH if explore else 0.0)
     best = max(rates, key=lambda a: rates[a])
     plain = Arm("ar")
     # A shared round's rate moves by about 1/requests of what this request's own rate would: so does the margin.
@@ -528,9 +641,11 @@ class AutoPolicy:
         return self.greedy_stats if sampling.greedy else self.sampled_stats
 
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
-               max_nodes: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False) -> Arm:
+               max_nodes: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False,
+               explore: bool = False) -> Arm:
         """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does);
-        `load`: the batched round the step shares (priced alone when None).
+        `load`: the batched round the step shares (priced alone when None); `explore`: an exploring step
+        (`choose_arm`).
 
         `probe_plain`: `ar`'s step time has not been measured for a while (`AutoDrafter`): run `ar` now
         if the best arm's promise over it is small enough that `ar`'s true price could change the choice
@@ -541,8 +656,8 @@ class AutoPolicy:
         plain = Arm("ar")
         with self.lock:
             arm = choose_arm(arms or [plain], self.profile, self.stats_for(sampling), self.costs,
-                             lookup_lengths, not sampling.greedy, load)
-            if probe_plain and arm != plain and plain in arms:
+                             lookup_lengths, not sampling.greedy, load, explore)
+            if probe_plain and not explore and arm != plain and plain in arms:
                 rates = expected_rates([arm, plain], self.profile, self.stats_for(sampling), self.costs,
                                        lookup_lengths, not sampling.greedy, load)
                 if rates[arm] < AR_PROBE_BELOW * rates[plain]:
@@ -552,10 +667,13 @@ class AutoPolicy:
 
     def choose_plain(self) -> Arm:
         """`ar`, counted like a choice (`AutoDrafter` skips the pricing when nothing new could change it)."""
-        plain = Arm("ar")
+        return self.choose_again(Arm("ar"))
+
+    def choose_again(self, arm: Arm) -> Arm:
+        """`arm` once more without pricing (a plain run, an exploration's second step), counted as a choice."""
         with self.lock:
-            self.choices[plain.name] = self.choices.get(plain.name, 0) + 1
-        return plain
+            self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
+        return arm
 
 
 Setting = tuple[Any, str, Any]  # (object, attribute, value) applied before an arm proposes
@@ -573,6 +691,9 @@ class _Step:
     draft_seconds: float
     verify_seconds: float | None = None  # the oracle's pass and verification, reported by the loop
     sampled: bool = False
+    warm: bool = True  # its drafter also ran the step before (else its time includes catching up)
+    ended: float = 0.0  # when `propose` returned (perf_counter): verification started then
+    alone: bool = True  # priced alone (no batched round shared): the time until the next step is its own
 
 
 def spine(tree: TokenTree) -> list[int]:
@@ -613,11 +734,15 @@ class AutoDrafter:
         if missing:
             raise ValueError(f"no drafter for arms {missing}")
         self._drafters = list({id(d): d for d, _ in self.arms.values()}.values())
+        self._horizon = lookup_horizon(policy.arms)  # how far this step's lookup chains are scored
         self._last: _Step | None = None
         self._first_step = True  # its times include the prompt's prefill: not a step's cost
         self._plain_streak = 0  # consecutive steps that ran `ar`
         self._since_plain = 0  # steps since `ar` last ran (its step time last measured)
         self._probe_tick = 0
+        self._priced = 0  # steps whose arm was priced (every `EXPLORE_EVERY`-th explores)
+        self._exploring: Arm | None = None  # the arm an exploration runs again next step
+        self._last_drafter: Any = None  # the drafter of the last step
         self.request_choices: dict[str, int] = {}
         self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
         self._sampling = SamplingParams()
@@ -645,31 +770,40 @@ class AutoDrafter:
         if self.lookup is not None and self.lookup not in self._drafters:
             self.lookup.begin(prompt_ids)
         self._last, self._pending, self._first_step = None, [], True
+        self._exploring, self._last_drafter = None, None
         self.request_choices = {}
 
     def propose(
         self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
     ) -> TokenTree:
         t0 = time.perf_counter()
-        self._learn(context)
+        self._learn(context, t0)
         self._sampling = sampling
         lengths: dict[str, int] = {}
         due = self._lookup_due()
         if self.lookup is not None and due:
-            self.lookup.chain_length = max(LOOKUP_SIZES)
-            for proposer, chain in self.lookup.chains(context, max(LOOKUP_SIZES)):
+            self.lookup.chain_length = self._horizon
+            for proposer, chain in self.lookup.chains(context, self._horizon):
                 if proposer not in lengths:  # the proposer's best chain only
                     lengths[proposer] = len(chain)
                     self._pending.append((len(context), proposer, chain))
         probe = (self.policy.learn_times and self.shared_load is None and not self._first_step
                  and self._since_plain >= AR_PROBE_EVERY)
-        if not due and self.shared_load is None:
+        again, self._exploring = self._exploring, None
+        if again is not None and (self.node_cap is None or again.max_nodes <= self.node_cap):
+            arm = self.policy.choose_again(again)  # an exploration's second step: its time is measured warm
+        elif not due and self.shared_load is None:
             # Deep in a run of `ar` steps, between lookup probes: nothing new to weigh (no chains looked at,
             # no draft ran, so no statistic but `ar`'s own time moved), so `ar` again without pricing every
             # arm.  On a GPU that pricing is a few percent of a 3 ms step.  Decided by the history alone.
             arm = self.policy.choose_plain()
         else:
-            arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe)
+            self._priced += 1
+            explore = self._priced % EXPLORE_EVERY == 0
+            arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe,
+                                     explore=explore)
+            if explore and arm.kind != "ar":
+                self._exploring = arm if EXPLORE_STEPS > 1 else None
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
         self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
         self._since_plain = 0 if arm.kind == "ar" else self._since_plain + 1
@@ -679,8 +813,11 @@ class AutoDrafter:
         tree = drafter.propose(context, sampling, generator, max_tokens)
         with self.policy.lock:
             predicted = expected_tokens(arm, self.policy.stats_for(sampling), lengths, calibrated=False)
-        self._last = _Step(len(context), arm, tree, predicted, len(tree), time.perf_counter() - t0,
-                           sampled=not sampling.greedy)
+        ended = time.perf_counter()
+        self._last = _Step(len(context), arm, tree, predicted, len(tree), ended - t0,
+                           sampled=not sampling.greedy, warm=drafter is self._last_drafter, ended=ended,
+                           alone=self.shared_load is None)
+        self._last_drafter = drafter
         return tree
 
     def verified(self, seconds: float) -> None:
@@ -700,12 +837,13 @@ class AutoDrafter:
         self._probe_tick += 1
         return self._plain_streak < PLAIN_STREAK or self._probe_tick % LOOKUP_PROBE_EVERY == 0
 
-    def _learn(self, context: Sequence[int]) -> None:
-        """Score the last step and the pending lookup chains against the tokens emitted since."""
+    def _learn(self, context: Sequence[int], now: float) -> None:
+        """Score the last step and the pending lookup chains against the tokens emitted since (`now`: when
+        this step began)."""
         with self.policy.lock:
-            self._learn_locked(context)
+            self._learn_locked(context, now)
 
-    def _learn_locked(self, context: Sequence[int]) -> None:
+    def _learn_locked(self, context: Sequence[int], now: float) -> None:
         stats = self.policy.stats_for(self._sampling)
         still = []
         for start, proposer, chain in self._pending:
@@ -729,6 +867,15 @@ class AutoDrafter:
             self._first_step = False
             return
         predicted_verify = self.policy.profile.step_seconds(last.rows, last.sampled)
-        self.policy.costs.observe(last.arm, last.draft_seconds, last.verify_seconds, predicted_verify,
+        # What the step cost after drafting is the time until this step began: the loop's report (scoring,
+        # verifying, committing) plus its bookkeeping and the caller's handling of the tokens, which grow
+        # with the tree (on this session's AVX-512 CPU, 1.3 ms for `ar`, 3.7 ms for a 16-node tree).  Capped
+        # at 1.5x the report, so a caller that paused between steps does not teach a price.  In a batched
+        # round (the server) the time until the next step is the round's, so there the report alone counts.
+        verify_seconds = last.verify_seconds
+        if last.alone:
+            verify_seconds = min(max(verify_seconds, now - last.ended), 1.5 * verify_seconds)
+        self.policy.costs.observe(last.arm, last.draft_seconds if last.warm else None, verify_seconds,
+                                  predicted_verify,
                                   predicted_draft_seconds(last.arm, self.policy.profile, last.sampled),
                                   sampled=last.sampled)

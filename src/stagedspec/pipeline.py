@@ -494,7 +494,7 @@ class Pipeline:
 
         `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
         seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
-        from stagedspec.auto import (LOOKUP_SIZES, STAGE_SIZES, Arm, AutoDrafter, AutoPolicy, staged_lookup_length,
+        from stagedspec.auto import (STAGE_SIZES, AutoDrafter, AutoPolicy, lookup_horizon, staged_lookup_length,
                                      tree_depth_for)
         from stagedspec.drafters.lookup import LookupDrafter
 
@@ -503,7 +503,8 @@ class Pipeline:
         if reproducible:
             policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
         has_lookup = self.ngram is not None or s.context
-        lookup = LookupDrafter(self.ngram, s.context, chain_length=max(LOOKUP_SIZES)) if has_lookup else None
+        lookup = (LookupDrafter(self.ngram, s.context, chain_length=lookup_horizon(policy.arms)) if has_lookup
+                  else None)
         arms: dict = {}
         for arm in policy.arms:
             if arm.kind == "ar":
@@ -529,7 +530,7 @@ class Pipeline:
                 from stagedspec.drafters.merged import MergedDrafter
 
                 merged_lookup = LookupDrafter(None, True,
-                                              chain_length=staged_lookup_length(Arm("staged", max(STAGE_SIZES))))
+                                              chain_length=max(staged_lookup_length(a) for a in stage_arms))
                 staged = MergedDrafter(top, merged_lookup)
             for arm in stage_arms:
                 settings = [(top, "chain_length", arm.size)]
