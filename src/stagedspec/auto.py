@@ -91,8 +91,8 @@ PRIOR_ACCEPTANCE = {"context": 0.5, "ngram": 0.3, "draft": 0.6}
 PRIOR_WEIGHT = 2.0
 ARM_PRIOR_STEPS = 10.0  # how many steps' worth the model's prediction counts against an arm's own record
 EXPLORE_EVERY = 8  # every this many priced steps, run the arm with the highest optimistic rate ...
-EXPLORE_WIDTH = 0.5  # ... its calibration raised by this / sqrt(1 + steps it ran)
-EXPLORE_STEPS = 2  # ... this many steps in a row (the first may catch its draft up: its time is not learned)
+EXPLORE_WIDTH = 0.5  # ... its calibration raised by this / sqrt(1 + steps it ran), twice in a row (the first
+# step may catch its draft up, and its drafting time is then not learned)
 SECOND_CHOICE = 0.5  # P(a node's next child is right | the ones before it were wrong) / the first's P(right)
 LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measured
 STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself sped up by lookup
@@ -252,6 +252,8 @@ class AcceptanceStats:
     arm_tokens: dict[Arm, float] = field(default_factory=dict)  # sum of (tokens - 1) the arm yielded
     arm_predicted: dict[Arm, float] = field(default_factory=dict)  # sum of (predicted tokens - 1)
     arm_steps: dict[Arm, int] = field(default_factory=dict)
+    # Family calibrations, kept until an arm is observed: every arm is priced every step.
+    families: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def calibration(self, arm: Arm) -> float:
         """Actual / predicted accepted tokens of `arm` so far, shrunk by `ARM_PRIOR_STEPS` towards its family's
@@ -269,18 +271,22 @@ class AcceptanceStats:
     def family_calibration(self, family: str) -> float:
         """Actual / predicted accepted tokens of all arms of `family` (`Arm.family`), shrunk towards 1 by
         `ARM_PRIOR_STEPS`."""
+        cached = self.families.get(family)
+        if cached is not None:
+            return cached
         steps = tokens = predicted = 0.0
         for arm, n in self.arm_steps.items():
             if arm.family == family:
                 steps += n
                 tokens += self.arm_tokens.get(arm, 0.0)
                 predicted += self.arm_predicted.get(arm, 0.0)
-        if not steps:
-            return 1.0
         prior = ARM_PRIOR_STEPS * (predicted / steps if predicted > 0 else 1.0)
-        return (tokens + prior) / (predicted + prior)
+        value = (tokens + prior) / (predicted + prior) if steps else 1.0
+        self.families[family] = value
+        return value
 
     def observe_arm(self, arm: Arm, predicted_tokens: float, tokens: int) -> None:
+        self.families.clear()
         self.arm_steps[arm] = self.arm_steps.get(arm, 0) + 1
         self.arm_predicted[arm] = self.arm_predicted.get(arm, 0.0) + max(0.0, predicted_tokens - 1.0)
         self.arm_tokens[arm] = self.arm_tokens.get(arm, 0.0) + max(0, tokens - 1)
@@ -630,6 +636,7 @@ class AutoPolicy:
                 if name in by_name:
                     arm = by_name[name]
                     stats.arm_steps[arm], stats.arm_tokens[arm], stats.arm_predicted[arm] = steps, tokens, predicted
+            stats.families.clear()
         for name, seconds in state.get("draft_seconds", {}).items():
             if name in by_name:
                 self.costs.draft_seconds[by_name[name]] = float(seconds)
@@ -803,7 +810,7 @@ class AutoDrafter:
             arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe,
                                      explore=explore)
             if explore and arm.kind != "ar":
-                self._exploring = arm if EXPLORE_STEPS > 1 else None
+                self._exploring = arm
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
         self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
         self._since_plain = 0 if arm.kind == "ar" else self._since_plain + 1
