@@ -301,3 +301,42 @@ def test_tree_acceptance_everywhere_with_the_oracle_as_its_own_draft(oracle_dir:
     tree = TokenTree([0, 4, 6, 5, 8], [-1, 0, 0, 2, 3])  # root -> 4; root -> 6 -> 5 -> 8
     assert matched_depth(tree, [6, 5, 9]) == 2 and matched_depth(tree, [4, 1]) == 1
     assert matched_depth(tree, [7]) == 0 and matched_depth(tree, [6, 5, 8, 1]) == 3 and matched_depth(tree, []) == 0
+
+
+def test_autocast_on_the_cpu_is_opt_in_and_recorded(oracle_dir: Path, corpus: list[str], tmp_path: Path) -> None:
+    """`--autocast` runs the draft's CPU passes under bf16 autocast (for CPUs with native bf16 matmuls)."""
+    out = tmp_path / "draft"
+    assert run(distill_args(oracle_dir, corpus, out, "--autocast")) == 0
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["training"]["autocast"] == "bf16" and cfg["training"]["complete"] is True
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "off", "--no-autocast")) == 0
+    assert json.loads((tmp_path / "off" / CONFIG_NAME).read_text())["training"]["autocast"] == "off"
+
+
+def test_sample_from_adds_requests_from_other_python_sources(oracle_dir: Path, corpus: list[str], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sample-from` widens the pool of oracle requests (folders walked, tests skipped), not the plain corpus."""
+    from stagedspec.cli_distill import request_files
+
+    pkg = tmp_path / "pkg"
+    (pkg / "tests").mkdir(parents=True)
+    (pkg / "core.py").write_text(CODE * 3)  # three copies of its one multi-line request
+    (pkg / "tests" / "test_core.py").write_text(CODE)
+    (pkg / "notes.txt").write_text("not python")
+    assert request_files([str(pkg)]) == [pkg / "core.py"]
+    plain = tmp_path / "plain.txt"
+    plain.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "draft"
+    assert run(distill_args(oracle_dir, [str(plain)], out, "--oracle-samples", "3", "--sample-tokens", "3",
+                            "--sample-from", str(pkg))) == 0
+    corpus_meta = json.loads((out / CONFIG_NAME).read_text())["training"]["corpus"]
+    assert corpus_meta["oracle_samples"] == 3 and corpus_meta["files"] == 1
+    capsys.readouterr()
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--oracle-samples", "2",
+                            "--sample-from", str(tmp_path / "missing"))) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    bad = tmp_path / "human_eval"
+    bad.mkdir()
+    (bad / "data.py").write_text(CODE)
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--oracle-samples", "2", "--sample-from", str(bad))) == 2
+    assert "HumanEval must never be used" in capsys.readouterr().err

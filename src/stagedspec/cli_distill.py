@@ -111,8 +111,10 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N", help="torch CPU threads")
     d.add_argument("--device", default="cpu", metavar="DEV",
                    help="cpu or cuda: where the oracle (teacher) and the draft train (default: cpu)")
-    d.add_argument("--no-autocast", action="store_true",
-                   help="on CUDA, run the draft's passes in fp32 instead of under bf16 autocast")
+    d.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the draft's forward and backward passes under bf16 autocast (weights, gradients and "
+                        "optimizer state stay fp32). Default: on with CUDA, off on the CPU, where it pays only "
+                        "with native bf16 matmuls (AVX-512 BF16 or AMX); --no-autocast keeps fp32 passes")
     d.add_argument("--max-minutes", type=_float_in(0.0, 1e7, lo_open=True), default=None, metavar="M",
                    help="time box for the training loop: stop after a checkpoint, save the draft so far "
                         "(--resume continues)")
@@ -124,6 +126,10 @@ def add_commands(subparsers: Any) -> None:
                         "in the oracle's chat template (bare flag: 0.5)")
     d.add_argument("--oracle-samples", type=_int_at_least(0), default=0, metavar="N",
                    help="add the oracle's own greedy replies to N chat coding requests built from stdlib functions")
+    d.add_argument("--sample-from", nargs="+", default=None, metavar="PATH",
+                   help="also build oracle requests from the documented functions of these Python files or "
+                        "folders (their .py files, tests skipped), e.g. installed packages' source; they are "
+                        "not added to the plain-text corpus")
     d.add_argument("--sample-tokens", type=_int_at_least(1), default=160, metavar="N", help="reply length cap")
     d.add_argument("--sample-repeat", type=_int_at_least(1), default=1, metavar="R",
                    help="copies of each oracle sample in the training mix")
@@ -282,6 +288,32 @@ def order_streams(unique: list[list[int]], repeats: dict[int, int], heldout_frac
     return extra + [unique[i] for i in order]
 
 
+def request_files(paths: Sequence[str]) -> list[Path]:
+    """The Python files of `--sample-from`: files as given, folders walked in sorted order without tests.
+
+    Installed packages are a large offline source of documented functions
+    beyond the stdlib's few thousand; their order is fixed so a seed picks
+    the same requests on every machine with the same packages.
+    """
+    from stagedspec.distill import check_no_human_eval
+
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            out += [f for f in sorted(p.rglob("*.py"))
+                    if not any(part in ("test", "tests", "testing") or part.startswith("test_")
+                               for part in f.relative_to(p).parts)]
+        else:
+            raise StagedSpecError(f"--sample-from: no such file or folder: {raw}")
+    if not out:
+        raise StagedSpecError(f"--sample-from: no Python files in {' '.join(paths)}")
+    check_no_human_eval(out)
+    return out
+
+
 def _check_files(paths: Sequence[str]) -> list[Path]:
     out = []
     for raw in paths:
@@ -324,7 +356,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     oracle, tok = load_model(args.oracle, dtype=resolve_dtype(args.dtype, device)[0], device=device)
     device_type = torch.device(device).type
     sample_batch = args.sample_batch or SAMPLE_BATCH[device_type]
-    autocast = device_type == "cuda" and not args.no_autocast
+    autocast = device_type == "cuda" if args.autocast is None else args.autocast
     n_layers = oracle.config.n_layers
     if args.layers is None:
         args.layers = 1 if args.kind == "feature" else 2
@@ -351,7 +383,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     chats = chat_streams(tok, functions)
     samples: list[list[int]] = []
     if args.oracle_samples:
-        requests = sample_requests(files, args.oracle_samples, args.seed, chat=chat)
+        sources = files + (request_files(args.sample_from) if args.sample_from else [])
+        requests = sample_requests(sources, args.oracle_samples, args.seed, chat=chat)
         if not requests:
             raise StagedSpecError("--oracle-samples: the corpus has no documented Python functions to ask about")
         samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, work / SAMPLES_NAME,
@@ -384,7 +417,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     meta["corpus"] = {"files": len(files), "chat_wrap": args.chat_wrap, "chat_exchanges": len(chats),
                       "oracle_samples": len(samples), "sample_tokens": args.sample_tokens,
                       "sample_repeat": args.sample_repeat, "tokens_plain": n_tok[0], "tokens_chat": n_tok[1],
-                      "tokens_samples": n_tok[2]}
+                      "tokens_samples": n_tok[2], "sample_from": list(args.sample_from or [])}
     meta["teacher_dtype"] = args.dtype
     meta["device"] = device
     meta["autocast"] = "bf16" if autocast else "off"
