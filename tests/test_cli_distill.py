@@ -335,6 +335,8 @@ def test_sample_from_adds_requests_from_other_python_sources(oracle_dir: Path, c
     assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--oracle-samples", "2",
                             "--sample-from", str(tmp_path / "missing"))) == 2
     assert "no such file or folder" in capsys.readouterr().err
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--sample-from", str(pkg))) == 2
+    assert "give --oracle-samples N too" in capsys.readouterr().err
     bad = tmp_path / "human_eval"
     bad.mkdir()
     (bad / "data.py").write_text(CODE)

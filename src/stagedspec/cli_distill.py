@@ -125,7 +125,8 @@ def add_commands(subparsers: Any) -> None:
                    help="fraction of the Python files whose documented functions become chat exchanges "
                         "in the oracle's chat template (bare flag: 0.5)")
     d.add_argument("--oracle-samples", type=_int_at_least(0), default=0, metavar="N",
-                   help="add the oracle's own greedy replies to N chat coding requests built from stdlib functions")
+                   help="add the oracle's own greedy replies to N chat coding requests built from the documented "
+                        "functions of the corpus's Python files (and of --sample-from)")
     d.add_argument("--sample-from", nargs="+", default=None, metavar="PATH",
                    help="also build oracle requests from the documented functions of these Python files or "
                         "folders (their .py files, tests skipped), e.g. installed packages' source; they are "
@@ -346,6 +347,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if not files:
         raise StagedSpecError("no corpus files: pass --corpus FILES (no default corpus was found)")
     check_no_human_eval(files)
+    if args.sample_from and not args.oracle_samples:
+        raise StagedSpecError("--sample-from only adds request sources: give --oracle-samples N too")
+    extra_requests = request_files(args.sample_from) if args.sample_from else []  # checked before the slow load
     out = Path(args.out).expanduser()
     work = Path(args.work_dir).expanduser() if args.work_dir else out
     if out.exists() and not out.is_dir():
@@ -383,8 +387,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     chats = chat_streams(tok, functions)
     samples: list[list[int]] = []
     if args.oracle_samples:
-        sources = files + (request_files(args.sample_from) if args.sample_from else [])
-        requests = sample_requests(sources, args.oracle_samples, args.seed, chat=chat)
+        requests = sample_requests(files + extra_requests, args.oracle_samples, args.seed, chat=chat)
         if not requests:
             raise StagedSpecError("--oracle-samples: the corpus has no documented Python functions to ask about")
         samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, work / SAMPLES_NAME,
