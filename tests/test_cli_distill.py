@@ -342,3 +342,20 @@ def test_sample_from_adds_requests_from_other_python_sources(oracle_dir: Path, c
     (bad / "data.py").write_text(CODE)
     assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--oracle-samples", "2", "--sample-from", str(bad))) == 2
     assert "HumanEval must never be used" in capsys.readouterr().err
+
+
+def test_samples_cache_is_shared_between_runs(oracle_dir: Path, corpus: list[str], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`--samples-cache FILE`: a second round with other work and output folders asks the oracle nothing new."""
+    shared = tmp_path / "shared" / "replies.jsonl"
+    sampling = ["--oracle-samples", "2", "--sample-tokens", "3", "--sample-batch", "2", "--samples-cache", str(shared)]
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "a", *sampling)) == 0
+    lines = shared.read_text().splitlines()
+    distinct = set(sample_requests([Path(c) for c in corpus], 2, seed=0))  # the corpus repeats its functions
+    assert len(lines) == len(distinct) and not (tmp_path / "a" / "oracle_samples.jsonl").exists()
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "b", "--work-dir", str(tmp_path / "wb"), *sampling)) == 0
+    assert shared.read_text().splitlines() == lines  # nothing regenerated, nothing appended
+    capsys.readouterr()
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "c", "--oracle-samples", "2",
+                            "--samples-cache", str(tmp_path))) == 2
+    assert "is a folder" in capsys.readouterr().err

@@ -333,6 +333,25 @@ def test_oracle_samples_batched_equals_unbatched(oracle) -> None:
     assert one == many
 
 
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_oracle_samples_hand_each_finished_batch_to_on_batch(oracle, batch_size: int) -> None:
+    """Every stream reaches `on_batch` once, under its prompt's index, as its batch finishes."""
+    tok = _CharTokenizer()
+    prompts = ["Write f.", "Write a Python function `g(x, y)`. Add them.", "Sum a list.", "Nothing at all here."]
+    seen: dict[int, list[int]] = {}
+    calls: list[int] = []
+
+    def on_batch(indices: list[int], streams: list[list[int]]) -> None:
+        calls.append(len(indices))
+        for i, stream in zip(indices, streams):
+            assert i not in seen
+            seen[i] = stream
+
+    streams = oracle_samples(oracle, tok, prompts, 8, progress=False, batch_size=batch_size, on_batch=on_batch)
+    assert [seen[i] for i in range(len(prompts))] == streams
+    assert calls == [batch_size] * (len(prompts) // batch_size)
+
+
 def test_init_from_continues_a_saved_draft(distilled, oracle, corpus, tmp_path) -> None:
     """`init_from` starts at the saved draft's weights (not the oracle's layers) and keeps its head."""
     _, first = distilled

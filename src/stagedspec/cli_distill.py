@@ -12,8 +12,9 @@ Training text (all offline, never HumanEval):
   to complete its signature + docstring and the assistant answering with the
   whole function in a ```python block, wrapped in the oracle's chat template;
 * `--oracle-samples N`: the oracle's own greedy replies to N such requests
-  (the text a draft has to predict at serving time), cached in the work
-  folder and repeated `--sample-repeat` times in the training mix.
+  (the text a draft has to predict at serving time), cached per request
+  (`--samples-cache`, by default in the work folder) and repeated
+  `--sample-repeat` times in the training mix.
 
 The draft is trained on the oracle's next-token distributions over all of it
 (see `stagedspec.distill`).  Checkpoints, metrics and the sample cache live in
@@ -40,7 +41,8 @@ from stagedspec.errors import StagedSpecError
 TARGETS = {"top1": 0.50, "top4": 0.75, "draft_cost_ratio": 1 / 6}
 # Default --sample-batch per device type: a CPU gains little past 16 rows; an H100 sampled 256 at a time (issue 13).
 SAMPLE_BATCH = {"cpu": 16, "cuda": 256}
-SAMPLES_NAME = "oracle_samples.json"
+SAMPLES_NAME = "oracle_samples.jsonl"  # per-request reply cache (stagedspec.reply_cache)
+LEGACY_SAMPLES_NAME = "oracle_samples.json"  # the whole-list cache of older versions
 
 
 # ---------------------------------------------------------------------- argument types
@@ -137,6 +139,10 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--sample-batch", type=_int_at_least(1), default=None, metavar="B",
                    help="oracle replies generated B at a time (greedy, batched; default: "
                         f"{SAMPLE_BATCH['cpu']} on the CPU, {SAMPLE_BATCH['cuda']} on CUDA)")
+    d.add_argument("--samples-cache", default=None, metavar="FILE",
+                   help="the oracle-reply cache, one reply per request, kept across runs (default: "
+                        f"WORK_DIR/{SAMPLES_NAME}); share one file between rounds so that only new requests "
+                        "are sent to the oracle")
     d.add_argument("--init-from", default=None, metavar="DRAFT",
                    help="continue training a saved draft ('default' or a draft folder) instead of starting from oracle layers")
     d.add_argument("--teacher-top-k", type=_int_at_least(1), default=64, metavar="K")
@@ -249,25 +255,34 @@ def sample_requests(files: Sequence[Path], n: int, seed: int, chat: bool = True)
 
 
 def cached_oracle_samples(oracle: Any, tokenizer: Any, requests: Sequence[str], n_tokens: int, cache: Path,
-                          fingerprint: str, progress: bool, batch_size: int = 1) -> list[list[int]]:
-    """The oracle's greedy replies to `requests` (prompt + reply streams), cached in `cache` by their inputs."""
-    from stagedspec.distill import oracle_samples
+                          fingerprint: str, progress: bool, batch_size: int = 1,
+                          log: Any = None, legacy: Path | None = None) -> list[list[int]]:
+    """The oracle's greedy replies to `requests` (prompt + reply streams), cached per request in `cache`.
 
-    inputs: list[Any] = [fingerprint, n_tokens, list(requests)] + ([batch_size] if batch_size > 1 else [])
-    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
-    if cache.is_file():
-        try:
-            saved = json.loads(cache.read_text(encoding="utf-8"))
-            if saved.get("key") == key:
-                return saved["streams"]
-        except (OSError, ValueError, KeyError):
-            pass
-    streams = oracle_samples(oracle, tokenizer, requests, n_tokens, progress=progress, batch_size=batch_size)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(cache.name + ".tmp")
-    tmp.write_text(json.dumps({"key": key, "streams": streams}), encoding="utf-8")
-    tmp.replace(cache)
-    return streams
+    Only requests the cache has no reply for are sent to the oracle, and each
+    finished batch is appended to the cache at once (`stagedspec.reply_cache`),
+    so later rounds and interrupted runs reuse every reply made so far.  An
+    older whole-list cache (`legacy`, by default `oracle_samples.json` beside
+    `cache`) is imported when it was made for exactly these requests.
+    """
+    from stagedspec.distill import oracle_samples
+    from stagedspec.reply_cache import ReplyCache, legacy_streams
+
+    store = ReplyCache(cache, fingerprint, n_tokens, batched=batch_size > 1)
+    legacy_inputs: list[Any] = [fingerprint, n_tokens, list(requests)] + ([batch_size] if batch_size > 1 else [])
+    legacy_key = hashlib.sha256(json.dumps(legacy_inputs).encode()).hexdigest()[:16]
+    if any(r not in store for r in requests):
+        old = legacy_streams(legacy or cache.with_name(LEGACY_SAMPLES_NAME), legacy_key, len(requests))
+        if old is not None:
+            store.add((r, s) for r, s in zip(requests, old) if r not in store)
+    missing = list(dict.fromkeys(r for r in requests if r not in store))  # each distinct request once
+    if log is not None:
+        log(f"oracle replies: {len(requests) - len(missing)} of {len(requests)} cached in {cache}, "
+            f"{len(missing)} to generate")
+    if missing:
+        oracle_samples(oracle, tokenizer, missing, n_tokens, progress=progress, batch_size=batch_size,
+                       on_batch=lambda idx, streams: store.add((missing[i], s) for i, s in zip(idx, streams)))
+    return [store.get(r) for r in requests]  # type: ignore[misc]
 
 
 def order_streams(unique: list[list[int]], repeats: dict[int, int], heldout_fraction: float, seed: int) -> list[list[int]]:
@@ -354,6 +369,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     work = Path(args.work_dir).expanduser() if args.work_dir else out
     if out.exists() and not out.is_dir():
         raise StagedSpecError(f"--out {out} exists and is not a folder")
+    samples_cache = Path(args.samples_cache).expanduser() if args.samples_cache else work / SAMPLES_NAME
+    if samples_cache.is_dir():
+        raise StagedSpecError(f"--samples-cache {samples_cache} is a folder; give a file path")
     if args.resume and not (work / "checkpoint.pt").is_file():
         raise StagedSpecError(f"nothing to resume: no checkpoint at {work / 'checkpoint.pt'}")
 
@@ -390,8 +408,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
         requests = sample_requests(files + extra_requests, args.oracle_samples, args.seed, chat=chat)
         if not requests:
             raise StagedSpecError("--oracle-samples: the corpus has no documented Python functions to ask about")
-        samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, work / SAMPLES_NAME,
-                                        fingerprint, progress=not args.no_progress, batch_size=sample_batch)
+        samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, samples_cache,
+                                        fingerprint, progress=not args.no_progress, batch_size=sample_batch, log=log,
+                                        legacy=work / LEGACY_SAMPLES_NAME)
     unique = plain + chats + samples
     repeats = {len(plain) + len(chats) + i: args.sample_repeat for i in range(len(samples))}
     cfg = DistillConfig(

@@ -35,7 +35,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -728,6 +728,7 @@ def oracle_samples(
     seed: int = 0,
     progress: bool = True,
     batch_size: int = 1,
+    on_batch: Callable[[list[int], list[list[int]]], None] | None = None,
 ) -> list[list[int]]:
     """Token streams (chat-formatted prompt + the oracle's reply) to distil on the oracle's own text.
 
@@ -735,11 +736,18 @@ def oracle_samples(
     generations are the most relevant training text there is.  Greedy replies
     are generated `batch_size` prompts at a time (`batched_greedy_continuations`),
     which on a CPU with bf16 matmuls costs little more per step than one prompt.
+    `on_batch(indices, streams)` receives each finished batch's streams (by
+    index into `prompts`) as soon as it is done, so a caller can save them.
     """
     stops = set(getattr(tokenizer, "eos_token_ids", None) or oracle.config.eos_token_ids)
     encoded = [tokenizer.encode(tokenizer.apply_chat_template(p)) for p in prompts]
     if temperature == 0.0 and batch_size > 1:
-        replies = batched_greedy_continuations(oracle, encoded, n_tokens, stops, batch_size, progress)
+        def streams_done(indices: list[int], replies: list[list[int]]) -> None:
+            if on_batch is not None:
+                on_batch(indices, [encoded[i] + r for i, r in zip(indices, replies)])
+
+        replies = batched_greedy_continuations(oracle, encoded, n_tokens, stops, batch_size, progress,
+                                               on_batch=streams_done)
         return [ids + reply for ids, reply in zip(encoded, replies)]
     sampling = SamplingParams(temperature=temperature)
     generator = torch.Generator().manual_seed(seed)
@@ -748,7 +756,12 @@ def oracle_samples(
         from tqdm.auto import tqdm
 
         iterator = tqdm(encoded, desc="oracle samples", unit="prompt")
-    return [ids + oracle_continuation(oracle, ids, n_tokens, sampling, generator, stops) for ids in iterator]
+    out = []
+    for i, ids in enumerate(iterator):
+        out.append(ids + oracle_continuation(oracle, ids, n_tokens, sampling, generator, stops))
+        if on_batch is not None:
+            on_batch([i], [out[-1]])
+    return out
 
 
 @torch.inference_mode()
@@ -759,6 +772,7 @@ def batched_greedy_continuations(
     stop_token_ids: Iterable[int] = (),
     batch_size: int = 16,
     progress: bool = False,
+    on_batch: Callable[[list[int], list[list[int]]], None] | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of many prompts, `batch_size` at a time (left-padded, one mask per sequence).
 
@@ -766,6 +780,7 @@ def batched_greedy_continuations(
     reply stops after its first stop token or `n_tokens`.  In fp32 every reply
     equals `oracle_continuation` of its prompt; in bf16 a batched matmul may
     round differently at near-ties, which does not matter for training text.
+    `on_batch(indices, replies)` is called after each batch.
     """
     stops = set(stop_token_ids)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -777,8 +792,11 @@ def batched_greedy_continuations(
         bar = tqdm(total=len(prompts), desc="oracle samples", unit="prompt")
     for lo in range(0, len(order), batch_size):
         chunk = order[lo: lo + batch_size]
-        for i, reply in zip(chunk, _greedy_batch(oracle, [prompts[i] for i in chunk], n_tokens, stops)):
+        replies = _greedy_batch(oracle, [prompts[i] for i in chunk], n_tokens, stops)
+        for i, reply in zip(chunk, replies):
             out[i] = reply
+        if on_batch is not None:
+            on_batch(list(chunk), replies)
         if bar is not None:
             bar.update(len(chunk))
     if bar is not None:
