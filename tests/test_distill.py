@@ -31,7 +31,15 @@ from stagedspec.distill import (
 )
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.config import ModelConfig
-from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, DraftModel, load_draft, save_draft
+from stagedspec.models.draft import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    DraftModel,
+    grow_draft,
+    grown_layers,
+    load_draft,
+    save_draft,
+)
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.sampling import SamplingParams
 
@@ -367,9 +375,44 @@ def test_init_from_continues_a_saved_draft(distilled, oracle, corpus, tmp_path) 
     assert any(not torch.equal(more.own_state_dict()[k], v) for k, v in start.own_state_dict().items())
     assert load_draft(tmp_path / "more", oracle).oracle_layers == start.oracle_layers
     with pytest.raises(StagedSpecError, match="has 2 layers"):
-        distill(oracle, None, corpus, small_cfg(tmp_path / "bad", layers=3, init_from=str(first)), progress=False)
+        distill(oracle, None, corpus, small_cfg(tmp_path / "bad", layers=1, init_from=str(first)), progress=False)
     with pytest.raises(StagedSpecError, match="not a draft folder"):
         distill(oracle, None, corpus, small_cfg(tmp_path / "bad", init_from=str(tmp_path)), progress=False)
+
+
+def test_grown_layers_fill_the_widest_gaps_in_oracle_order() -> None:
+    assert grown_layers([0, 15], 30, 2) == ([0, 15], [False, False])
+    assert grown_layers([0, 15], 30, 3) == ([0, 7, 15], [False, True, False])
+    assert grown_layers([0, 15], 30, 4) == ([0, 7, 15, 22], [False, True, False, True])
+    assert grown_layers([0, 2], 4, 4) == ([0, 1, 2, 3], [False, True, False, True])
+    with pytest.raises(StagedSpecError, match="no layer left"):
+        grown_layers([0, 2], 4, 5)
+    with pytest.raises(StagedSpecError, match="cannot shrink"):
+        grown_layers([0, 2], 4, 1)
+
+
+def test_a_grown_draft_computes_what_it_grew_from_and_then_trains(distilled, oracle, corpus, tmp_path) -> None:
+    """New layers start as no-ops (zero output projections), so continued training starts exactly where it was."""
+    _, first = distilled
+    start = load_draft(first, oracle, dtype=torch.float32)
+    grown = grow_draft(start, oracle, 4)
+    assert grown.oracle_layers == [0, 1, 2, 3] and len(grown.layers) == 4
+    tokens = torch.tensor([corpus[0][:24], corpus[1][:24]])
+    with torch.no_grad():
+        torch.testing.assert_close(grown.forward_train(tokens), start.forward_train(tokens), rtol=0, atol=1e-6)
+        # the cached inference pass too (what decoding runs)
+        ref, out = start.new_cache(32), grown.new_cache(32)
+        pos = torch.arange(24)
+        torch.testing.assert_close(grown(tokens[:1], pos, out), start(tokens[:1], pos, ref), rtol=0, atol=1e-6)
+    # continued training with --layers 4: step 0 is the saved draft's own held-out figure, and the new layers learn
+    cfg = small_cfg(tmp_path / "grown", layers=4, init_from=str(first), tokens=6 * 64)
+    trained = distill(oracle, None, corpus, cfg, progress=False)
+    history = json.loads((tmp_path / "grown" / "metrics.json").read_text())
+    first_end = json.loads((first / "metrics.json").read_text())[-1]
+    assert abs(history[0]["heldout_kl"] - first_end["heldout_kl"]) < 0.05 * first_end["heldout_kl"]
+    assert trained.layers[1].attn.wo.weight.abs().sum() > 0 and trained.layers[3].mlp.w_down.weight.abs().sum() > 0
+    save_draft(trained, tmp_path / "saved", "tiny-fp", {})
+    assert load_draft(tmp_path / "saved", oracle).oracle_layers == [0, 1, 2, 3]
 
 
 def test_checkpoint_resumes_across_devices(oracle, corpus, tmp_path, monkeypatch) -> None:

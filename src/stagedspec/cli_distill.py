@@ -89,7 +89,8 @@ def add_commands(subparsers: Any) -> None:
                         "hidden state at the previous position (see docs/draft.md, 'Feature draft')")
     d.add_argument("--layers", type=_int_at_least(1), default=None, metavar="L",
                    help="draft layers, copied from the oracle's (default: 2 for independent, strided from layer 0; "
-                        "1 for feature, the oracle's last layers)")
+                        "1 for feature, the oracle's last layers); with --init-from, more layers than the saved "
+                        "independent draft has grows it by no-op layers (copies with zeroed output projections)")
     d.add_argument("--ttt-steps", type=_int_at_least(1), default=1, metavar="K",
                    help="feature drafts: unroll K steps on the draft's own predicted features when training "
                         "('training-time test'; 1 = off)")

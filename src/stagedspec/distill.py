@@ -478,9 +478,11 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
     """The student for `--init-from`: a saved draft, in fp32 and trainable, and its head's token ids.
 
     Continued training on new text (say, more of the oracle's own replies)
-    reuses what an earlier run learned instead of paying for it again.
+    reuses what an earlier run learned instead of paying for it again.  With
+    a larger `--layers`, the saved draft grows new layers that start as
+    no-ops (`grow_draft`), so the extra capacity costs nothing it had learned.
     """
-    from stagedspec.models.draft import CONFIG_NAME, default_draft_dir, load_draft
+    from stagedspec.models.draft import CONFIG_NAME, default_draft_dir, grow_draft, load_draft
 
     folder = default_draft_dir() if cfg.init_from == "default" else Path(cfg.init_from).expanduser()
     if not (folder / CONFIG_NAME).is_file():
@@ -489,9 +491,12 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
     kind = getattr(student, "kind", "independent")
     if kind != cfg.kind:
         raise StagedSpecError(f"--init-from {cfg.init_from} is a {kind} draft, but --kind is {cfg.kind}")
-    if student.config.n_layers != cfg.layers:
+    if student.config.n_layers > cfg.layers or (student.config.n_layers < cfg.layers and kind != "independent"):
         raise StagedSpecError(f"--init-from {cfg.init_from} has {student.config.n_layers} layers, "
-                              f"but --layers is {cfg.layers}")
+                              f"but --layers is {cfg.layers}"
+                              + (" (only an independent draft can grow layers)" if kind != "independent" else ""))
+    if student.config.n_layers < cfg.layers:  # grown with zeroed output projections: the same function at step 0
+        student = grow_draft(student, oracle, cfg.layers)
     student.make_own_weights_trainable()
     return student.train(), student.head_tokens
 

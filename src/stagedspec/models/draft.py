@@ -311,6 +311,61 @@ class DraftModel(Transformer):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def grown_layers(existing: Sequence[int], n_oracle: int, n_layers: int) -> tuple[list[int], list[bool]]:
+    """Oracle layers for a draft grown from `existing` to `n_layers`, and which of them are new.
+
+    Each new layer copies the oracle layer in the middle of the widest gap
+    between the draft's layers (or after its last one), so the draft keeps
+    the oracle's order of layers: [0, 15] of 30 grows to [0, 7, 15], then
+    [0, 7, 15, 22].
+    """
+    layers = [int(i) for i in existing]
+    new = [False] * len(layers)
+    if n_layers < len(layers):
+        raise StagedSpecError(f"a draft of {len(layers)} layers cannot shrink to {n_layers}")
+    while len(layers) < n_layers:
+        bounds = layers + [n_oracle]
+        gaps = [(bounds[k + 1] - bounds[k], k) for k in range(len(layers)) if bounds[k + 1] - bounds[k] > 1]
+        if not gaps:
+            raise StagedSpecError(f"the oracle has no layer left to copy for a draft of {n_layers} layers")
+        width, k = max(gaps, key=lambda g: (g[0], -g[1]))
+        layers.insert(k + 1, layers[k] + width // 2)
+        new.insert(k + 1, True)
+    return layers, new
+
+
+def grow_draft(draft: DraftModel, oracle: Transformer, n_layers: int) -> DraftModel:
+    """`draft` with new layers inserted (`grown_layers`), computing exactly what `draft` computes.
+
+    A new layer is a copy of its oracle layer whose attention output and MLP
+    down projections are zero, so it adds nothing to the residual stream
+    until training moves those projections (their gradients are not zero).
+    More training can then start from the trained draft instead of from the
+    oracle's layers.  Independent drafts only.
+    """
+    if type(draft) is not DraftModel:
+        raise StagedSpecError("only an independent draft can grow layers")
+    picked, is_new = grown_layers(draft.oracle_layers, oracle.config.n_layers, n_layers)
+    p = draft.embed.weight
+    grown = DraftModel(oracle, picked, draft.head_tokens, dtype=p.dtype, device=p.device)
+    old = iter(draft.layers)
+    with torch.no_grad():
+        for layer, fresh in zip(grown.layers, is_new):
+            if not fresh:
+                layer.load_state_dict(next(old).state_dict())
+                continue
+            for proj in (layer.attn.wo, layer.mlp.w_down):
+                proj.weight.zero_()
+                if proj.bias is not None:
+                    proj.bias.zero_()
+        grown.norm.load_state_dict(draft.norm.state_dict())
+        if draft.head is not None:
+            grown.head.weight.copy_(draft.head.weight)
+    grown.training_meta = dict(draft.training_meta)
+    grown.fingerprint = draft.fingerprint
+    return grown.train(draft.training)
+
+
 def _causal_attention(attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor] | None, window: int = 0) -> Tensor:
     """`Attention.forward` for a fresh causal sequence, without a cache (for training).
 
