@@ -57,3 +57,16 @@ def _keep_onednn_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(name, value if value is not None else "")
     if value is None:
         monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_draft_weight_choices(tmp_path_factory):  # noqa: ANN001, ANN202
+    """`--draft-weights auto`'s timed choices go to a session folder: timings taken under a test run's load
+    must not decide a user's later runs (`stagedspec.draft_weights`)."""
+    import stagedspec.draft_weights as dw
+
+    path = tmp_path_factory.mktemp("draft-weights") / "draft-weights.json"
+    original = dw._cache_file
+    dw._cache_file = lambda: path
+    yield
+    dw._cache_file = original

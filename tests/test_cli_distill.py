@@ -359,3 +359,23 @@ def test_samples_cache_is_shared_between_runs(oracle_dir: Path, corpus: list[str
     assert run(distill_args(oracle_dir, corpus, tmp_path / "c", "--oracle-samples", "2",
                             "--samples-cache", str(tmp_path))) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_eval_draft_compares_a_drafts_weight_formats_in_one_run(oracle_dir: Path, corpus: list[str],
+                                                                tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                                ) -> None:
+    """`--draft D@native,D@int8` (bf16): two columns on the same oracle replies, each naming its weights."""
+    out = tmp_path / "draft"
+    assert run(distill_args(oracle_dir, corpus, out, "--device", "cpu")) == 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n\n\ndef g(a, b):\n")
+    capsys.readouterr()
+    assert run(["eval-draft", "--oracle", str(oracle_dir), "--prompts", str(prompts), "--tokens", "16",
+                "--accept-prompts", "0", "--no-every-position", "--dtype", "bf16",
+                "--draft", f"{out}@native,{out}@int8", "--json"]) == 0
+    native, int8 = json.loads(capsys.readouterr().out)["drafts"]
+    assert (native["weights"], int8["weights"]) == ("native", "int8")
+    assert native["positions"] == int8["positions"] > 0
+    assert run(["eval-draft", "--oracle", str(oracle_dir), "--prompts", str(prompts), "--draft", str(out),
+                "--dtype", "fp32", "--draft-weights", "int8"]) == 2
+    assert "--draft-weights int8 computes in bf16" in capsys.readouterr().err

@@ -40,6 +40,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: run the static-shape pass path (fixed row buckets, the whole cache as keys), as on CUDA")
 
 
+def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
+    from stagedspec.draft_weights import DRAFT_WEIGHTS
+
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
+                   help="draft model weights: native (the --dtype), int8 (CPU, bf16), or auto (default): int8 with "
+                        "--quant, and with a bf16 oracle on a CPU whichever this machine runs faster, timed once and "
+                        "cached; the output never depends on it")
+
+
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     from stagedspec.drafters.model import GROWTHS
     from stagedspec.pipeline import QUANTISED_DEFAULTS as q
@@ -49,6 +58,7 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="SPEC",
                    help="draft model: a distilled draft folder, an HF folder, a .gguf, or layers:N "
                         "(the oracle's first N layers)")
+    _add_draft_weights_arg(p)
     p.add_argument("--method", default=None, choices=["auto", "ar", "chain", "tree", "lookup", "staged"],
                    help="auto (each step, whichever of the others this machine's measured costs and the "
                         "acceptance so far make fastest; never knowingly slower than ar), ar (plain decoding), "
@@ -160,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="draft model(s) to measure too, comma-separated ('none' for none; default: the shipped "
                            "draft, for the default oracle)")
     tune.add_argument("--quant", default="none", choices=["none", "int8", "int4"], help="oracle weights")
+    _add_draft_weights_arg(tune)
     tune.set_defaults(func=cmd_tune)
 
     from stagedspec.bench.run import add_bench_command
@@ -230,7 +241,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     oracle, drafts, spec = speculation_from(args)
     method = spec.method
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant)
+    pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant,
+                    draft_weights=args.draft_weights)
     pipe.bit_exact = args.bit_exact
     if args.dtype == "auto":
         from stagedspec.pipeline import dtype_name
@@ -324,16 +336,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.oracle not in ORACLES_WITH_DRAFTS and args.draft == "default":
         drafts = []  # drafts ship for the named oracles only
     # `auto` keeps the drafts it is given (`ar` would drop them); nothing is generated here.
+    from stagedspec.draft_weights import forget_measured_choices
+
+    forget_measured_choices()  # re-time the drafts' weight formats too
     pipe = Pipeline(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
-                    dtype=args.dtype, device=args.device, quant=args.quant)
+                    dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights)
     profile = pipe.cost_profile(remeasure=True)
     quant = f", {args.quant} weights" if args.quant != "none" else ""
     print(f"{profile.machine}; oracle {args.oracle} in {dtype_name(pipe.dtype)} ({pipe.dtype_reason}){quant}; "
           f"measured in {profile.measured_seconds:.1f} s")
     print("\noracle pass:")
     print_cost_curve(profile.oracle)
-    for spec, curve in zip(drafts, profile.drafts):
+    for spec, curve, model in zip(drafts, profile.drafts, pipe.draft_models):
         print(f"\ndraft {spec} pass:")
+        print(f"{getattr(model, 'weight_format', 'native')} weights ({getattr(model, 'weight_reason', '')})")
         print_cost_curve(curve)
     print(f"\ncached in {profile_path(profile.key)}")
     return 0

@@ -184,6 +184,9 @@ def add_commands(subparsers: Any) -> None:
                         "mean accepted length there: the same positions for every draft, far more trees "
                         "(default: on)")
     e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+    from stagedspec.cli import _add_draft_weights_arg
+
+    _add_draft_weights_arg(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
     e.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N")
     e.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda (default: cpu)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
@@ -483,9 +486,9 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
                 chain_length=args.chain_length)
     pipe = Pipeline(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec), dtype=args.dtype,
-                    device=device)
-    models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device)
-                                   for d in drafts[1:]]
+                    device=device, draft_weights=args.draft_weights)
+    models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device,
+                                                    args.draft_weights) for d in drafts[1:]]
     chat = pipe.tokenizer.chat_template is not None  # as the bench: base models get the raw prompt
     streams = [pipe.encode(chat_instruction(p) if chat else p, chat=chat) for p in prompts]
     # One set of oracle replies and one oracle timing for every draft: the columns differ only by the draft.
@@ -498,7 +501,9 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
         pipe.draft_models, pipe.draft_model = [model], model
         report, ar_speed = _eval_one_draft(args, pipe, model, streams, continuations, oracle_s, spec, ar_speed)
         report.update(oracle=args.oracle, draft=name, prompts=args.prompts, n_prompts=len(streams),
-                      tokens=args.tokens, offset=args.offset, device=device)
+                      tokens=args.tokens, offset=args.offset, device=device,
+                      weights=getattr(model, "weight_format", "native"),
+                      weights_reason=getattr(model, "weight_reason", ""))
         reports.append(report)
     if args.json:
         out: Any = reports[0] if len(reports) == 1 else {"oracle": args.oracle, "drafts": reports}
@@ -597,6 +602,7 @@ def _print_one(args: argparse.Namespace, report: dict[str, Any], where: str) -> 
               f"{ev['mean_accepted_length']:.2f}; depth reached {_reach(ev['depth_reach'])}")
     print(f"  cost per token    draft {report['draft_ms_per_token']:.2f} ms / oracle {report['oracle_ms_per_token']:.2f} ms "
           f"= {report['draft_cost_ratio']:.3f} in {report['timing_dtype']} (target <= 0.167: {ok('draft_cost_ratio')})")
+    print(f"  draft weights     {report.get('weights', 'native')} ({report.get('weights_reason', '')})")
 
 
 def _column_names(specs: list[str]) -> list[str]:
@@ -632,6 +638,7 @@ def _comparison_table(args: argparse.Namespace, reports: list[dict[str, Any]]) -
                      col(lambda r: f"{r['tree_every_position']['mean_accepted_length']:.2f}")))
     rows.append((f"cost ({reports[0]['timing_dtype']}, draft/oracle)", col(lambda r: f"{r['draft_cost_ratio']:.3f}")))
     rows.append(("draft ms/token", col(lambda r: f"{r['draft_ms_per_token']:.2f}")))
+    rows.append(("draft weights", col(lambda r: r.get("weights", "native"))))
     headers = _column_names([r["draft"] for r in reports])
     width0 = max(len(label) for label, _ in rows)
     widths = [max(len(h), *(len(vals[i]) for _, vals in rows)) for i, h in enumerate(headers)]

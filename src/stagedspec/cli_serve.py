@@ -103,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load() -> Engine:
         return Engine.load(oracle, drafts, spec, dtype=args.dtype, device=args.device, quant=args.quant,
-                           bit_exact=args.bit_exact, model_name=args.model_name)
+                           draft_weights=args.draft_weights, bit_exact=args.bit_exact, model_name=args.model_name)
 
     server: uvicorn.Server | None = None
 

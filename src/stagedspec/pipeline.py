@@ -279,16 +279,19 @@ def tokenizer_fingerprint(tokenizer) -> str:  # noqa: ANN001 - any stagedspec To
     return h.hexdigest()[:16]
 
 
-def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str) -> Transformer:  # noqa: ANN001
+def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
+                     weights: str = "auto", quiet: bool = False) -> Transformer:
     """Resolve a --draft SPEC: `layers:N`, a distilled draft folder, an HF folder or a .gguf.
 
-    A draft for a quantised oracle runs on int8 weights (see `quantize_draft`)."""
-    draft = _load_draft(spec, oracle, oracle_tokenizer, dtype, device)
-    if oracle.quantised:
-        from stagedspec.models.quant import quantize_draft
+    `weights` (--draft-weights, or a `SPEC@FORMAT` suffix) picks the draft's weight format: "native" (the
+    pipeline's dtype), "int8", or "auto": int8 for a quantised oracle, and on a bf16 CPU oracle whichever this
+    machine runs faster, measured once and cached (`stagedspec.draft_weights`).  The output never depends on it."""
+    from stagedspec.draft_weights import choose_draft_weights, split_weights_suffix
 
-        draft = quantize_draft(draft, oracle)
-    return draft
+    spec, own = split_weights_suffix(spec)
+    weights = own or weights
+    return choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights,
+                                quiet=quiet)
 
 
 def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str) -> Transformer:  # noqa: ANN001
@@ -356,14 +359,16 @@ class Pipeline:
         dtype: str = "auto",
         device: str = "cpu",
         quant: str = "none",
+        draft_weights: str = "auto",
     ) -> None:
         """`draft` is one spec, or for `staged` a list from the stage below the oracle downwards.
 
         `quant` ("int4", "int8") runs the oracle's layers on quantised weights (CPU, bf16; see
         `stagedspec.models.quant`); speculation stays exact with respect to that quantised oracle.
-        Drafts then run on int8 weights.  `dtype="auto"` picks bf16 where the hardware computes it
-        natively and fp32 elsewhere (`dtype_reason` says which and why); the output is the oracle's
-        in the chosen dtype.  `method="auto"` with no draft uses the draft shipped for the oracle, when
+        Drafts then run on int8 weights; on a bf16 CPU oracle `draft_weights="auto"` runs them on int8
+        where that is measured faster here (`stagedspec.draft_weights`; "native" or "int8" choose).
+        `dtype="auto"` picks bf16 where the hardware computes it natively and fp32 elsewhere
+        (`dtype_reason` says which and why); the output is the oracle's in the chosen dtype.  `method="auto"` with no draft uses the draft shipped for the oracle, when
         there is one (SmolLM2-135M-Instruct, Gemma-3-270m)."""
         from stagedspec.models.loading import load_model
 
@@ -383,7 +388,12 @@ class Pipeline:
             drafts = []
         if s.method == "auto" and not drafts and self.has_bundled_draft:
             drafts = ["default"]
-        self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device) for d in drafts]
+        from stagedspec.draft_weights import check_draft_weights
+
+        if drafts:  # a clear error before any draft loads
+            check_draft_weights(draft_weights, self.dtype, self.device)
+        self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device, draft_weights)
+                             for d in drafts]
         self.draft_model = self.draft_models[0] if self.draft_models else None
         from stagedspec.models.feature_draft import is_feature_draft
 

@@ -106,11 +106,12 @@ class Method:
 class BenchModels:
     """The oracle, tokenizer, drafts and n-grams of a run, each loaded once and shared by all methods."""
 
-    def __init__(self, oracle: str, dtype: str, device: str) -> None:
+    def __init__(self, oracle: str, dtype: str, device: str, draft_weights: str = "auto") -> None:
         from stagedspec.models.loading import load_model
         from stagedspec.pipeline import check_device, dtype_name, resolve_dtype
 
         self.oracle_spec = oracle
+        self.draft_weights = draft_weights
         self.device = check_device(device)
         self.dtype = resolve_dtype(dtype, self.device)[0]
         self.dtype_name = dtype_name(self.dtype)
@@ -140,14 +141,19 @@ class BenchModels:
                 raise MethodSkipped(str(e)) from None
         return self._quantised[quant]
 
-    def draft(self, spec: str, quant: str = "none") -> Transformer:
-        """The draft `spec`; for a quantised oracle, on top of it and with int8 weights (as `Pipeline` does)."""
-        key = spec if quant == "none" else f"{spec}@{quant}"
+    def draft(self, spec: str, quant: str = "none", weights: str | None = None) -> Transformer:
+        """The draft `spec`; for a quantised oracle, on top of it.  Its weight format is `weights`, a
+        `SPEC@FORMAT` suffix, or the run's `--draft-weights` (as `Pipeline` picks it)."""
+        from stagedspec.draft_weights import split_weights_suffix
+
+        base, own = split_weights_suffix(spec)
+        fmt = weights or own or self.draft_weights
+        key = f"{base}|{fmt}|{quant}"
         if key not in self._drafts:
             from stagedspec.pipeline import load_draft_model
 
-            self._drafts[key] = load_draft_model(spec, self.oracle_for(quant), self.tokenizer, self.dtype,
-                                                 self.device)
+            self._drafts[key] = load_draft_model(base, self.oracle_for(quant), self.tokenizer, self.dtype,
+                                                 self.device, fmt)
         return self._drafts[key]
 
     def ngram(self, spec: str) -> Any:
@@ -180,7 +186,8 @@ class BenchModels:
     def hf_draft(self, spec: str) -> tuple[nn.Module, str]:
         """The draft as a transformers model computing the same function, and a note on how it was made."""
         if spec not in self._hf_drafts:
-            self._hf_drafts[spec] = hf_twin(self.draft(spec), self.oracle, self.hf_oracle(), spec)
+            # transformers runs the draft's own (native) weights, whatever format ours runs
+            self._hf_drafts[spec] = hf_twin(self.draft(spec, weights="native"), self.oracle, self.hf_oracle(), spec)
         return self._hf_drafts[spec]
 
 
@@ -263,7 +270,9 @@ def ours(
     if quant != "none":
         desc += f", oracle on {quant} weights"
     settings = asdict(s) | {"drafts": list(draft_specs), "oracle_bytes": oracle_bytes, "draft_bytes": draft_bytes,
-                            "quant": quant}
+                            "quant": quant,
+                            "draft_weights": [getattr(d, "weight_format", "native") for d in drafts],
+                            "draft_weights_reason": [getattr(d, "weight_reason", "") for d in drafts]}
     return Method(name, "ours", kind, desc, run, settings)
 
 
@@ -307,7 +316,7 @@ def transformers_method(models: BenchModels, name: str, draft_spec: str | None =
             raise MethodSkipped("needs a draft model")
         assistant, note = models.hf_draft(draft_spec)
         extra["assistant_model"] = assistant
-        draft_bytes = models.draft(draft_spec).num_bytes()
+        draft_bytes = models.draft(draft_spec, weights="native").num_bytes()
     elif name == "hf-lookup":
         extra["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
     counters = [_Counter(hf)] + ([_Counter(extra["assistant_model"])] if "assistant_model" in extra else [])

@@ -56,6 +56,7 @@ GROUPS = {"all": tuple(m for m in ALL_METHODS if m not in VARIANTS), "ours": OUR
 class BenchConfig:
     oracle: str = "default"
     draft: str | None = "default"
+    draft_weights: str = "auto"  # the drafts' weight format (`stagedspec.draft_weights`); SPEC@FORMAT overrides
     ngram: str | None = "default"  # None: prompt lookup only
     prompts: str = "humaneval"
     n_prompts: int = 10
@@ -254,7 +255,8 @@ def build_methods(
                     models.draft(d)
                 except StagedSpecError as e:
                     raise MethodSkipped(f"draft {d!r} unavailable: {e}") from None
-            spec = SpeculationConfig(method="staged", ngram=ngram, context=context)
+            # the settings `stagedspec generate --stages` runs with on this device and dtype
+            spec = SpeculationConfig.tuned("staged", "none", cfg.device, cfg.dtype, ngram=ngram, context=context)
             methods.append(ours(models, name, spec, drafts, ngram))
         except MethodSkipped as e:
             skipped.append({"name": name, "reason": str(e)})
@@ -469,7 +471,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         raise StagedSpecError("temperatures must be >= 0")
     out = Path(cfg.out)
     t_start = time.perf_counter()
-    models = BenchModels(cfg.oracle, cfg.dtype, cfg.device)
+    models = BenchModels(cfg.oracle, cfg.dtype, cfg.device, cfg.draft_weights)
     if cfg.dtype == "auto":  # the report names what ran: bf16 or fp32, as `--dtype auto` chose it here
         cfg = dataclasses.replace(cfg, dtype=models.dtype_name)
     raw_prompts, prompt_ids, chat = encode_prompts(cfg, models)
@@ -537,6 +539,9 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", default="default", type=_none_or, metavar="SPEC",
                    help="draft for chain/tree/staged/hf-assisted: 'default' (bundled distilled draft), a draft "
                         "folder, an HF folder, a .gguf, layers:N, or none")
+    from stagedspec.cli import _add_draft_weights_arg
+
+    _add_draft_weights_arg(p)
     p.add_argument("--ngram", default="default", type=_none_or, metavar="SPEC",
                    help="n-gram for lookup/staged: 'default', a file, or none (prompt lookup only)")
     p.add_argument("--prompts", default="humaneval", metavar="humaneval|FILE",
@@ -573,7 +578,8 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    common = dict(oracle=args.oracle, draft=args.draft, ngram=args.ngram, prompts=args.prompts,
+    common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, ngram=args.ngram,
+                  prompts=args.prompts,
                   prompt_offset=args.prompt_offset, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,
                   device=args.device, dtype=args.dtype, chat=args.chat, seed=args.seed, out=args.out,
                   progress=not args.no_progress, plots=not args.no_plots)

@@ -118,13 +118,14 @@ class Engine:
 
     @classmethod
     def load(cls, oracle: str, drafts: Sequence[str], speculation: SpeculationConfig, *, dtype: str = "bf16",
-             device: str = "cpu", quant: str = "none", bit_exact: bool = False,
+             device: str = "cpu", quant: str = "none", draft_weights: str = "auto", bit_exact: bool = False,
              model_name: str | None = None) -> "Engine":
         # Drafts are loaded even for a default of `ar` or `lookup`, so a request can still ask for them.
         load_spec = speculation
         if drafts and speculation.method in ("ar", "lookup"):
             load_spec = dataclasses.replace(speculation, method="tree" if len(drafts) == 1 else "staged")
-        pipe = Pipeline(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant)
+        pipe = Pipeline(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant,
+                        draft_weights=draft_weights)
         return cls(pipe.model, pipe.tokenizer, list(pipe.draft_models), speculation, pipe.ngram,
                    model_name or default_model_name(oracle, quant), list(drafts), bit_exact)
 

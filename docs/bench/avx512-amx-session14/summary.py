@@ -1,0 +1,19 @@
+"""Speedups as total tokens over total time against `ar`, per bench folder here (session 14).
+
+    python docs/bench/avx512-amx-session14/summary.py
+"""
+import json
+from pathlib import Path
+
+for folder in sorted(Path(__file__).parent.iterdir()):
+    if not (folder / "results.json").exists():
+        continue
+    runs = [r for r in json.loads((folder / "results.json").read_text())["runs"] if r.get("temperature", 0) == 0]
+    totals: dict[str, list[float]] = {}
+    for r in runs:
+        t = totals.setdefault(r["method"], [0, 0.0])
+        t[0] += r["new_tokens"]
+        t[1] += r["seconds"]
+    ar = totals["ar"][0] / totals["ar"][1]
+    parts = [f"{m} {n / s / ar:.2f}x" for m, (n, s) in totals.items() if m != "ar"]
+    print(f"{folder.name:14s} ar {ar:.1f} tok/s; " + "; ".join(parts))

@@ -1,0 +1,197 @@
+"""Which weight format a draft model runs on: its own dtype, or int8, whichever this machine runs faster.
+
+Why: a draft's pass at batch 1 streams its weights once, so on a CPU its
+cost is mostly bytes.  The default SmolLM2 draft in bf16 costs 0.057 of a
+bf16 oracle pass on the AVX-512 BF16 + AMX CPU; with int8 layers and head
+(PyTorch's `_weight_int8pack_mm`) it costs 0.030, and a 3-layer draft 0.040
+instead of 0.079 (session 14, README).  What the draft proposes moves a
+little with its rounding, but exactness never depends on the draft: the
+oracle's weights, and so the output, are untouched.
+
+Whether int8 pays is a property of the machine (its kernels, its bf16
+support) and of the row counts the draft runs, so `--draft-weights auto`
+measures both formats once per draft and machine and caches the choice next
+to the cost profiles.  A quantised oracle keeps the earlier rule (its draft
+runs on int8, measured then: same acceptance, `staged` 1.29x instead of 1.22x
+int4 `ar`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from stagedspec import hardware
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.transformer import Transformer
+
+DRAFT_WEIGHTS = ("auto", "native", "int8")
+MEASURED_ROWS = (1, 4)  # a draft stage decodes one token, or checks a short chain / tree level of a few
+INT8_MARGIN = 0.9  # int8 must be at least 10% faster than the native format to be chosen (timing noise)
+
+
+def split_weights_suffix(spec: str) -> tuple[str, str | None]:
+    """`DRAFT@int8` -> ("DRAFT", "int8"): a draft spec may name its own weight format (`--draft`, `--stages`,
+    `eval-draft --draft a,a@int8` compares both in one run).  No suffix: (spec, None)."""
+    base, sep, fmt = spec.rpartition("@")
+    if sep and base and fmt in DRAFT_WEIGHTS:
+        return base, fmt
+    return spec, None
+
+
+def check_draft_weights(weights: str, dtype: torch.dtype, device: str) -> None:
+    """A clear error for a --draft-weights value the kernels cannot run."""
+    if weights not in DRAFT_WEIGHTS:
+        raise StagedSpecError(f"unknown --draft-weights {weights!r}: use one of {', '.join(DRAFT_WEIGHTS)}")
+    if weights != "int8":
+        return
+    if not str(device).startswith("cpu"):
+        raise StagedSpecError(f"--draft-weights int8 runs on PyTorch's CPU kernels only; on {device} use native")
+    if dtype != torch.bfloat16:
+        raise StagedSpecError("--draft-weights int8 computes in bf16; use --dtype bf16 "
+                              "(fp32 is for reference runs)")
+
+
+def shares_oracle_layers(draft: Transformer, oracle: Transformer) -> bool:
+    """A `layers:N` draft runs the oracle's own layer modules: quantising them would change the oracle."""
+    mine = {id(m) for m in oracle.layers}
+    return any(id(layer) in mine for layer in draft.layers)
+
+
+def to_int8(draft: Transformer, oracle: Transformer) -> Transformer:
+    """`draft` with int8 layers and head, in place (`models.quant.quantize_draft`, plus a head of its own).
+
+    A draft whose head is a full vocabulary head of its own (an HF or GGUF
+    model) gets an int8 copy of it too; a head shared with a bf16 oracle stays
+    the oracle's.
+    """
+    from stagedspec.models.quant import Int8Linear, quantize_draft
+
+    quantize_draft(draft, oracle)
+    if draft.head_q is None and draft.head_weight is not oracle.head_weight:
+        draft.head_q = Int8Linear(draft.head_weight.detach(), None)
+    return draft
+
+
+def choose_draft_weights(
+    load: Callable[[], Transformer],
+    oracle: Transformer,
+    weights: str,
+    *,
+    measure: Callable[[Transformer], dict[int, float]] | None = None,
+    cache_file: Path | None = None,
+    quiet: bool = False,
+) -> Transformer:
+    """The draft from `load()`, on the weights `weights` asks for ("auto": the faster on this machine).
+
+    The chosen format and why are left on the draft as `weight_format`
+    ("native" or "int8") and `weight_reason`.  `measure` times a draft's
+    passes by row count (default: `costs.forward_cost_curve` at
+    `MEASURED_ROWS`); `cache_file` keeps auto's measured choices (default:
+    under the cost-profile folder).
+    """
+    from stagedspec.models.feature_draft import is_feature_draft
+
+    draft = load()
+    dtype, device = draft.embed.weight.dtype, str(draft.embed.weight.device)
+    check_draft_weights(weights, dtype, device)
+    if weights == "int8" or (weights == "auto" and oracle.quantised):
+        if is_feature_draft(draft):
+            if weights == "int8":
+                raise StagedSpecError("--draft-weights int8 is not available for a feature draft; use native")
+            return _mark(draft, "native", "a feature draft keeps its dtype")
+        if shares_oracle_layers(draft, oracle) and not oracle.quantised:
+            if weights == "int8":
+                raise StagedSpecError("a layers:N draft runs the oracle's own layers: int8 draft weights would "
+                                      "change the oracle; use --draft-weights native or --quant int8")
+            return _mark(draft, "native", "it runs the oracle's own layers")
+        why = "asked for" if weights == "int8" else "the oracle is quantised"
+        return _mark(to_int8(draft, oracle), "int8", why)
+    if weights == "native":
+        return _mark(draft, "native", "asked for")
+    # auto on an unquantised oracle: int8 needs a bf16 CPU pass and a draft of its own layers
+    if not device.startswith("cpu") or dtype != torch.bfloat16:
+        return _mark(draft, "native", f"{dtype_label(dtype)} on {device}: no int8 kernel applies")
+    if is_feature_draft(draft) or shares_oracle_layers(draft, oracle):
+        return _mark(draft, "native", "a feature or layers:N draft keeps its dtype")
+    return _measured_choice(draft, load, oracle, measure or _default_measure, cache_file or _cache_file(), quiet)
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
+
+
+def _mark(draft: Transformer, fmt: str, reason: str) -> Transformer:
+    draft.weight_format, draft.weight_reason = fmt, reason
+    return draft
+
+
+def _default_measure(model: Transformer) -> dict[int, float]:
+    from stagedspec.costs import forward_cost_curve
+
+    return forward_cost_curve(model, sizes=MEASURED_ROWS, context=256, repeats=7, fixed_width=False)
+
+
+def _cache_file() -> Path:
+    from stagedspec.models.default import cache_root
+
+    return cache_root() / "costs" / "draft-weights.json"
+
+
+def _cache_key(draft: Transformer) -> str:
+    from stagedspec.costs import model_fingerprint
+
+    return f"{model_fingerprint(draft)}|{hardware.fingerprint('cpu')}"
+
+
+def forget_measured_choices(cache_file: Path | None = None) -> None:
+    """Drop auto's cached choices (`stagedspec tune` re-measures everything)."""
+    try:
+        (cache_file or _cache_file()).unlink()
+    except OSError:
+        pass  # none yet
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measure again
+
+
+def _measured_choice(draft: Transformer, load: Callable[[], Transformer], oracle: Transformer,
+                     measure: Callable[[Transformer], dict[int, float]], cache_file: Path,
+                     quiet: bool) -> Transformer:
+    """Time the native and int8 drafts (once per draft and machine; cached) and keep the faster."""
+    key = _cache_key(draft)
+    entry = _read_cache(cache_file).get(key)
+    if not isinstance(entry, dict) or entry.get("choice") not in ("native", "int8"):
+        if not quiet:
+            print("stagedspec: timing the draft's bf16 and int8 weights on this machine (once; cached)...",
+                  file=sys.stderr, flush=True)
+        native = sum(measure(draft).values())
+        int8 = sum(measure(to_int8(draft, oracle)).values())
+        choice = "int8" if int8 < INT8_MARGIN * native else "native"
+        entry = {"choice": choice, "native_ms": round(1e3 * native, 4), "int8_ms": round(1e3 * int8, 4),
+                 "rows": list(MEASURED_ROWS)}
+        data = _read_cache(cache_file)
+        data[key] = entry
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            tmp.replace(cache_file)
+        except OSError:
+            pass  # a read-only cache folder costs a re-measure next time, nothing else
+        if choice == "native":
+            draft = load()  # the measured copy was quantised in place
+    elif entry["choice"] == "int8":
+        to_int8(draft, oracle)
+    reason = (f"measured on this machine: rows {'+'.join(map(str, MEASURED_ROWS))} take "
+              f"{entry['native_ms']:.2f} ms in bf16, {entry['int8_ms']:.2f} ms in int8")
+    return _mark(draft, entry["choice"], reason)

@@ -1,0 +1,181 @@
+"""A draft's weight format (`stagedspec.draft_weights`): auto's measured choice, its cache, the rules and errors,
+and that greedy output does not depend on it (bit-exact against `ar`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagedspec.draft_weights import (check_draft_weights, choose_draft_weights, forget_measured_choices,
+                                      split_weights_suffix)
+from stagedspec.errors import StagedSpecError
+from stagedspec.models.config import ModelConfig
+from stagedspec.models.draft import DraftModel
+from stagedspec.models.quant import Int8Linear
+from stagedspec.models.transformer import Transformer, init_random
+
+
+def _oracle(dtype: torch.dtype = torch.bfloat16) -> Transformer:
+    cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                      intermediate_size=128, max_position=256, norm_eps=1e-5, rope_theta=10000.0,
+                      tie_embeddings=True)
+    return init_random(Transformer(cfg), seed=3).to(dtype).eval().requires_grad_(False)
+
+
+def _draft_loader(oracle: Transformer):  # noqa: ANN202
+    calls = []
+
+    def load() -> DraftModel:
+        calls.append(1)
+        return DraftModel(oracle, layers=[0, 2], head_tokens=torch.arange(200), dtype=oracle.embed.weight.dtype
+                          ).eval().requires_grad_(False)
+
+    return load, calls
+
+
+def _fake_measure(int8_ms: float, native_ms: float):  # noqa: ANN202
+    """Timings by format: a draft is int8 once its head is an `Int8Linear`."""
+    def measure(model: Transformer) -> dict[int, float]:
+        ms = int8_ms if isinstance(model.head_q, Int8Linear) else native_ms
+        return {1: ms / 2e3, 4: ms / 2e3}
+
+    return measure
+
+
+def _is_int8(draft: Transformer) -> bool:
+    return isinstance(draft.layers[0].mlp.w_up, Int8Linear) and isinstance(draft.head_q, Int8Linear)
+
+
+def test_spec_suffix_names_a_format() -> None:
+    assert split_weights_suffix("default@int8") == ("default", "int8")
+    assert split_weights_suffix("/d/draft@native") == ("/d/draft", "native")
+    assert split_weights_suffix("/d/draft") == ("/d/draft", None)
+    assert split_weights_suffix("/d/x@y") == ("/d/x@y", None)  # not a format: part of the path
+    assert split_weights_suffix("@int8") == ("@int8", None)
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(StagedSpecError, match="unknown --draft-weights 'int3'"):
+        check_draft_weights("int3", torch.bfloat16, "cpu")
+    with pytest.raises(StagedSpecError, match="computes in bf16"):
+        check_draft_weights("int8", torch.float32, "cpu")
+    with pytest.raises(StagedSpecError, match="CPU kernels only"):
+        check_draft_weights("int8", torch.bfloat16, "cuda")
+    check_draft_weights("auto", torch.float32, "cuda")  # auto and native are always valid
+
+
+def test_auto_keeps_int8_when_it_is_measured_faster_and_caches_the_choice(tmp_path: Path) -> None:
+    oracle = _oracle()
+    load, calls = _draft_loader(oracle)
+    cache = tmp_path / "draft-weights.json"
+    draft = choose_draft_weights(load, oracle, "auto", measure=_fake_measure(1.0, 2.0), cache_file=cache, quiet=True)
+    assert _is_int8(draft) and draft.weight_format == "int8" and "measured" in draft.weight_reason
+    assert len(calls) == 1  # the measured copy is the one kept
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry["choice"] == "int8" and entry["native_ms"] == 2.0 and entry["int8_ms"] == 1.0
+
+    def no_timing(model: Transformer) -> dict[int, float]:
+        raise AssertionError("a cached choice is not measured again")
+
+    again = choose_draft_weights(load, oracle, "auto", measure=no_timing, cache_file=cache, quiet=True)
+    assert _is_int8(again)
+    forget_measured_choices(cache)
+    assert not cache.exists()
+
+
+def test_auto_keeps_native_weights_when_int8_is_not_clearly_faster(tmp_path: Path) -> None:
+    oracle = _oracle()
+    load, calls = _draft_loader(oracle)
+    draft = choose_draft_weights(load, oracle, "auto", measure=_fake_measure(1.95, 2.0),
+                                 cache_file=tmp_path / "c.json", quiet=True)
+    assert draft.weight_format == "native" and draft.head_q is None
+    assert len(calls) == 2  # reloaded: the timed copy was quantised in place
+    assert not isinstance(draft.layers[0].mlp.w_up, Int8Linear)
+
+
+def test_rules_without_measuring(tmp_path: Path) -> None:
+    never = _fake_measure(float("nan"), float("nan"))
+    cache = tmp_path / "c.json"
+    # fp32 (the reference dtype): no int8 kernel applies
+    oracle32 = _oracle(torch.float32)
+    load, _ = _draft_loader(oracle32)
+    assert choose_draft_weights(load, oracle32, "auto", measure=never, cache_file=cache).weight_format == "native"
+    with pytest.raises(StagedSpecError, match="computes in bf16"):
+        choose_draft_weights(load, oracle32, "int8", cache_file=cache)
+    # asked for, on bf16: int8 without timing anything
+    oracle = _oracle()
+    load, _ = _draft_loader(oracle)
+    assert _is_int8(choose_draft_weights(load, oracle, "int8", measure=never, cache_file=cache))
+    assert choose_draft_weights(load, oracle, "native", measure=never, cache_file=cache).head_q is None
+    assert not cache.exists()
+
+
+def test_a_layers_draft_never_quantises_the_oracles_own_layers(tmp_path: Path) -> None:
+    from stagedspec.pipeline import truncated_copy
+
+    oracle = _oracle()
+    draft = choose_draft_weights(lambda: truncated_copy(oracle, 1), oracle, "auto", cache_file=tmp_path / "c.json")
+    assert draft.weight_format == "native" and not isinstance(oracle.layers[0].mlp.w_up, Int8Linear)
+    with pytest.raises(StagedSpecError, match="oracle's own layers"):
+        choose_draft_weights(lambda: truncated_copy(oracle, 1), oracle, "int8")
+    assert not isinstance(oracle.layers[0].mlp.w_up, Int8Linear)
+
+
+def test_a_feature_draft_refuses_int8() -> None:
+    from stagedspec.models.feature_draft import FeatureDraftModel
+
+    oracle = _oracle()
+
+    def load() -> FeatureDraftModel:
+        return FeatureDraftModel(oracle, layers=[2], head_tokens=torch.arange(200), dtype=torch.bfloat16).eval()
+
+    assert choose_draft_weights(load, oracle, "auto").weight_format == "native"
+    with pytest.raises(StagedSpecError, match="feature draft"):
+        choose_draft_weights(load, oracle, "int8")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(method="tree", tree_budget=6, tree_depth=3, branching=2),
+    dict(method="staged", ngram=None, stage_chain_length=3, lookup_chain_length=3),
+])
+def test_greedy_output_with_an_int8_draft_is_ar_bit_for_bit(kw: dict, tmp_path: Path) -> None:
+    """bf16 oracle, int8 draft: with `bit_exact` every method's tokens are `ar`'s (the draft only proposes)."""
+    from _tiny_models import save_tiny_hf
+
+    from stagedspec.models.loading import load_model
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
+
+    save_tiny_hf("llama_gqa", tmp_path / "tiny")
+    oracle, tok = load_model(tmp_path / "tiny", dtype=torch.bfloat16)
+
+    def load() -> DraftModel:
+        return DraftModel(oracle, layers=[0], head_tokens=torch.arange(200), dtype=torch.bfloat16).eval()
+
+    draft = choose_draft_weights(load, oracle, "int8")
+    assert _is_int8(draft)
+    ar = Pipeline.from_loaded(oracle, tok, speculation=SpeculationConfig(method="ar"))
+    pipe = Pipeline.from_loaded(oracle, tok, [draft], SpeculationConfig(**kw))
+    ar.bit_exact = pipe.bit_exact = True
+    for prompt in ([1, 5, 9, 33, 2, 200, 17], [1, 40, 41, 42, 40, 41, 42, 40]):
+        want = ar.generate(prompt, max_new_tokens=30).token_ids
+        assert pipe.generate(prompt, max_new_tokens=30).token_ids == want
+
+
+@pytest.mark.real_model
+def test_cli_staged_with_an_int8_draft_on_bf16_is_ar(capsys: pytest.CaptureFixture[str]) -> None:
+    """The main job's command with `--draft-weights int8` on the bf16 oracle: the same tokens as `ar`."""
+    from stagedspec.cli import main
+
+    common = ["generate", "Write a function that reverses a string.", "--chat", "--dtype", "bf16", "--bit-exact",
+              "--max-new-tokens", "24", "--json"]
+    assert main([*common, "--method", "staged", "--draft", "default", "--draft-weights", "int8"]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    assert main([*common, "--method", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert staged["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) > 0
+    assert main([*common, "--method", "staged", "--draft", "default", "--draft-weights", "int8", "--dtype",
+                 "fp32"]) == 2
+    assert "--draft-weights int8 computes in bf16" in capsys.readouterr().err
