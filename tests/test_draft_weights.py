@@ -14,7 +14,7 @@ from stagedspec.draft_weights import (check_draft_weights, choose_draft_weights,
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.draft import DraftModel
-from stagedspec.models.quant import Int8Linear
+from stagedspec.models.quant import Int8Linear, RowSwitchLinear
 from stagedspec.models.transformer import Transformer, init_random
 
 
@@ -36,17 +36,27 @@ def _draft_loader(oracle: Transformer):  # noqa: ANN202
     return load, calls
 
 
-def _fake_measure(int8_ms: float, native_ms: float):  # noqa: ANN202
-    """Timings by format: a draft is int8 once its head is an `Int8Linear`."""
+def _fake_measure(int8_ms: dict[int, float], native_ms: float):  # noqa: ANN202
+    """Timings by format and rows: a draft is int8 once its head is an `Int8Linear`."""
     def measure(model: Transformer) -> dict[int, float]:
-        ms = int8_ms if isinstance(model.head_q, Int8Linear) else native_ms
-        return {1: ms / 2e3, 4: ms / 2e3}
+        if isinstance(model.head_q, Int8Linear):
+            return {r: ms / 1e3 for r, ms in int8_ms.items()}
+        return {r: native_ms / 1e3 for r in int8_ms}
 
     return measure
 
 
 def _is_int8(draft: Transformer) -> bool:
     return isinstance(draft.layers[0].mlp.w_up, Int8Linear) and isinstance(draft.head_q, Int8Linear)
+
+
+def _int8_rows(draft: Transformer) -> int | None:
+    """The row limit of a row-switching draft (None: not one)."""
+    up, head = draft.layers[0].mlp.w_up, draft.head_q
+    if isinstance(up, RowSwitchLinear) and isinstance(head, RowSwitchLinear):
+        assert up.max_rows == head.max_rows
+        return up.max_rows
+    return None
 
 
 def test_spec_suffix_names_a_format() -> None:
@@ -67,37 +77,48 @@ def test_bad_settings_are_named() -> None:
     check_draft_weights("auto", torch.float32, "cuda")  # auto and native are always valid
 
 
-def test_auto_keeps_int8_when_it_is_measured_faster_and_caches_the_choice(tmp_path: Path) -> None:
+def test_auto_runs_int8_up_to_the_rows_it_was_measured_faster_at_and_caches_that(tmp_path: Path) -> None:
     oracle = _oracle()
     load, calls = _draft_loader(oracle)
     cache = tmp_path / "draft-weights.json"
-    draft = choose_draft_weights(load, oracle, "auto", measure=_fake_measure(1.0, 2.0), cache_file=cache, quiet=True)
-    assert _is_int8(draft) and draft.weight_format == "int8" and "measured" in draft.weight_reason
-    assert len(calls) == 1  # the measured copy is the one kept
+    timed = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.0, 16: 3.0}  # against 2.0 ms native at every row count
+    draft = choose_draft_weights(load, oracle, "auto", measure=_fake_measure(timed, 2.0), cache_file=cache,
+                                 quiet=True)
+    assert _int8_rows(draft) == 4 and draft.weight_format == "int8" and "up to 4 rows" in draft.weight_reason
+    assert len(calls) == 2  # the timed copy lost its dense weights: a fresh one switches by rows
     (entry,) = json.loads(cache.read_text()).values()
-    assert entry["choice"] == "int8" and entry["native_ms"] == 2.0 and entry["int8_ms"] == 1.0
+    assert entry["int8_max_rows"] == 4 and entry["native_ms"]["8"] == 2.0 and entry["int8_ms"]["1"] == 1.0
 
     def no_timing(model: Transformer) -> dict[int, float]:
         raise AssertionError("a cached choice is not measured again")
 
     again = choose_draft_weights(load, oracle, "auto", measure=no_timing, cache_file=cache, quiet=True)
-    assert _is_int8(again)
+    assert _int8_rows(again) == 4 and len(calls) == 3
     forget_measured_choices(cache)
     assert not cache.exists()
 
 
 def test_auto_keeps_native_weights_when_int8_is_not_clearly_faster(tmp_path: Path) -> None:
     oracle = _oracle()
-    load, calls = _draft_loader(oracle)
-    draft = choose_draft_weights(load, oracle, "auto", measure=_fake_measure(1.95, 2.0),
+    load, _ = _draft_loader(oracle)
+    draft = choose_draft_weights(load, oracle, "auto", measure=_fake_measure({1: 1.95, 4: 1.0}, 2.0),
                                  cache_file=tmp_path / "c.json", quiet=True)
-    assert draft.weight_format == "native" and draft.head_q is None
-    assert len(calls) == 2  # reloaded: the timed copy was quantised in place
-    assert not isinstance(draft.layers[0].mlp.w_up, Int8Linear)
+    assert draft.weight_format == "native" and draft.head_q is None and _int8_rows(draft) is None
+    assert isinstance(draft.layers[0].mlp.w_up, torch.nn.Linear)
+
+
+def test_a_row_switching_layer_is_int8_up_to_its_rows_and_dense_above() -> None:
+    w = (torch.randn(96, 64) * 0.05).to(torch.bfloat16)
+    layer = RowSwitchLinear(w, None, max_rows=4)
+    for rows in (1, 4, 5, 16):
+        x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+        want = layer.q(x) if rows <= 4 else torch.nn.functional.linear(x, w)
+        assert torch.equal(layer(x), want)
+    assert not any(t is layer.dense_weight for t in layer.buffers())  # not counted as streamed
 
 
 def test_rules_without_measuring(tmp_path: Path) -> None:
-    never = _fake_measure(float("nan"), float("nan"))
+    never = _fake_measure({1: float("nan")}, float("nan"))
     cache = tmp_path / "c.json"
     # fp32 (the reference dtype): no int8 kernel applies
     oracle32 = _oracle(torch.float32)
@@ -141,8 +162,11 @@ def test_a_feature_draft_refuses_int8() -> None:
     dict(method="tree", tree_budget=6, tree_depth=3, branching=2),
     dict(method="staged", ngram=None, stage_chain_length=3, lookup_chain_length=3),
 ])
-def test_greedy_output_with_an_int8_draft_is_ar_bit_for_bit(kw: dict, tmp_path: Path) -> None:
-    """bf16 oracle, int8 draft: with `bit_exact` every method's tokens are `ar`'s (the draft only proposes)."""
+@pytest.mark.parametrize("max_rows", [None, 2])
+def test_greedy_output_with_an_int8_draft_is_ar_bit_for_bit(kw: dict, max_rows: int | None, tmp_path: Path) -> None:
+    """bf16 oracle, int8 draft (always, or up to 2 rows): with `bit_exact` every method's tokens are `ar`'s."""
+    from stagedspec.draft_weights import to_int8
+
     from _tiny_models import save_tiny_hf
 
     from stagedspec.models.loading import load_model
@@ -154,8 +178,8 @@ def test_greedy_output_with_an_int8_draft_is_ar_bit_for_bit(kw: dict, tmp_path: 
     def load() -> DraftModel:
         return DraftModel(oracle, layers=[0], head_tokens=torch.arange(200), dtype=torch.bfloat16).eval()
 
-    draft = choose_draft_weights(load, oracle, "int8")
-    assert _is_int8(draft)
+    draft = to_int8(load(), oracle, max_rows)
+    assert _is_int8(draft) if max_rows is None else _int8_rows(draft) == 2
     ar = Pipeline.from_loaded(oracle, tok, speculation=SpeculationConfig(method="ar"))
     pipe = Pipeline.from_loaded(oracle, tok, [draft], SpeculationConfig(**kw))
     ar.bit_exact = pipe.bit_exact = True
@@ -179,3 +203,25 @@ def test_cli_staged_with_an_int8_draft_on_bf16_is_ar(capsys: pytest.CaptureFixtu
     assert main([*common, "--method", "staged", "--draft", "default", "--draft-weights", "int8", "--dtype",
                  "fp32"]) == 2
     assert "--draft-weights int8 computes in bf16" in capsys.readouterr().err
+
+
+def test_the_server_keeps_native_draft_weights_unless_the_oracle_is_quantised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its batched passes run the drafts over many rows, where the int8 kernel loses (and ragged passes need
+    dense weights)."""
+    from stagedspec.pipeline import SpeculationConfig
+    from stagedspec.server import engine
+
+    seen = []
+
+    class FakePipeline:
+        def __init__(self, *args, draft_weights: str, **kwargs) -> None:  # noqa: ANN002, ANN003
+            seen.append(draft_weights)
+            self.model = self.tokenizer = self.ngram = None
+            self.draft_models = []
+
+    monkeypatch.setattr(engine, "Pipeline", FakePipeline)
+    spec = SpeculationConfig(method="tree")
+    engine.Engine.load("default", ["default"], spec, quant="none")
+    engine.Engine.load("default", ["default"], spec, quant="int4")
+    engine.Engine.load("default", ["default"], spec, quant="none", draft_weights="int8")
+    assert seen == ["native", "auto", "int8"]

@@ -46,7 +46,8 @@ def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
                    help="draft model weights: native (the --dtype), int8 (CPU, bf16), or auto (default): int8 with "
                         "--quant, and with a bf16 oracle on a CPU whichever this machine runs faster, timed once and "
-                        "cached; the output never depends on it")
+                        "cached (serve: native, since its batched passes run many rows); the output never "
+                        "depends on it")
 
 
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:

@@ -9,9 +9,12 @@ little with its rounding, but exactness never depends on the draft: the
 oracle's weights, and so the output, are untouched.
 
 Whether int8 pays is a property of the machine (its kernels, its bf16
-support) and of the row counts the draft runs, so `--draft-weights auto`
-measures both formats once per draft and machine and caches the choice next
-to the cost profiles.  A quantised oracle keeps the earlier rule (its draft
+support) and of the pass's row count: the int8 kernel is not blocked for
+many rows, and on the same CPU a 16-row pass costs 1.6x bf16's.  So
+`--draft-weights auto` times both formats at 1-16 rows, once per draft and
+machine (cached next to the cost profiles), and runs int8 for the passes of
+up to as many rows as it was faster at, the dense weights for bigger ones
+(`models.quant.RowSwitchLinear`; a draft's prompt pass is a whole prompt).  A quantised oracle keeps the earlier rule (its draft
 runs on int8, measured then: same acceptance, `staged` 1.29x instead of 1.22x
 int4 `ar`).
 """
@@ -24,14 +27,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 
 from stagedspec import hardware
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 
 DRAFT_WEIGHTS = ("auto", "native", "int8")
-MEASURED_ROWS = (1, 4)  # a draft stage decodes one token, or checks a short chain / tree level of a few
-INT8_MARGIN = 0.9  # int8 must be at least 10% faster than the native format to be chosen (timing noise)
+MEASURED_ROWS = (1, 2, 4, 8, 16)  # a draft decodes one token, or checks a chain / tree level of a few
+INT8_MARGIN = 0.9  # int8 must be at least 10% faster than the native format at a row count (timing noise)
 
 
 def split_weights_suffix(spec: str) -> tuple[str, str | None]:
@@ -62,19 +66,40 @@ def shares_oracle_layers(draft: Transformer, oracle: Transformer) -> bool:
     return any(id(layer) in mine for layer in draft.layers)
 
 
-def to_int8(draft: Transformer, oracle: Transformer) -> Transformer:
+def to_int8(draft: Transformer, oracle: Transformer, max_rows: int | None = None) -> Transformer:
     """`draft` with int8 layers and head, in place (`models.quant.quantize_draft`, plus a head of its own).
 
-    A draft whose head is a full vocabulary head of its own (an HF or GGUF
-    model) gets an int8 copy of it too; a head shared with a bf16 oracle stays
-    the oracle's.
+    `max_rows`: int8 only for passes of at most that many rows, the dense
+    weights above (`models.quant.RowSwitchLinear`); None: int8 always.  A
+    draft whose head is a full vocabulary head of its own (an HF or GGUF
+    model) gets an int8 copy of it too; a head shared with a bf16 oracle
+    stays the oracle's.
     """
-    from stagedspec.models.quant import Int8Linear, quantize_draft
+    from stagedspec.models.quant import Int8Linear, RowSwitchLinear, _swap_layers, quantize_draft
 
-    quantize_draft(draft, oracle)
-    if draft.head_q is None and draft.head_weight is not oracle.head_weight:
-        draft.head_q = Int8Linear(draft.head_weight.detach(), None)
+    if max_rows is None:
+        quantize_draft(draft, oracle)
+        if draft.head_q is None and draft.head_weight is not oracle.head_weight:
+            draft.head_q = Int8Linear(draft.head_weight.detach(), None)
+        return draft
+    for layer in draft.layers:
+        _swap_layers(layer, nn.Linear, lambda lin: RowSwitchLinear(lin.weight.detach(), lin.bias, max_rows))
+    own_head = getattr(draft, "head", None)
+    head = own_head.weight if own_head is not None else draft.head_weight
+    if own_head is not None or head is not oracle.head_weight:
+        draft.head_q = RowSwitchLinear(head.detach(), None, max_rows)
     return draft
+
+
+def int8_max_rows(native: dict[int, float], int8: dict[int, float]) -> int:
+    """The most rows up to which int8 passes were measured at least `INT8_MARGIN` faster at every row count
+    (0: not even one row)."""
+    best = 0
+    for rows in sorted(native):
+        if not int8[rows] < INT8_MARGIN * native[rows]:
+            break
+        best = rows
+    return best
 
 
 def choose_draft_weights(
@@ -167,18 +192,19 @@ def _read_cache(path: Path) -> dict:
 def _measured_choice(draft: Transformer, load: Callable[[], Transformer], oracle: Transformer,
                      measure: Callable[[Transformer], dict[int, float]], cache_file: Path,
                      quiet: bool) -> Transformer:
-    """Time the native and int8 drafts (once per draft and machine; cached) and keep the faster."""
+    """Time the native and int8 drafts by row count (once per draft and machine; cached) and run int8 for
+    the passes of up to as many rows as it is faster at (`int8_max_rows`), the native weights above."""
     key = _cache_key(draft)
     entry = _read_cache(cache_file).get(key)
-    if not isinstance(entry, dict) or entry.get("choice") not in ("native", "int8"):
+    if not isinstance(entry, dict) or not isinstance(entry.get("int8_max_rows"), int):
         if not quiet:
             print("stagedspec: timing the draft's bf16 and int8 weights on this machine (once; cached)...",
                   file=sys.stderr, flush=True)
-        native = sum(measure(draft).values())
-        int8 = sum(measure(to_int8(draft, oracle)).values())
-        choice = "int8" if int8 < INT8_MARGIN * native else "native"
-        entry = {"choice": choice, "native_ms": round(1e3 * native, 4), "int8_ms": round(1e3 * int8, 4),
-                 "rows": list(MEASURED_ROWS)}
+        native = measure(draft)
+        int8 = measure(to_int8(draft, oracle))
+        entry = {"int8_max_rows": int8_max_rows(native, int8),
+                 "native_ms": {str(r): round(1e3 * t, 4) for r, t in sorted(native.items())},
+                 "int8_ms": {str(r): round(1e3 * t, 4) for r, t in sorted(int8.items())}}
         data = _read_cache(cache_file)
         data[key] = entry
         try:
@@ -188,10 +214,11 @@ def _measured_choice(draft: Transformer, load: Callable[[], Transformer], oracle
             tmp.replace(cache_file)
         except OSError:
             pass  # a read-only cache folder costs a re-measure next time, nothing else
-        if choice == "native":
-            draft = load()  # the measured copy was quantised in place
-    elif entry["choice"] == "int8":
-        to_int8(draft, oracle)
-    reason = (f"measured on this machine: rows {'+'.join(map(str, MEASURED_ROWS))} take "
-              f"{entry['native_ms']:.2f} ms in bf16, {entry['int8_ms']:.2f} ms in int8")
-    return _mark(draft, entry["choice"], reason)
+        draft = load()  # the timed copy was quantised in place, without its dense weights
+    rows = entry["int8_max_rows"]
+    timings = "; ".join(f"{r} rows {entry['native_ms'][r]:.2f} ms bf16, {entry['int8_ms'][r]:.2f} ms int8"
+                        for r in entry.get("native_ms", {}) if r in entry.get("int8_ms", {}))
+    if rows < 1:
+        return _mark(draft, "native", f"int8 is not faster on this machine ({timings})")
+    return _mark(to_int8(draft, oracle, max_rows=rows), "int8",
+                 f"int8 for passes of up to {rows} rows, bf16 above, as measured here ({timings})")

@@ -124,6 +124,10 @@ class Engine:
         load_spec = speculation
         if drafts and speculation.method in ("ar", "lookup"):
             load_spec = dataclasses.replace(speculation, method="tree" if len(drafts) == 1 else "staged")
+        if draft_weights == "auto" and quant == "none":
+            # The scheduler batches the drafts' passes across requests (ragged passes over many rows): those need
+            # dense weights, and PyTorch's int8 CPU kernel is slower than bf16 past 8 rows (16 rows: 1.6x).
+            draft_weights = "native"
         pipe = Pipeline(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant,
                         draft_weights=draft_weights)
         return cls(pipe.model, pipe.tokenizer, list(pipe.draft_models), speculation, pipe.ngram,
