@@ -201,6 +201,9 @@ def model_fingerprint(model: Transformer) -> str:
     h.update(str(model.embed.weight.dtype).encode())
     h.update(str(getattr(model, "quantised", False)).encode())
     h.update(str(len(model.layers)).encode())
+    if getattr(model, "head_q", None) is not None:  # int4, int8, or int8 up to some rows (`draft_weights`)
+        kinds = {f"{type(m).__name__}:{getattr(m, 'max_rows', '')}" for m in model.modules()}
+        h.update(repr(sorted(kinds)).encode())
     sample = model.embed.weight.detach().flatten()[:512].float().cpu()
     h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]

@@ -1,4 +1,4 @@
-"""Speedups as total tokens over total time against `ar`, per bench folder here (session 14).
+"""Speedups as total tokens over total time against `ar`, per bench folder and temperature (session 14).
 
     python docs/bench/avx512-amx-session14/summary.py
 """
@@ -8,12 +8,14 @@ from pathlib import Path
 for folder in sorted(Path(__file__).parent.iterdir()):
     if not (folder / "results.json").exists():
         continue
-    runs = [r for r in json.loads((folder / "results.json").read_text())["runs"] if r.get("temperature", 0) == 0]
-    totals: dict[str, list[float]] = {}
-    for r in runs:
-        t = totals.setdefault(r["method"], [0, 0.0])
-        t[0] += r["new_tokens"]
-        t[1] += r["seconds"]
-    ar = totals["ar"][0] / totals["ar"][1]
-    parts = [f"{m} {n / s / ar:.2f}x" for m, (n, s) in totals.items() if m != "ar"]
-    print(f"{folder.name:14s} ar {ar:.1f} tok/s; " + "; ".join(parts))
+    runs = json.loads((folder / "results.json").read_text())["runs"]
+    for temperature in sorted({r.get("temperature", 0) for r in runs}):
+        totals: dict[str, list[float]] = {}
+        for r in runs:
+            if r.get("temperature", 0) == temperature:
+                t = totals.setdefault(r["method"], [0, 0.0])
+                t[0] += r["new_tokens"]
+                t[1] += r["seconds"]
+        ar = totals["ar"][0] / totals["ar"][1]
+        parts = [f"{m} {n / s / ar:.2f}x" for m, (n, s) in totals.items() if m != "ar"]
+        print(f"{folder.name:22s} T={temperature:g}: ar {ar:.1f} tok/s; " + "; ".join(parts))
