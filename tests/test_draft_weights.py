@@ -145,7 +145,7 @@ def test_a_layers_draft_never_quantises_the_oracles_own_layers(tmp_path: Path) -
     assert not isinstance(oracle.layers[0].mlp.w_up, Int8Linear)
 
 
-def test_a_feature_draft_refuses_int8() -> None:
+def test_a_feature_draft_stays_native_under_auto_and_runs_int8_when_asked() -> None:
     from stagedspec.models.feature_draft import FeatureDraftModel
 
     oracle = _oracle()
@@ -154,8 +154,8 @@ def test_a_feature_draft_refuses_int8() -> None:
         return FeatureDraftModel(oracle, layers=[2], head_tokens=torch.arange(200), dtype=torch.bfloat16).eval()
 
     assert choose_draft_weights(load, oracle, "auto").weight_format == "native"
-    with pytest.raises(StagedSpecError, match="feature draft"):
-        choose_draft_weights(load, oracle, "int8")
+    draft = choose_draft_weights(load, oracle, "int8")
+    assert draft.weight_format == "int8" and isinstance(draft.layers[0].mlp.w_up, Int8Linear)
 
 
 @pytest.mark.parametrize("kw", [

@@ -125,15 +125,9 @@ def choose_draft_weights(
     dtype, device = draft.embed.weight.dtype, str(draft.embed.weight.device)
     check_draft_weights(weights, dtype, device)
     if weights == "int8" or (weights == "auto" and oracle.quantised):
-        if is_feature_draft(draft):
-            if weights == "int8":
-                raise StagedSpecError("--draft-weights int8 is not available for a feature draft; use native")
-            return _mark(draft, "native", "a feature draft keeps its dtype")
-        if shares_oracle_layers(draft, oracle) and not oracle.quantised:
-            if weights == "int8":
-                raise StagedSpecError("a layers:N draft runs the oracle's own layers: int8 draft weights would "
-                                      "change the oracle; use --draft-weights native or --quant int8")
-            return _mark(draft, "native", "it runs the oracle's own layers")
+        if shares_oracle_layers(draft, oracle) and not oracle.quantised:  # only when int8 is asked for
+            raise StagedSpecError("a layers:N draft runs the oracle's own layers: int8 draft weights would "
+                                  "change the oracle; use --draft-weights native or --quant int8")
         why = "asked for" if weights == "int8" else "the oracle is quantised"
         return _mark(to_int8(draft, oracle), "int8", why)
     if weights == "native":
@@ -141,6 +135,7 @@ def choose_draft_weights(
     # auto on an unquantised oracle: int8 needs a bf16 CPU pass and a draft of its own layers
     if not device.startswith("cpu") or dtype != torch.bfloat16:
         return _mark(draft, "native", f"{dtype_label(dtype)} on {device}: no int8 kernel applies")
+    # a feature draft's timed passes would lack its features; a layers:N draft's layers are the oracle's
     if is_feature_draft(draft) or shares_oracle_layers(draft, oracle):
         return _mark(draft, "native", "a feature or layers:N draft keeps its dtype")
     return _measured_choice(draft, load, oracle, measure or _default_measure, cache_file or _cache_file(), quiet)
