@@ -280,7 +280,7 @@ def tokenizer_fingerprint(tokenizer) -> str:  # noqa: ANN001 - any stagedspec To
 
 
 def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
-                     weights: str = "auto", quiet: bool = False) -> Transformer:
+                     weights: str = "auto") -> Transformer:
     """Resolve a --draft SPEC: `layers:N`, a distilled draft folder, an HF folder or a .gguf.
 
     `weights` (--draft-weights, or a `SPEC@FORMAT` suffix) picks the draft's weight format: "native" (the
@@ -290,8 +290,7 @@ def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: to
 
     spec, own = split_weights_suffix(spec)
     weights = own or weights
-    return choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights,
-                                quiet=quiet)
+    return choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights)
 
 
 def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str) -> Transformer:  # noqa: ANN001
@@ -368,8 +367,9 @@ class Pipeline:
         Drafts then run on int8 weights; on a bf16 CPU oracle `draft_weights="auto"` runs them on int8
         where that is measured faster here (`stagedspec.draft_weights`; "native" or "int8" choose).
         `dtype="auto"` picks bf16 where the hardware computes it natively and fp32 elsewhere
-        (`dtype_reason` says which and why); the output is the oracle's in the chosen dtype.  `method="auto"` with no draft uses the draft shipped for the oracle, when
-        there is one (SmolLM2-135M-Instruct, Gemma-3-270m)."""
+        (`dtype_reason` says which and why); the output is the oracle's in the chosen dtype.
+        `method="auto"` with no draft uses the draft shipped for the oracle, when there is one
+        (SmolLM2-135M-Instruct, Gemma-3-270m)."""
         from stagedspec.models.loading import load_model
 
         self.speculation = s = speculation or SpeculationConfig()
@@ -388,10 +388,6 @@ class Pipeline:
             drafts = []
         if s.method == "auto" and not drafts and self.has_bundled_draft:
             drafts = ["default"]
-        from stagedspec.draft_weights import check_draft_weights
-
-        if drafts:  # a clear error before any draft loads
-            check_draft_weights(draft_weights, self.dtype, self.device)
         self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device, draft_weights)
                              for d in drafts]
         self.draft_model = self.draft_models[0] if self.draft_models else None
