@@ -70,3 +70,15 @@ def _private_draft_weight_choices(tmp_path_factory):  # noqa: ANN001, ANN202
     dw._cache_file = lambda: path
     yield
     dw._cache_file = original
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_matmul_plans(tmp_path_factory):  # noqa: ANN001, ANN202
+    """The fp32 kernel timings of a test run go to a session folder too (`stagedspec.models.matmul_plan`)."""
+    import stagedspec.models.matmul_plan as mp
+
+    path = tmp_path_factory.mktemp("matmul-plan") / "matmul-plan.json"
+    original = mp._cache_file
+    mp._cache_file = lambda: path
+    yield
+    mp._cache_file = original

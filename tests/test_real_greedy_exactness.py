@@ -153,3 +153,36 @@ def test_bf16_bit_exact_output_identical_to_ar(bf16_setup, name: str, kw: dict) 
     pipe.bit_exact = True
     for ids in prompts:
         assert pipe.generate(ids, max_new_tokens=48).token_ids == ar.generate(ids, max_new_tokens=48).token_ids, name
+
+
+# --- fp32 with forced kernel plans: passes of neighbouring sizes on different kernels -----------------------------
+
+
+def _forced(kind: str):  # noqa: ANN202
+    """Fake kernel timings: (W x^T)^T wins at every row count ("all") or at every other one ("alternating")."""
+    def measure(weights, rows):  # noqa: ANN001, ANN202
+        return {n: (1.0, 0.5 if kind == "all" or i % 2 == 0 else 1.0) for i, n in enumerate(rows)}
+
+    return measure
+
+
+@pytest.mark.parametrize("kind", ["all", "alternating"])
+def test_greedy_tokens_identical_to_ar_with_forced_kernel_plans(kind: str, tmp_path) -> None:  # noqa: ANN001
+    """Whatever kernels a machine's timings pick (`models.matmul_plan`), fp32 greedy output stays `ar`'s."""
+    from stagedspec.drafters.ngram_files import load_ngram
+    from stagedspec.models.loading import load_model
+    from stagedspec.models.matmul_plan import plan_matmuls
+
+    model, tok = load_model("default", dtype=torch.float32, plan_kernels=False)
+    plan_matmuls(model, measure=_forced(kind), cache_file=tmp_path / "plan.json")
+    drafts = [plan_matmuls(d, measure=_forced(kind), cache_file=tmp_path / "plan.json")
+              for d in _drafts(model, "default")]
+    prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(2)]
+    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    refs = [ar.generate(ids, max_new_tokens=40).token_ids for ids in prompts]
+    ngram = load_ngram("default", tok)
+    for method in ("tree", "staged"):
+        spec = SpeculationConfig(method=method, ngram="default" if method == "staged" else None)
+        pipe = Pipeline.from_loaded(model, tok, drafts, spec, ngram if spec.ngram else None)
+        for ids, ref in zip(prompts, refs):
+            assert pipe.generate(ids, max_new_tokens=40).token_ids == ref, f"{method} with the {kind} plan diverged"

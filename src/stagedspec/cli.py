@@ -339,7 +339,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # `auto` keeps the drafts it is given (`ar` would drop them); nothing is generated here.
     from stagedspec.draft_weights import forget_measured_choices
 
+    from stagedspec.models.matmul_plan import forget_measured_plans
+
     forget_measured_choices()  # re-time the drafts' weight formats too
+    forget_measured_plans()  # and the fp32 matmul kernels
     pipe = Pipeline(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
                     dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights)
     profile = pipe.cost_profile(remeasure=True)
@@ -348,12 +351,25 @@ def cmd_tune(args: argparse.Namespace) -> int:
           f"measured in {profile.measured_seconds:.1f} s")
     print("\noracle pass:")
     print_cost_curve(profile.oracle)
+    _print_kernel_plan(pipe.model)
     for spec, curve, model in zip(drafts, profile.drafts, pipe.draft_models):
         print(f"\ndraft {spec} pass:")
         print(f"{getattr(model, 'weight_format', 'native')} weights ({getattr(model, 'weight_reason', '')})")
         print_cost_curve(curve)
+        _print_kernel_plan(model)
     print(f"\ncached in {profile_path(profile.key)}")
     return 0
+
+
+def _print_kernel_plan(model) -> None:  # noqa: ANN001 - a Transformer
+    """fp32 on the CPU: which weight shapes run (W x^T)^T at which row counts (`models.matmul_plan`)."""
+    from stagedspec.models.matmul_plan import describe
+
+    lines = describe(model)
+    if lines:
+        print("fp32 matmul kernels, as timed here (the rest run F.linear):")
+        for line in lines:
+            print(f"  {line}")
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:

@@ -196,7 +196,8 @@ def interpolate(curve: Mapping[int, float], rows: float) -> float:
 
 
 def model_fingerprint(model: Transformer) -> str:
-    """A short key for 'the same weights in the same format' (config, dtype, quantisation, a weight sample)."""
+    """A short key for 'the same weights in the same format' (config, dtype, quantisation, weight samples, and
+    the fp32 kernel plan)."""
     h = hashlib.sha256(repr(sorted(vars(model.config).items())).encode())
     h.update(str(model.embed.weight.dtype).encode())
     h.update(str(getattr(model, "quantised", False)).encode())
@@ -206,6 +207,13 @@ def model_fingerprint(model: Transformer) -> str:
         h.update(repr(sorted(kinds)).encode())
     sample = model.embed.weight.detach().flatten()[:512].float().cpu()
     h.update(sample.numpy().tobytes())
+    # Drafts distilled from one oracle share its config and embedding: a sample of their last layer tells them
+    # apart (else two rounds of a draft would share a profile and what `auto` learned of the other's acceptance).
+    for tensor in model.layers[-1].state_dict().values():
+        h.update(tensor.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    plan = getattr(model, "matmul_plan_signature", None)  # fp32 CPU: which kernel runs which passes
+    if plan is not None:
+        h.update(f"plan={plan}".encode())
     return h.hexdigest()[:16]
 
 

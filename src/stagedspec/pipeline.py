@@ -261,6 +261,9 @@ def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
     draft.config = cfg
     draft.embed, draft.pos_embed, draft.norm, draft.lm_head = oracle.embed, oracle.pos_embed, oracle.norm, oracle.lm_head
     draft.head_q = oracle.head_q
+    draft.head_wxt_rows = getattr(oracle, "head_wxt_rows", None)  # the oracle's layers and head: its kernel plan
+    if hasattr(oracle, "matmul_plan_signature"):
+        draft.matmul_plan_signature = oracle.matmul_plan_signature
     draft.layers = torch.nn.ModuleList(list(oracle.layers)[:n_layers])
     draft.local, draft.embed_scale = list(oracle.local[:n_layers]), oracle.embed_scale
     for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):
@@ -308,8 +311,10 @@ def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.d
     if (path / "draft_config.json").exists():
         from stagedspec.models.draft import load_draft
 
-        return load_draft(path, oracle, expected_fingerprint=tokenizer_fingerprint(oracle_tokenizer),
-                          dtype=dtype, device=device)
+        from stagedspec.models.matmul_plan import plan_matmuls
+
+        return plan_matmuls(load_draft(path, oracle, expected_fingerprint=tokenizer_fingerprint(oracle_tokenizer),
+                                       dtype=dtype, device=device))
     from stagedspec.models.loading import load_model
 
     draft, draft_tok = load_model(spec, dtype=dtype, device=device)

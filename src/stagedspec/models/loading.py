@@ -37,7 +37,8 @@ _GELU_TANH = {"gelu_new", "gelu_pytorch_tanh"}
 
 # ====================================================================== public API
 def load_model(
-    spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quant: str = "none"
+    spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quant: str = "none",
+    plan_kernels: bool = True,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from `"default"`, a named model (`gemma3-270m`), an HF folder or a `.gguf`.
 
@@ -45,6 +46,9 @@ def load_model(
     (the RoPE tables stay fp32, as in transformers).  `quant` ("int4",
     "int8") loads fp32 weights and quantises the layers and the output head
     (see `stagedspec.models.quant`); it needs `dtype` bf16 on the CPU.
+    fp32 weights on the CPU get this machine's faster matmul kernel per row
+    count (`stagedspec.models.matmul_plan`; `plan_kernels=False`: plain
+    `F.linear`, for a model that is trained rather than decoded with).
     """
     check_quant(quant, dtype, device)
     path = resolve_model_path(spec)
@@ -52,6 +56,10 @@ def load_model(
     model, tok = load_hf_folder(path, load_dtype, device) if path.is_dir() else load_gguf(path, load_dtype, device)
     if quant != "none":
         quantize_model(model, quant, dtype)
+    elif plan_kernels:
+        from stagedspec.models.matmul_plan import plan_matmuls
+
+        plan_matmuls(model)  # fp32 on the CPU: each layer's faster kernel per row count, timed here once
     return model, tok
 
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from stagedspec.cache import KVCache
 from stagedspec.models.config import ModelConfig
+from stagedspec.models.matmul_plan import planned_linear
 
 
 def decoding_mode(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -274,6 +275,8 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A quantised copy of the output head (set by `models.quant.quantize_model`); None: `head_weight` is used.
         self.head_q: nn.Module | None = None
+        # Which kernel the head runs per row count (`models.matmul_plan`); None: `F.linear` always.
+        self.head_wxt_rows: tuple[bool, ...] | None = None
         if cfg.arch != "gpt2":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -446,7 +449,12 @@ class Transformer(nn.Module):
             h = h_all if logits_rows is None else h_all[:, logits_rows]
         else:
             h = self.norm(x if logits_rows is None else x[:, logits_rows])
-        logits = F.linear(h, self.head_weight) if self.head_q is None else self.head_q(h)
+        if self.head_q is not None:
+            logits = self.head_q(h)
+        elif self.head_wxt_rows is not None:
+            logits = planned_linear(h, self.head_weight, None, self.head_wxt_rows)
+        else:
+            logits = F.linear(h, self.head_weight)
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
