@@ -166,9 +166,10 @@ def _forced(kind: str):  # noqa: ANN202
     return measure
 
 
-@pytest.mark.parametrize("kind", ["all", "alternating"])
+@pytest.mark.parametrize("kind", ["alternating"])  # "all" runs on tiny models (test_matmul_plan.py): CI's time
 def test_greedy_tokens_identical_to_ar_with_forced_kernel_plans(kind: str, tmp_path) -> None:  # noqa: ANN001
-    """Whatever kernels a machine's timings pick (`models.matmul_plan`), fp32 greedy output stays `ar`'s."""
+    """Whatever kernels a machine's timings pick (`models.matmul_plan`), fp32 greedy output stays `ar`'s: passes of
+    neighbouring row counts on different kernels."""
     from stagedspec.drafters.ngram_files import load_ngram
     from stagedspec.models.loading import load_model
     from stagedspec.models.matmul_plan import plan_matmuls
