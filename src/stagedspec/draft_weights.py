@@ -21,7 +21,6 @@ int4 `ar`).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Callable
@@ -29,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from stagedspec import hardware
+from stagedspec import hardware, measured_cache
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 
@@ -170,18 +169,8 @@ def _cache_key(draft: Transformer) -> str:
 
 def forget_measured_choices(cache_file: Path | None = None) -> None:
     """Drop auto's cached choices (`stagedspec tune` re-measures everything)."""
-    try:
-        (cache_file or _cache_file()).unlink()
-    except OSError:
-        pass  # none yet
+    measured_cache.forget(cache_file or _cache_file())
 
-
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # none yet, or unreadable: measure again
 
 
 def _measured_choice(draft: Transformer, load: Callable[[], Transformer], oracle: Transformer,
@@ -190,7 +179,7 @@ def _measured_choice(draft: Transformer, load: Callable[[], Transformer], oracle
     """Time the native and int8 drafts by row count (once per draft and machine; cached) and run int8 for
     the passes of up to as many rows as it is faster at (`int8_max_rows`), the native weights above."""
     key = _cache_key(draft)
-    entry = _read_cache(cache_file).get(key)
+    entry = measured_cache.read(cache_file).get(key)
     if not isinstance(entry, dict) or not isinstance(entry.get("int8_max_rows"), int):
         if not quiet:
             print("stagedspec: timing the draft's bf16 and int8 weights on this machine (once; cached)...",
@@ -200,15 +189,9 @@ def _measured_choice(draft: Transformer, load: Callable[[], Transformer], oracle
         entry = {"int8_max_rows": int8_max_rows(native, int8),
                  "native_ms": {str(r): round(1e3 * t, 4) for r, t in sorted(native.items())},
                  "int8_ms": {str(r): round(1e3 * t, 4) for r, t in sorted(int8.items())}}
-        data = _read_cache(cache_file)
+        data = measured_cache.read(cache_file)
         data[key] = entry
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, indent=1))
-            tmp.replace(cache_file)
-        except OSError:
-            pass  # a read-only cache folder costs a re-measure next time, nothing else
+        measured_cache.write(cache_file, data)
         draft = load()  # the timed copy was quantised in place, without its dense weights
     rows = entry["int8_max_rows"]
     timings = "; ".join(f"{r} rows {entry['native_ms'][r]:.2f} ms bf16, {entry['int8_ms'][r]:.2f} ms int8"

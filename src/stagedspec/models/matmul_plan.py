@@ -38,7 +38,6 @@ row count.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -48,6 +47,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from stagedspec import measured_cache
 
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a decoding pass, a tree, a lookup chain; above: as is
 MARGIN = 0.9  # (W xᵀ)ᵀ must be at least 10% faster to be chosen (timing noise; never slower than the default)
@@ -175,7 +176,7 @@ def plan_matmuls(model: nn.Module, *, measure: Measure | None = None, cache_file
     if not planned(model):
         return model
     path = cache_file or _cache_file()
-    data = _read(path)
+    data = measured_cache.read(path)
     machine = hardware.fingerprint("cpu")
     plans: dict[tuple[int, int], RowPlan] = {}
     new = False
@@ -195,7 +196,7 @@ def plan_matmuls(model: nn.Module, *, measure: Measure | None = None, cache_file
         chosen = set(entry["wxt_rows"])
         plans[shape] = expand_plan({n: n in chosen for n in PLAN_ROWS})
     if new:
-        _write(path, data)
+        measured_cache.write(path, data)
     apply_plan(model, plans)
     return model
 
@@ -236,10 +237,7 @@ def _line(shape: tuple[int, int], plan: RowPlan) -> str:
 
 def forget_measured_plans(cache_file: Path | None = None) -> None:
     """Drop the cached kernel timings (`stagedspec tune` re-times everything)."""
-    try:
-        (cache_file or _cache_file()).unlink()
-    except OSError:
-        pass  # none yet
+    measured_cache.forget(cache_file or _cache_file())
 
 
 def _cache_file() -> Path:
@@ -251,21 +249,3 @@ def _cache_file() -> Path:
 def _valid(entry: object) -> bool:
     return isinstance(entry, dict) and isinstance(entry.get("wxt_rows"), list) and all(
         isinstance(n, int) for n in entry["wxt_rows"])
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # none yet, or unreadable: time again
-
-
-def _write(path: Path, data: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache folder costs a re-timing next time, nothing else

@@ -1,0 +1,41 @@
+"""A JSON file of timed choices kept beside the cost profiles (draft weight formats, fp32 matmul kernels).
+
+Why one module: such a file is read on every load and written after a
+measurement, possibly by several processes at once; a missing or unreadable
+file only means timing again, and a read-only cache folder only means timing
+again next time.  Both users need exactly that, and nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def read(path: Path) -> dict:
+    """The file's entries ({} when there is none yet, or it cannot be read: the caller times again)."""
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write(path: Path, data: dict) -> None:
+    """Replace the file with `data` atomically (a process-private temporary file, then a rename)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache folder costs a re-measure next time, nothing else
+
+
+def forget(path: Path) -> None:
+    """Delete the file (`stagedspec tune` times everything again)."""
+    try:
+        path.unlink()
+    except OSError:
+        pass  # none yet
