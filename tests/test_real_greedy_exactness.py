@@ -140,43 +140,45 @@ BF16_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def bf16_refs(bf16_setup):  # noqa: ANN001, ANN201
+    """`ar`'s bf16 greedy tokens with `bit_exact` (the reference runs with the same flag: row-by-row attention),
+    once for all the cases below (a bf16 pass is slow on a CPU without native bf16)."""
+    model, tok, prompts = bf16_setup
+    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    ar.bit_exact = True
+    return [ar.generate(ids, max_new_tokens=48).token_ids for ids in prompts]
+
+
 @pytest.mark.parametrize("name, kw", BF16_CASES, ids=[m[0] for m in BF16_CASES])
-def test_bf16_bit_exact_output_identical_to_ar(bf16_setup, name: str, kw: dict) -> None:  # noqa: ANN001
+def test_bf16_bit_exact_output_identical_to_ar(bf16_setup, bf16_refs, name: str, kw: dict) -> None:  # noqa: ANN001
     """With `bit_exact` on both sides, every method's bf16 greedy output is `ar`'s, chains and trees alike."""
     from stagedspec.models.draft import DraftModel
 
     model, tok, prompts = bf16_setup
-    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
-    ar.bit_exact = True  # the reference runs with the same flag (row-by-row attention)
     draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
     pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))
     pipe.bit_exact = True
-    for ids in prompts:
-        assert pipe.generate(ids, max_new_tokens=48).token_ids == ar.generate(ids, max_new_tokens=48).token_ids, name
+    for ids, ref in zip(prompts, bf16_refs):
+        assert pipe.generate(ids, max_new_tokens=48).token_ids == ref, name
 
 
 # --- fp32 with forced kernel plans: passes of neighbouring sizes on different kernels -----------------------------
 
 
-def _forced(kind: str):  # noqa: ANN202
-    """Fake kernel timings: (W x^T)^T wins at every row count ("all") or at every other one ("alternating")."""
-    def measure(weights, rows):  # noqa: ANN001, ANN202
-        return {n: (1.0, 0.5 if kind == "all" or i % 2 == 0 else 1.0) for i, n in enumerate(rows)}
-
-    return measure
-
-
-@pytest.mark.parametrize("kind", ["alternating"])  # "all" runs on tiny models (test_matmul_plan.py): CI's time
+@pytest.mark.parametrize("kind", ["mixed"])  # "all" runs on tiny models (test_matmul_plan.py): CI's time
 def test_greedy_tokens_identical_to_ar_with_forced_kernel_plans(kind: str, tmp_path) -> None:  # noqa: ANN001
-    """Whatever kernels a machine's timings pick (`models.matmul_plan`), fp32 greedy output stays `ar`'s: passes of
-    neighbouring row counts on different kernels."""
+    """Whatever kernels and row paddings a machine's timings pick (`models.matmul_plan`), fp32 greedy output stays
+    `ar`'s: passes of neighbouring row counts on different kernels, padded and not."""
     from stagedspec.drafters.ngram_files import load_ngram
     from stagedspec.models.loading import load_model
     from stagedspec.models.matmul_plan import plan_matmuls
 
+    from _kernel_plans import forced_timings
+
     model, tok = load_model("default", dtype=torch.float32, plan_kernels=False)
-    plan_matmuls(model, measure=_forced(kind), cache_file=tmp_path / "plan.json")
-    drafts = [plan_matmuls(d, measure=_forced(kind), cache_file=tmp_path / "plan.json")
+    plan_matmuls(model, measure=forced_timings(kind), cache_file=tmp_path / "plan.json")
+    drafts = [plan_matmuls(d, measure=forced_timings(kind), cache_file=tmp_path / "plan.json")
               for d in _drafts(model, "default")]
     prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(2)]
     ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))

@@ -362,12 +362,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _print_kernel_plan(model) -> None:  # noqa: ANN001 - a Transformer
-    """fp32 on the CPU: which weight shapes run (W x^T)^T at which row counts (`models.matmul_plan`)."""
+    """fp32 on the CPU: the kernel and padded row count each weight shape runs per row count (`models.matmul_plan`)."""
     from stagedspec.models.matmul_plan import describe
 
     lines = describe(model)
     if lines:
-        print("fp32 matmul kernels, as timed here (the rest run F.linear):")
+        print("fp32 matmul kernels per row count, as timed here (W: (W x^T)^T, L: x W^T; n:K8: padded to 8 rows):")
         for line in lines:
             print(f"  {line}")
 

@@ -261,7 +261,7 @@ def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
     draft.config = cfg
     draft.embed, draft.pos_embed, draft.norm, draft.lm_head = oracle.embed, oracle.pos_embed, oracle.norm, oracle.lm_head
     draft.head_q = oracle.head_q
-    draft.head_wxt_rows = getattr(oracle, "head_wxt_rows", None)  # the oracle's layers and head: its kernel plan
+    draft.head_row_plan = getattr(oracle, "head_row_plan", None)  # the oracle's layers and head: its kernel plan
     if hasattr(oracle, "matmul_plan_signature"):
         draft.matmul_plan_signature = oracle.matmul_plan_signature
     draft.layers = torch.nn.ModuleList(list(oracle.layers)[:n_layers])

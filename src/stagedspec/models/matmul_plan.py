@@ -19,7 +19,17 @@ for every distinct weight shape of a model, streaming all the weights of
 that shape as a pass does, at `PLAN_ROWS` row counts, once per machine
 (cached beside the cost profiles; `stagedspec tune` times again), and each
 layer runs the faster one for the row count at hand (`PlannedLinear`; the
-output head through `Transformer.head_wxt_rows`).
+output head through `Transformer.head_row_plan`).
+
+Row counts are a choice too.  Both kernels block the short side in groups,
+so an odd count can cost more than the round one above it (session 16, the
+same CPU, the oracle's matmuls: 3 rows 37 ms and 4 rows 29; 7 rows 51 and 8
+rows 46; 10-15 rows 65-81 and 16 rows 63; one row as a one-column product
+took the slow path, padded to two it did not).  So the plan for n rows is
+the fastest measured (kernel, m >= n rows) pair: the pass's rows padded with
+repeats of its last row, whose outputs are dropped.  The cost curve the
+`auto` policy prices trees with is measured through the plan, so it sees
+the padded costs.
 
 Only fp32 weights on the CPU are planned: bf16 CPU kernels are either
 native (oneDNN on AVX-512 BF16 and AMX, fast for a few rows) or convert per
@@ -31,8 +41,9 @@ Exactness: both kernels compute every output as a dot product in fp32;
 they round differently (about 1e-5 relative), as the one-row and the
 several-row kernels of `F.linear` already did.  Greedy fp32 output stays
 the oracle's: the real-model fp32 test compares every method with `ar`
-token by token, and the planned-kernel tests force each kernel at every
-row count.
+token by token, and the planned-kernel tests force each kernel and padding
+at every row count.  A padding row never meets a real one: the linear
+layers are the only ops that see it, and they compute rows independently.
 """
 
 from __future__ import annotations
@@ -50,52 +61,65 @@ from torch import Tensor, nn
 
 from stagedspec import measured_cache
 
-PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a decoding pass, a tree, a lookup chain; above: as is
-MARGIN = 0.9  # (W xᵀ)ᵀ must be at least 10% faster to be chosen (timing noise; never slower than the default)
+PLAN_ROWS = (*range(1, 17), 20, 24, 32, 48, 64)  # a decoding pass, a tree, a lookup chain; above: as is
+MARGIN = 0.9  # another kernel or row count must be at least 10% faster to be chosen (timing noise)
 REPEATS = 3  # timed sweeps per kernel and row count (fastest kept), after one warm-up sweep ...
 MIN_TIMED_SECONDS = 0.02  # ... and more for weights that fit in the caches (a draft's), whose sweeps are short
 OFF_ENV = "STAGEDSPEC_MATMUL_PLAN"  # "off": every layer runs F.linear (a reference for comparisons)
+FORMAT = "fp32v2"  # cache key prefix: v2 plans pad rows (v1 entries, kernel choice only, are timed again)
 
-RowPlan = tuple[bool, ...]  # index: a pass's row count (0..PLAN_ROWS[-1]); True: run (W xᵀ)ᵀ
+Step = tuple[bool, int]  # (run (W xᵀ)ᵀ, rows to run the product over: the real ones, then repeats of the last)
+RowPlan = tuple[Step, ...]  # index: a pass's row count (0..PLAN_ROWS[-1])
 
 
 def wxt_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x Wᵀ (+ b), computed as (W xᵀ)ᵀ; a single row is padded to two (the one-column product is slow)."""
+    """x Wᵀ (+ b), computed as (W xᵀ)ᵀ."""
     k = weight.shape[1]
     rows = x.reshape(-1, k)
-    cols = torch.cat((rows, rows)).t() if rows.shape[0] == 1 else rows.t()
-    y = torch.mm(weight, cols) if bias is None else torch.addmm(bias.unsqueeze(1), weight, cols)
-    return y[:, : rows.shape[0]].t().contiguous().view(*x.shape[:-1], weight.shape[0])
+    y = torch.mm(weight, rows.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, rows.t())
+    return y.t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 def planned_linear(x: Tensor, weight: Tensor, bias: Tensor | None, plan: RowPlan) -> Tensor:
-    """x Wᵀ (+ b) by the kernel `plan` picks for this many rows (`F.linear` beyond the plan)."""
-    rows = x.numel() // weight.shape[1]
-    if rows < len(plan) and plan[rows]:
-        return wxt_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """x Wᵀ (+ b) by the kernel and padded row count `plan` picks for this many rows (`F.linear` beyond it).
+
+    Padding rows repeat the last real row (finite values) and their outputs are dropped: every real row's
+    output is its own dot products, whichever rows ran beside it."""
+    k = weight.shape[1]
+    rows = x.numel() // k
+    if rows >= len(plan):
+        return F.linear(x, weight, bias)
+    wxt, run_rows = plan[rows]
+    kernel = wxt_linear if wxt else F.linear
+    if run_rows == rows:
+        return kernel(x, weight, bias)
+    flat = x.reshape(rows, k)
+    padded = torch.cat((flat, flat[-1:].expand(run_rows - rows, k)))
+    return kernel(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
 class PlannedLinear(nn.Linear):
-    """An `nn.Linear` that runs the kernel its row plan picks for each pass.
+    """An `nn.Linear` that runs the kernel and row count its plan picks for each pass.
 
     Made from an existing layer by `plan_matmuls` (its class is switched, so
     its parameters, their names and anything sharing them stay as they are).
     """
 
-    wxt_rows: RowPlan = ()
+    row_plan: RowPlan = ()
 
     def forward(self, x: Tensor) -> Tensor:
-        return planned_linear(x, self.weight, self.bias, self.wxt_rows)
+        return planned_linear(x, self.weight, self.bias, self.row_plan)
 
 
-def expand_plan(chosen: dict[int, bool]) -> RowPlan:
-    """A plan for every row count up to the largest measured one: each takes the choice measured at the
-    smallest measured count at or above it (5 rows run as 6 were timed)."""
+def expand_plan(chosen: dict[int, Step]) -> RowPlan:
+    """A plan for every row count up to the largest measured one.  A measured count runs its choice; one
+    between measured counts runs as the next measured count does, padded to it (every pass runs a timed
+    shape: 17 rows run as 20 were timed)."""
     measured = sorted(chosen)
-    plan = [False]
+    plan: list[Step] = [(False, 0)]
     for rows in range(1, measured[-1] + 1):
-        plan.append(chosen[next(m for m in measured if m >= rows)])
+        wxt, run_rows = chosen[next(m for m in measured if m >= rows)]
+        plan.append((wxt, max(rows, run_rows)))
     return tuple(plan)
 
 
@@ -149,9 +173,16 @@ def time_kernels(weights: Sequence[Tensor], rows: Sequence[int] = PLAN_ROWS,
     return out
 
 
-def choose(timings: dict[int, tuple[float, float]]) -> dict[int, bool]:
-    """Per measured row count: whether (W xᵀ)ᵀ was at least `MARGIN` faster than `F.linear`."""
-    return {n: wxt < MARGIN * plain for n, (plain, wxt) in timings.items()}
+def choose(timings: dict[int, tuple[float, float]]) -> dict[int, Step]:
+    """Per measured row count n: the fastest (kernel, m >= n measured rows) by the timings, if at least
+    `MARGIN` faster than `F.linear` over the n rows; else `F.linear` over n.  (W xᵀ)ᵀ often wins
+    outright, and both kernels are often faster for a round count than for the odd one below it (AVX2
+    EPYC, session 16: 3 rows cost 27% more than 4, 13 rows 60% more than 16), so a pass pads up to it."""
+    out: dict[int, Step] = {}
+    for n, (plain, _) in timings.items():
+        seconds, step = min((t[i], (i == 1, m)) for m, t in timings.items() if m >= n for i in (0, 1))
+        out[n] = step if seconds < MARGIN * plain else (False, n)
+    return out
 
 
 def planned(model: nn.Module) -> bool:
@@ -181,7 +212,7 @@ def plan_matmuls(model: nn.Module, *, measure: Measure | None = None, cache_file
     plans: dict[tuple[int, int], RowPlan] = {}
     new = False
     for shape, weights in weight_groups(model).items():
-        key = f"fp32|{shape[0]}x{shape[1]}x{len(weights)}|{machine}"
+        key = f"{FORMAT}|{shape[0]}x{shape[1]}x{len(weights)}|{machine}"
         entry = data.get(key)
         if not _valid(entry):
             if not new and not quiet:
@@ -189,12 +220,11 @@ def plan_matmuls(model: nn.Module, *, measure: Measure | None = None, cache_file
                       file=sys.stderr, flush=True)
             new = True
             timings = (measure or time_kernels)(weights, PLAN_ROWS)
-            entry = {"wxt_rows": [n for n, yes in sorted(choose(timings).items()) if yes],
+            entry = {"plan": {str(n): list(step) for n, step in sorted(choose(timings).items())},
                      "linear_ms": {str(n): round(1e3 * t[0], 4) for n, t in sorted(timings.items())},
                      "wxt_ms": {str(n): round(1e3 * t[1], 4) for n, t in sorted(timings.items())}}
             data[key] = entry
-        chosen = set(entry["wxt_rows"])
-        plans[shape] = expand_plan({n: n in chosen for n in PLAN_ROWS})
+        plans[shape] = expand_plan({int(n): (bool(wxt), int(m)) for n, (wxt, m) in entry["plan"].items()})
     if new:
         measured_cache.write(path, data)
     apply_plan(model, plans)
@@ -207,32 +237,33 @@ def apply_plan(model: nn.Module, plans: dict[tuple[int, int], RowPlan]) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.weight is not head and tuple(module.weight.shape) in plans:
             module.__class__ = PlannedLinear
-            module.wxt_rows = plans[tuple(module.weight.shape)]
+            module.row_plan = plans[tuple(module.weight.shape)]
     if head is not None and tuple(head.shape) in plans:
-        model.head_wxt_rows = plans[tuple(head.shape)]
-    signature = repr(sorted((shape, tuple(i for i, yes in enumerate(p) if yes)) for shape, p in plans.items()))
+        model.head_row_plan = plans[tuple(head.shape)]
+    signature = repr(sorted(plans.items()))
     model.matmul_plan_signature = hashlib.sha256(signature.encode()).hexdigest()[:12]
 
 
 def describe(model: nn.Module) -> list[str]:
-    """One line per planned weight shape: the row counts that run (W xᵀ)ᵀ (for `stagedspec tune`)."""
+    """One line per planned weight shape, each measured row count as `n:K[m]` (for `stagedspec tune`): K is
+    W for (W xᵀ)ᵀ, L for `F.linear` (x Wᵀ); m, when there, the rows the product runs over (padded)."""
     lines = []
     seen: set[tuple[int, int]] = set()
     head = _head_weight(model)
     for module in model.modules():
         if isinstance(module, PlannedLinear) and tuple(module.weight.shape) not in seen:
             seen.add(tuple(module.weight.shape))
-            lines.append(_line(tuple(module.weight.shape), module.wxt_rows))
-    plan = getattr(model, "head_wxt_rows", None)
+            lines.append(_line(tuple(module.weight.shape), module.row_plan))
+    plan = getattr(model, "head_row_plan", None)
     if head is not None and plan is not None and tuple(head.shape) not in seen:
         lines.append(_line(tuple(head.shape), plan) + " (output head)")
     return lines
 
 
 def _line(shape: tuple[int, int], plan: RowPlan) -> str:
-    rows = [n for n in PLAN_ROWS if n < len(plan) and plan[n]]
-    which = ", ".join(map(str, rows)) if rows else "none"
-    return f"{shape[0]}x{shape[1]}: (W x^T)^T at {which} of {', '.join(map(str, PLAN_ROWS))} rows"
+    steps = [f"{n}:{'W' if wxt else 'L'}{m if m != n else ''}" for n, (wxt, m) in enumerate(plan)
+             if n in PLAN_ROWS]
+    return f"{shape[0]}x{shape[1]}: " + " ".join(steps)
 
 
 def forget_measured_plans(cache_file: Path | None = None) -> None:
@@ -247,5 +278,10 @@ def _cache_file() -> Path:
 
 
 def _valid(entry: object) -> bool:
-    return isinstance(entry, dict) and isinstance(entry.get("wxt_rows"), list) and all(
-        isinstance(n, int) for n in entry["wxt_rows"])
+    if not isinstance(entry, dict) or not isinstance(entry.get("plan"), dict) or not entry["plan"]:
+        return False
+    try:
+        return all(int(n) > 0 and int(m) >= int(n) and isinstance(wxt, bool)
+                   for n, (wxt, m) in entry["plan"].items())
+    except (TypeError, ValueError):
+        return False

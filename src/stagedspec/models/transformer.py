@@ -276,7 +276,7 @@ class Transformer(nn.Module):
         # A quantised copy of the output head (set by `models.quant.quantize_model`); None: `head_weight` is used.
         self.head_q: nn.Module | None = None
         # Which kernel the head runs per row count (`models.matmul_plan`); None: `F.linear` always.
-        self.head_wxt_rows: tuple[bool, ...] | None = None
+        self.head_row_plan: tuple[tuple[bool, int], ...] | None = None
         if cfg.arch != "gpt2":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -451,8 +451,8 @@ class Transformer(nn.Module):
             h = self.norm(x if logits_rows is None else x[:, logits_rows])
         if self.head_q is not None:
             logits = self.head_q(h)
-        elif self.head_wxt_rows is not None:
-            logits = planned_linear(h, self.head_weight, None, self.head_wxt_rows)
+        elif self.head_row_plan is not None:
+            logits = planned_linear(h, self.head_weight, None, self.head_row_plan)
         else:
             logits = F.linear(h, self.head_weight)
         cap = self.config.final_logit_softcap
