@@ -177,7 +177,8 @@ def choose(timings: dict[int, tuple[float, float]]) -> dict[int, Step]:
     """Per measured row count n: the fastest (kernel, m >= n measured rows) by the timings, if at least
     `MARGIN` faster than `F.linear` over the n rows; else `F.linear` over n.  (W xᵀ)ᵀ often wins
     outright, and both kernels are often faster for a round count than for the odd one below it (AVX2
-    EPYC, session 16: 3 rows cost 27% more than 4, 13 rows 60% more than 16), so a pass pads up to it."""
+    EPYC, session 16: (W xᵀ)ᵀ over 3 rows cost 26% more than over 4, over 13 rows 62% more than over
+    16), so a pass pads up to it."""
     out: dict[int, Step] = {}
     for n, (plain, _) in timings.items():
         seconds, step = min((t[i], (i == 1, m)) for m, t in timings.items() if m >= n for i in (0, 1))
