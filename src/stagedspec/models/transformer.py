@@ -275,7 +275,7 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A quantised copy of the output head (set by `models.quant.quantize_model`); None: `head_weight` is used.
         self.head_q: nn.Module | None = None
-        # Which kernel the head runs per row count (`models.matmul_plan`); None: `F.linear` always.
+        # Which kernel and padded row count the head runs per row count (`models.matmul_plan`); None: `F.linear`.
         self.head_row_plan: tuple[tuple[bool, int], ...] | None = None
         if cfg.arch != "gpt2":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
