@@ -35,14 +35,34 @@ def tiny_model_folder(root: Path) -> Path:
     return folder
 
 
+# `stagedspec serve` with this test run's timed-choice files: the fp32 kernel plan and the draft-weight choices
+# the test process uses (`conftest.py` points both at session folders).  A server on the user's cached plan
+# could run other kernels than the test process's solo runs, whose logits then differ in the last bit and
+# whose cost profiles (keyed by the plan) differ, so seeded requests chose other arms than their solo runs.
+_BOOT = """
+import sys
+from pathlib import Path
+import stagedspec.draft_weights as dw
+import stagedspec.models.matmul_plan as mp
+plan, weights = Path(sys.argv.pop(1)), Path(sys.argv.pop(1))
+mp._cache_file, dw._cache_file = (lambda: plan), (lambda: weights)
+from stagedspec.cli import main
+sys.exit(main())
+"""
+
+
 class ServerProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout: float = 90) -> None:
+        import stagedspec.draft_weights as dw
+        import stagedspec.models.matmul_plan as mp
+
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env["PYTHONPATH"] = SRC + os.pathsep + full_env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stagedspec", "serve", "--port", str(self.port), *args],
+            [sys.executable, "-c", _BOOT, str(mp._cache_file()), str(dw._cache_file()), "serve",
+             "--port", str(self.port), *args],
             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         deadline = time.monotonic() + startup_timeout

@@ -66,12 +66,29 @@ def server_interleaved(folder):
     yield from start_server(folder, "fp32", "--no-batch-passes")
 
 
+# A case's request extension and the solo configuration it must equal.  The servers start with no size flag,
+# so tree and staged requests run measured sizing (`SpeculationConfig.sizing`) unless they name a tree_budget.
+FIXED_TREE_BUDGET = 6
+
+
+def request_of(case: str) -> dict:
+    if case == "tree-fixed":
+        return {"method": "tree", "tree_budget": FIXED_TREE_BUDGET}
+    return {"method": case}
+
+
+def solo_spec(case: str) -> SpeculationConfig:
+    if case == "tree-fixed":
+        return SpeculationConfig(method="tree", tree_budget=FIXED_TREE_BUDGET)
+    return SpeculationConfig(method=case, sizing="measured")
+
+
 def solo_runner(folder, dtype: torch.dtype, bit_exact: bool = False):  # noqa: ANN001, ANN201
     model, tok = load_model(folder, dtype=dtype)
     draft = truncated_copy(model, 1)
 
-    def run(method: str, prompt: str, max_tokens: int, sampling: SamplingParams, seed: int | None):  # noqa: ANN202
-        pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(method=method))
+    def run(case: str, prompt: str, max_tokens: int, sampling: SamplingParams, seed: int | None):  # noqa: ANN202
+        pipe = Pipeline.from_loaded(model, tok, [draft], solo_spec(case))
         pipe.bit_exact = bit_exact
         out = pipe.generate(prompt, max_new_tokens=max_tokens, sampling=sampling, seed=seed)
         return out.token_ids, out.text
@@ -84,13 +101,13 @@ def solo(folder):
     return solo_runner(folder, torch.float32)
 
 
-async def one_stream(client, i: int, method: str, temperature: float):  # noqa: ANN001, ANN201
+async def one_stream(client, i: int, case: str, temperature: float):  # noqa: ANN001, ANN201
     await asyncio.sleep(0.03 * i)  # staggered arrivals: requests join a running batch
     t0 = time.monotonic()
     text, ext = "", None
     stream = await client.completions.create(
         model=MODEL, prompt=PROMPTS[i], max_tokens=6 + 5 * i, temperature=temperature, seed=100 + i, stream=True,
-        extra_body={"speculation": {"method": method}})
+        extra_body={"speculation": request_of(case)})
     async for chunk in stream:
         for choice in chunk.choices:
             text += choice.text
@@ -100,7 +117,7 @@ async def one_stream(client, i: int, method: str, temperature: float):  # noqa: 
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("method", ["ar", "tree", "staged", "auto"])
+@pytest.mark.parametrize("method", ["ar", "tree", "tree-fixed", "staged", "auto"])
 def test_eight_concurrent_streams_equal_solo_runs(server, solo, method, temperature):
     check_concurrent_equals_solo(server, solo, method, temperature)
 
@@ -133,7 +150,7 @@ def check_concurrent_equals_solo(server, solo, method: str, temperature: float, 
     sampling = SamplingParams(temperature=temperature)
     for i, (text, ext, _) in enumerate(results):
         ids, solo_text = solo(method, PROMPTS[i], 6 + 5 * i, sampling, 100 + i)
-        assert ext is not None and ext["method"] == method
+        assert ext is not None and ext["method"] == request_of(method)["method"]
         assert ext["token_ids"] == ids, f"request {i} differs from its solo run"
         assert text == solo_text
     spans = sorted(span for _, _, span in results)

@@ -133,8 +133,11 @@ class Arm:
         return self.size
 
 
-def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu") -> list[Arm]:
-    """Every configuration worth pricing, given what can propose."""
+def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu", kind: str | None = None) -> list[Arm]:
+    """Every configuration worth pricing, given what can propose; `kind`: only `ar` and that kind's arms
+    (a method whose sizes are measured, `SpeculationConfig.sizing`)."""
+    if kind is not None:
+        return [a for a in arms_for(has_lookup, has_draft, device) if a.kind in ("ar", kind)]
     arms = [Arm("ar")]
     if has_lookup:
         arms += [Arm("lookup", k) for k in LOOKUP_SIZES]

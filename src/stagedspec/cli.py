@@ -53,7 +53,7 @@ def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     from stagedspec.drafters.model import GROWTHS
     from stagedspec.pipeline import QUANTISED_DEFAULTS as q
-    from stagedspec.pipeline import SpeculationConfig
+    from stagedspec.pipeline import SIZINGS, SpeculationConfig
 
     d = SpeculationConfig()  # one source of defaults for the CLI, the bench and the library
     p.add_argument("--draft", default=None, metavar="SPEC",
@@ -79,8 +79,9 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-chain-length", type=_positive_int, default=None, metavar="K",
                    help=f"tokens each model stage decodes per proposal, staged (default {d.stage_chain_length}; "
                         f"{q['stage_chain_length']} with --quant)")
-    p.add_argument("--stage-branching", type=_positive_int, default=d.stage_branching, metavar="B",
-                   help="alternatives per position in a stage's proposal, spine included (staged)")
+    p.add_argument("--stage-branching", type=_positive_int, default=None, metavar="B",
+                   help=f"alternatives per position in a stage's proposal, spine included (staged; default "
+                        f"{d.stage_branching})")
     p.add_argument("--oracle-lookup-length", type=_positive_int, default=None, metavar="K",
                    help="staged: tokens of the prompt-lookup chain merged into the oracle's tree (default: "
                         "--lookup-chain-length; 8 in bf16 on a CPU with native bf16, where rows are nearly free)")
@@ -100,7 +101,13 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help=f"tree nodes per step (default {d.tree_budget}; {q['tree_budget']} with --quant)")
     p.add_argument("--tree-depth", type=_positive_int, default=None, metavar="D",
                    help=f"maximum tree depth (default {d.tree_depth}; {q['tree_depth']} with --quant)")
-    p.add_argument("--branching", type=_positive_int, default=d.branching, metavar="B", help="children considered per node")
+    p.add_argument("--branching", type=_positive_int, default=None, metavar="B",
+                   help=f"children considered per node (tree; default {d.branching})")
+    p.add_argument("--sizing", choices=SIZINGS, default=None,
+                   help="tree, lookup, staged: 'measured' (the default when no size flag of the method is given) "
+                        "chooses each step plain decoding or one of the method's sizes by this machine's measured "
+                        "costs and the acceptance so far, so the method is never knowingly slower than ar; "
+                        "'fixed' runs the sizes the flags give (their defaults if none), every step")
     p.add_argument("--chain-length", type=_positive_int, default=None, metavar="K",
                    help=f"draft tokens per step for --method chain (default {d.chain_length}; "
                         f"{q['chain_length']} with --quant)")
@@ -194,7 +201,7 @@ def _sampling_from(args: argparse.Namespace):  # noqa: ANN202
 
 def speculation_from(args: argparse.Namespace):  # noqa: ANN201
     """(oracle spec, draft specs, SpeculationConfig) from the shared speculation flags."""
-    from stagedspec.pipeline import SpeculationConfig, parse_stages
+    from stagedspec.pipeline import SpeculationConfig, choose_sizing, parse_stages
 
     oracle, drafts, ngram, context = args.oracle, [args.draft] if args.draft else [], args.ngram, not args.no_context
     if args.stages:
@@ -205,14 +212,17 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         method = args.method or "auto"
         if method in ("staged", "auto") and ngram is None and not args.no_context:
             ngram = "default"
-    spec = SpeculationConfig.tuned(method, args.quant, getattr(args, "device", "cpu"), tree_budget=args.tree_budget,
-                                   tree_depth=args.tree_depth, branching=args.branching,
-                                   chain_length=args.chain_length, ngram=ngram, context=context,
-                                   lookup_chain_length=args.lookup_chain_length,
-                                   stage_chain_length=args.stage_chain_length,
-                                   stage_branching=args.stage_branching, oracle_lookup=not args.no_oracle_lookup,
-                                   oracle_lookup_length=args.oracle_lookup_length, dtype=getattr(args, "dtype", None),
-                                   adaptive_budget=args.adaptive_budget, tree_growth=args.tree_growth)
+    sizes = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
+                 chain_length=args.chain_length, lookup_chain_length=args.lookup_chain_length,
+                 stage_chain_length=args.stage_chain_length, stage_branching=args.stage_branching,
+                 oracle_lookup_length=args.oracle_lookup_length,
+                 # flags that are off unless given: None when not given, so they name no size
+                 oracle_lookup=False if args.no_oracle_lookup else None,
+                 adaptive_budget=True if args.adaptive_budget else None)
+    sizing = choose_sizing(method, args.sizing, sizes)
+    spec = SpeculationConfig.tuned(method, args.quant, getattr(args, "device", "cpu"), ngram=ngram, context=context,
+                                   dtype=getattr(args, "dtype", None), tree_growth=args.tree_growth, sizing=sizing,
+                                   **sizes)
     return oracle, drafts, spec
 
 

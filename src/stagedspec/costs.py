@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -405,26 +407,35 @@ def draft_pass_overhead(draft: Transformer, curve: Mapping[int, float], repeats:
     return out
 
 
+# One measurement at a time in a process.  The server's first requests arrive together, each on a thread of its
+# own: without this, each measured a profile of its own (timings differ run to run), the last one written was on
+# disk and another in memory, so a seeded request priced by the one in memory could choose other arms than the
+# same request run alone against the file (tests/test_server_exact.py, auto at T=1, failed about one run in
+# three).  The first caller measures and writes; the others wait and read what it wrote.
+_MEASURING = threading.Lock()
+
+
 def load_or_measure(oracle: Transformer, drafts: Sequence[Transformer], device: str, *, remeasure: bool = False,
                     quiet: bool = False) -> CostProfile:
     """The cached profile for these models on this machine, measuring (and caching) it when missing."""
     key = profile_key(oracle, drafts, device)
     path = profile_path(key)
-    if not remeasure and path.exists():
+    with _MEASURING:
+        if not remeasure and path.exists():
+            try:
+                return CostProfile.from_json(path.read_text())
+            except (ValueError, KeyError, TypeError, OSError):
+                pass  # a corrupt or old cache entry is simply measured again
+        profile = measure_profile(oracle, drafts, device, quiet=quiet)
         try:
-            return CostProfile.from_json(path.read_text())
-        except (ValueError, KeyError, TypeError, OSError):
-            pass  # a corrupt or old cache entry is simply measured again
-    profile = measure_profile(oracle, drafts, device, quiet=quiet)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(profile.to_json())
-        tmp.replace(path)
-    except OSError as e:  # a read-only cache folder costs a re-measure next time, nothing else
-        if not quiet:
-            print(f"stagedspec: could not cache the cost profile in {path.parent}: {e}", file=sys.stderr)
-    return profile
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once never share it
+            tmp.write_text(profile.to_json())
+            tmp.replace(path)
+        except OSError as e:  # a read-only cache folder costs a re-measure next time, nothing else
+            if not quiet:
+                print(f"stagedspec: could not cache the cost profile in {path.parent}: {e}", file=sys.stderr)
+        return profile
 
 
 def print_cost_curve(curve: Mapping[int, float]) -> None:

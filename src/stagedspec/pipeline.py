@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -102,6 +102,17 @@ CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_chain_length": 8}
 # (session 9, README: 1.75x -> 1.78-1.87x bf16 `ar` greedy in four runs, T=1 1.44-1.51x).  Where rows are dear
 # (AVX2 CPUs: a 16-row bf16 pass 6.3x one row), the chain stays `lookup_chain_length` long.
 NATIVE_BF16_DEFAULTS = {"oracle_lookup_length": 8}
+# Methods whose sizes can be chosen each step by this machine's measured costs (`SpeculationConfig.sizing`).
+# `chain` stays the textbook k-token baseline; `auto` always chooses.
+MEASURED_METHODS = ("tree", "lookup", "staged")
+SIZINGS = ("fixed", "measured")
+# The fields that size each method: setting any of them on the command line asks for fixed sizes.
+SIZE_FIELDS = {
+    "tree": ("tree_budget", "tree_depth", "branching", "adaptive_budget"),
+    "lookup": ("lookup_chain_length",),
+    "staged": ("stage_chain_length", "stage_branching", "lookup_chain_length", "oracle_lookup_length",
+               "oracle_lookup"),
+}
 
 
 @dataclass
@@ -140,10 +151,17 @@ class SpeculationConfig:
     # tree: "best-first" on the host, "levels" on the device with one copy back (`stagedspec.tree_levels`),
     # "auto": levels where a copy back waits for the device (CUDA), best-first on a CPU
     tree_growth: str = "auto"
+    # tree / lookup / staged: "fixed" runs the sizes above every step; "measured" lets `auto`'s policy pick,
+    # each step, `ar` or one of this method's sizes by this machine's measured costs and the acceptance so
+    # far (`Pipeline.sized_policy`), so the method is never knowingly slower than plain decoding.  The
+    # CLI, the server and the bench run "measured" unless a size is given; the library keeps "fixed".
+    sizing: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise StagedSpecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
+        if self.sizing not in SIZINGS:
+            raise StagedSpecError(f"unknown --sizing {self.sizing!r}: use one of {', '.join(SIZINGS)}")
         for label, value in (("--tree-budget", self.tree_budget), ("--tree-depth", self.tree_depth),
                              ("--branching", self.branching), ("--chain-length", self.chain_length),
                              ("--lookup-chain-length", self.lookup_chain_length),
@@ -190,6 +208,12 @@ class SpeculationConfig:
         return cls(method=method, **values)
 
     @property
+    def measured(self) -> bool:
+        """Whether each step's size is chosen by the measured costs (`sizing`): `auto`, or a method that
+        can be sized so and is asked to be."""
+        return self.method == "auto" or (self.sizing == "measured" and self.method in MEASURED_METHODS)
+
+    @property
     def merged_lookup_length(self) -> int:
         """staged: tokens of the prompt-lookup chain merged into the oracle's tree."""
         return self.oracle_lookup_length or self.lookup_chain_length
@@ -197,13 +221,35 @@ class SpeculationConfig:
     @property
     def max_nodes(self) -> int:
         """Most tree nodes the oracle may be asked to verify in one step."""
-        if self.method == "auto":  # the biggest arm auto may run on any device
+        if self.measured:  # the biggest arm the policy may run on any device
             from stagedspec.auto import arms_for
 
-            return max(arm.max_nodes for arm in arms_for(True, True, "cuda"))
+            return max(arm.max_nodes for arm in arms_for(True, True, "cuda", sized_method(self.method)))
         lookup = self.merged_lookup_length if self.oracle_lookup else 0
         staged = self.stage_chain_length * self.stage_branching + lookup
         return max(self.tree_budget, self.chain_length, staged, self.lookup_chain_length * 3)
+
+
+def sized_method(method: str) -> str | None:
+    """The arm kind a measured method's policy is restricted to (None: `auto`, every kind)."""
+    return None if method == "auto" else method
+
+
+def choose_sizing(method: str, sizing: str | None, given: Mapping[str, Any]) -> str:
+    """The sizing a command line asks for: `sizing` if given, else "fixed" when one of `method`'s size fields
+    (`SIZE_FIELDS`; for `auto`, which a server request may switch to any method, every method's) is in
+    `given` (flag values, None = not given), else "measured" (it matters for `MEASURED_METHODS` only).
+    Naming a size together with `--sizing measured` is an error: the policy would ignore it."""
+    # `auto` may be asked for any method later (a server request): every size then counts
+    fields = SIZE_FIELDS.get(method, ()) if method != "auto" else dict.fromkeys(sum(SIZE_FIELDS.values(), ()))
+    named = [f for f in fields if given.get(f) is not None]
+    if sizing == "measured" and named:
+        flags = ", ".join("--" + f.replace("_", "-") for f in named)
+        raise StagedSpecError(f"--sizing measured picks {method}'s sizes each step; drop {flags} or use "
+                              f"--sizing fixed")
+    if sizing is not None:
+        return sizing
+    return "fixed" if named else "measured"
 
 
 def _native_bf16_cpu(device: str, dtype: str | torch.dtype | None) -> bool:
@@ -352,6 +398,7 @@ class Pipeline:
     bit_exact: bool = False
     _pass_seconds: dict[int, float] | None = None  # measured oracle pass costs (see `pass_seconds`)
     _auto_policy = None  # what `--method auto` has learned, kept across requests (see `stagedspec.auto`)
+    _sized_policies: dict | None = None  # the same for each measured method (`sized_policy`)
     dtype_reason: str = "as asked"  # why this dtype (`--dtype auto` asks the hardware)
 
     def __init__(
@@ -453,23 +500,47 @@ class Pipeline:
     def auto_policy(self):  # noqa: ANN201 - auto.AutoPolicy
         """The `--method auto` policy of this pipeline, created at first use and kept across requests."""
         if self._auto_policy is None:
-            from stagedspec.auto import AutoPolicy, arms_for
-
-            s = self.speculation
-            arms = arms_for(self.ngram is not None or s.context, bool(self.draft_models), self.device)
-            self._auto_policy = AutoPolicy(arms, self.cost_profile())
-            try:  # what an earlier process learned on this machine with these models
-                self._auto_policy.restore(json.loads(auto_state_path(self._auto_policy.profile.key).read_text()))
-            except (OSError, ValueError, TypeError, KeyError, AttributeError):
-                pass  # none yet, or unreadable: start from the priors
+            self._auto_policy = self._new_policy("auto")
         return self._auto_policy
 
-    def save_auto_state(self) -> None:
-        """Keep what `--method auto` learned for the next process (a small JSON file beside the cost profile)."""
-        policy = self._auto_policy
+    def sized_policy(self, method: str):  # noqa: ANN201 - auto.AutoPolicy
+        """The policy that sizes a measured `method` (`SpeculationConfig.sizing`): `auto`'s, restricted to
+        `ar` and that method's arms, with its own learned state; created at first use, kept across requests."""
+        if method == "auto":
+            return self.auto_policy()
+        if self._sized_policies is None:
+            self._sized_policies = {}
+        if method not in self._sized_policies:
+            self._sized_policies[method] = self._new_policy(method)
+        return self._sized_policies[method]
+
+    def _new_policy(self, method: str):  # noqa: ANN202 - auto.AutoPolicy
+        from stagedspec.auto import AutoPolicy, arms_for
+
+        s = self.speculation
+        arms = arms_for(self.ngram is not None or s.context, bool(self.draft_models), self.device,
+                        sized_method(method))
+        policy = AutoPolicy(arms, self.cost_profile())
+        try:  # what an earlier process learned on this machine with these models
+            policy.restore(json.loads(auto_state_path(policy.profile.key, method).read_text()))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            pass  # none yet, or unreadable: start from the priors
+        return policy
+
+    def _owns_policy(self, policy: Any) -> str | None:
+        """The method whose shared policy `policy` is (None: a seeded run's own, or none)."""
+        if policy is None:
+            return None
+        if policy is self._auto_policy:
+            return "auto"
+        return next((m for m, p in (self._sized_policies or {}).items() if p is policy), None)
+
+    def save_auto_state(self, method: str = "auto") -> None:
+        """Keep what `method`'s policy learned for the next process (a small JSON file beside the cost profile)."""
+        policy = self._auto_policy if method == "auto" else (self._sized_policies or {}).get(method)
         if policy is None or not policy.profile.key:  # a hand-made profile (tests) belongs to no machine
             return
-        path = auto_state_path(policy.profile.key)
+        path = auto_state_path(policy.profile.key, method)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -501,7 +572,8 @@ class Pipeline:
         return below
 
     def _auto_drafter(self, max_len: int, reproducible: bool) -> Drafter:
-        """Every arm's drafter for `--method auto`, sized per step by the policy (see `stagedspec.auto`).
+        """Every arm's drafter for `--method auto` or a measured method, sized per step by the policy (see
+        `stagedspec.auto`).
 
         `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
         seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
@@ -510,7 +582,7 @@ class Pipeline:
         from stagedspec.drafters.lookup import LookupDrafter
 
         s = self.speculation
-        policy = self.auto_policy()
+        policy = self.sized_policy(s.method)
         if reproducible:
             policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
         has_lookup = self.ngram is not None or s.context
@@ -548,7 +620,10 @@ class Pipeline:
                 if merged_lookup is not None:
                     settings.append((merged_lookup, "chain_length", staged_lookup_length(arm)))
                 arms[arm] = (staged, settings)
-        return AutoDrafter(policy, {a: arms[a] for a in policy.arms}, lookup=lookup)
+        drafter = AutoDrafter(policy, {a: arms[a] for a in policy.arms}, lookup=lookup)
+        if s.method != "auto":
+            drafter.name = f"{s.method} (measured)"  # its row in the stats' stages
+        return drafter
 
     @property
     def has_bundled_draft(self) -> bool:
@@ -569,7 +644,7 @@ class Pipeline:
         s = self.speculation
         if s.method == "ar":
             return NoDrafter()
-        if s.method == "auto":
+        if s.measured:
             return self._auto_drafter(max_len, reproducible)
         if s.method in ("chain", "tree"):
             adaptive = None
@@ -647,8 +722,9 @@ class Pipeline:
         if not hit_stop:
             emit(held + stream.flush())
         result.stats.stages = stage_report(result.stats, drafter)
-        if getattr(drafter, "policy", None) is not None and drafter.policy is self._auto_policy:
-            self.save_auto_state()  # the shared policy learned something (a seeded run's own policy is dropped)
+        owner = self._owns_policy(getattr(drafter, "policy", None))
+        if owner is not None:
+            self.save_auto_state(owner)  # the shared policy learned something (a seeded run's own is dropped)
         result.stats.dtype = dtype_name(self.dtype)
         if hasattr(drafter, "request_choices"):
             result.stats.auto_choices = dict(drafter.request_choices)
@@ -670,11 +746,13 @@ def _warn_amx_bit_exact() -> None:
               f"with ONEDNN_MAX_CPU_ISA={AMX_ISA_CAP} (the CLI's --bit-exact sets it)", file=sys.stderr)
 
 
-def auto_state_path(profile_key: str) -> Path:
-    """Where `--method auto`'s learned state lives: beside the cost profile it was learned with."""
+def auto_state_path(profile_key: str, method: str = "auto") -> Path:
+    """Where `--method auto`'s learned state lives (or a measured method's: `METHOD-sizes`): beside the cost
+    profile it was learned with."""
     from stagedspec.costs import profile_path
 
-    return profile_path(profile_key).with_name(f"{profile_key}.auto.json")  # whatever the profile's version
+    name = "auto" if method == "auto" else f"{method}-sizes"
+    return profile_path(profile_key).with_name(f"{profile_key}.{name}.json")  # whatever the profile's version
 
 
 def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - GenerationStats

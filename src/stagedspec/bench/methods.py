@@ -38,13 +38,17 @@ from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 
 OURS = ("ar", "auto", "chain", "tree", "tree-adaptive", "lookup", "staged")
-VARIANTS = ("tree-best-first",)  # run only when named: `tree` grown on the host, beside `tree` on a GPU
+# Run only when named: `tree` grown on the host, beside `tree` on a GPU; and tree / lookup / staged at their
+# fixed default sizes every step, beside the measured sizing the CLI runs (`SpeculationConfig.sizing`).
+VARIANTS = ("tree-best-first", "tree-fixed", "lookup-fixed", "staged-fixed")
 QUANTISED = ("int4", "int8")  # suffixes of our methods: `staged@int4` runs staged on the int4 oracle
 INT4 = ("ar@int4", "auto@int4", "lookup@int4", "staged@int4")
 TRANSFORMERS = ("hf-generate", "hf-assisted", "hf-lookup")
 LLAMACPP = ("llamacpp", "llamacpp-lookup")
 ALL_METHODS = (*OURS, *VARIANTS, *INT4, *TRANSFORMERS, *LLAMACPP)
-NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "tree-best-first", "staged", "hf-assisted")
+FIXED_VARIANTS = {"tree-fixed": "tree", "lookup-fixed": "lookup", "staged-fixed": "staged"}
+NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "tree-best-first", "tree-fixed", "staged", "staged-fixed",
+               "hf-assisted")
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
 
@@ -212,6 +216,22 @@ def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts
     return pipe
 
 
+def _measured_description(method: str, draft: str, context: bool, ngram_spec: str | None) -> str:
+    """What a measured method (`SpeculationConfig.sizing`) runs: its arms, `ar` among them."""
+    from stagedspec.auto import arms_for
+
+    from stagedspec.auto import STAGE_LONG_LOOKUP, STAGE_LOOKUP_EXTRA
+
+    sizes = "/".join(dict.fromkeys(str(a.size) for a in arms_for(True, True, "cpu", method) if a.kind == method))
+    what = {"tree": f"a best-first tree of {sizes} nodes from draft {draft}",
+            "lookup": f"model-free chains of {sizes} tokens ({_bottom(context, ngram_spec)})",
+            "staged": f"staged oracle <- {draft} <- {_bottom(context, ngram_spec)}, the draft decoding {sizes} "
+                      f"tokens, a prompt-lookup chain of {STAGE_LOOKUP_EXTRA} more or of {STAGE_LONG_LOOKUP} "
+                      "merged into the oracle's tree"}[method]
+    return (f"our engine, {method} with measured sizes: each step ar or {what}, whichever this machine's measured "
+            "costs and the acceptance so far make fastest")
+
+
 def ours(
     models: BenchModels, name: str, speculation: Any, draft_specs: Sequence[str], ngram_spec: str | None,
     quant: str = "none",
@@ -267,6 +287,8 @@ def ours(
                   + (f"; prompt lookup of {s.merged_lookup_length} tokens also merged into the oracle's tree)"
                      if s.oracle_lookup and s.context else ")"),
     }[s.method]
+    if s.measured and s.method != "auto":
+        desc = _measured_description(s.method, first, s.context, ngram_spec)
     if quant != "none":
         desc += f", oracle on {quant} weights"
     settings = asdict(s) | {"drafts": list(draft_specs), "oracle_bytes": oracle_bytes, "draft_bytes": draft_bytes,

@@ -27,6 +27,7 @@ import torch
 
 from stagedspec.bench.methods import (
     ALL_METHODS,
+    FIXED_VARIANTS,
     INT4,
     LLAMACPP,
     QUANTISED,
@@ -232,10 +233,12 @@ def build_methods(
             elif base == "tree-best-first":  # `tree` grown on the host, beside `tree` (levels on a GPU)
                 spec = SpeculationConfig.tuned("tree", quant, cfg.device, tree_growth="best-first")
                 methods.append(ours(models, name, spec, [draft], None, quant))
-            elif base in OURS:  # the defaults `stagedspec generate` uses on these weights
-                uses_ngram = base in ("lookup", "staged", "auto")
-                spec = SpeculationConfig.tuned(base, quant, cfg.device, cfg.dtype,
-                                               ngram=cfg.ngram if uses_ngram else None, context=True)
+            elif base in OURS or base in FIXED_VARIANTS:  # the defaults `stagedspec generate` uses on these weights
+                method = FIXED_VARIANTS.get(base, base)
+                uses_ngram = method in ("lookup", "staged", "auto")
+                spec = SpeculationConfig.tuned(method, quant, cfg.device, cfg.dtype,
+                                               ngram=cfg.ngram if uses_ngram else None, context=True,
+                                               sizing="fixed" if base in FIXED_VARIANTS else "measured")
                 methods.append(ours(models, name, spec, [draft] if draft else [], spec.ngram, quant))
             elif name in TRANSFORMERS:
                 methods.append(transformers_method(models, name, draft))
@@ -256,7 +259,8 @@ def build_methods(
                 except StagedSpecError as e:
                     raise MethodSkipped(f"draft {d!r} unavailable: {e}") from None
             # the settings `stagedspec generate --stages` runs with on this device and dtype
-            spec = SpeculationConfig.tuned("staged", "none", cfg.device, cfg.dtype, ngram=ngram, context=context)
+            spec = SpeculationConfig.tuned("staged", "none", cfg.device, cfg.dtype, ngram=ngram, context=context,
+                                           sizing="measured")
             methods.append(ours(models, name, spec, drafts, ngram))
         except MethodSkipped as e:
             skipped.append({"name": name, "reason": str(e)})

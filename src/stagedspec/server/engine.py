@@ -113,6 +113,8 @@ class Engine:
     pass_costs: dict[int, float] | None = None
     # what `--method auto` has learned (acceptance, step times), shared by every request
     auto_policy: Any = None
+    # the same for each method whose sizes are measured (`SpeculationConfig.sizing`), by method
+    sized_policies: dict[str, Any] = field(default_factory=dict)
     # Set by the scheduler: requests' passes are batched across requests (`server.batching`).
     batched_passes: bool = False
 
@@ -149,8 +151,9 @@ class Engine:
             raise bad(f"method {method!r} needs prompt lookup or an n-gram; this server has neither",
                       "speculation.method")
         changes: dict[str, Any] = {"method": method}
-        if req.tree_budget is not None:
+        if req.tree_budget is not None:  # a size the request names is run as named
             changes["tree_budget"] = req.tree_budget
+            changes["sizing"] = "fixed"
         try:
             return dataclasses.replace(s, **changes)
         except StagedSpecError as e:
@@ -162,14 +165,18 @@ class Engine:
         pipe = Pipeline.from_loaded(self.model, self.tokenizer, drafts, spec, self.ngram)
         pipe.bit_exact = self.bit_exact
         pipe._pass_seconds = self.pass_costs  # noqa: SLF001 - share one measurement (see `remember_costs`)
-        if spec.method == "auto":
-            pipe._auto_policy = self.auto_policy  # noqa: SLF001 - one policy learns from every request
+        if spec.measured:
+            # one policy per method learns from every request
+            if spec.method == "auto":
+                pipe._auto_policy = self.auto_policy  # noqa: SLF001
+            else:
+                pipe._sized_policies = self.sized_policies  # noqa: SLF001 - shared: filled at first use
             if self.batched_passes:
                 # A batched request's measured step times include its waits at the barrier for its
                 # neighbours' passes, which priced every draft arm out at 8 streams (bench-serve: auto 1.10x
                 # `ar`, staged 1.46x); the machine's cost profile prices the arms instead, as for a seeded request,
                 # at the margin of the round each step shares (`auto.SharedLoad`, set by the scheduler).
-                policy = pipe.auto_policy()
+                policy = pipe.sized_policy(spec.method)
                 if policy.learn_times:
                     from stagedspec.auto import StepCosts
 

@@ -1,0 +1,146 @@
+"""Measured sizing (`SpeculationConfig.sizing`): tree, lookup and staged sized each step by this machine's costs.
+
+A fixed size that pays on one CPU loses on another (session 16, an AVX2 CPU: `tree` 0.92x and `lookup`
+0.95x `ar`).  With "measured" sizing the method runs `auto`'s policy restricted to `ar` and the method's own
+arms, so it is never knowingly slower than plain decoding; a size named on the command line is run as named.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from stagedspec.auto import AutoDrafter, AutoPolicy, arms_for
+from stagedspec.costs import CostProfile
+from stagedspec.errors import StagedSpecError
+from stagedspec.pipeline import (
+    MEASURED_METHODS,
+    Pipeline,
+    SpeculationConfig,
+    auto_state_path,
+    choose_sizing,
+    truncated_copy,
+)
+from stagedspec.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread", "private_cost_cache")
+
+FLAT = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])  # every arm is worth a turn
+PROMPT = [1, 5, 9, 5, 9, 5, 9, 2, 7]
+
+
+def test_the_command_line_measures_sizes_unless_one_is_named() -> None:
+    assert choose_sizing("tree", None, {"tree_budget": None, "lookup_chain_length": None}) == "measured"
+    assert choose_sizing("tree", None, {"tree_budget": 16}) == "fixed"
+    assert choose_sizing("tree", None, {"lookup_chain_length": 2}) == "measured"  # not a size of tree
+    assert choose_sizing("lookup", None, {"lookup_chain_length": 2}) == "fixed"
+    assert choose_sizing("staged", None, {"oracle_lookup": False}) == "fixed"  # --no-oracle-lookup
+    assert choose_sizing("auto", None, {"tree_budget": 16}) == "fixed"  # a server request may switch to tree
+    assert choose_sizing("tree", "fixed", {}) == "fixed"
+    with pytest.raises(StagedSpecError, match="--sizing measured picks tree's sizes each step; drop --tree-budget"):
+        choose_sizing("tree", "measured", {"tree_budget": 16})
+    with pytest.raises(StagedSpecError, match="unknown --sizing"):
+        SpeculationConfig(method="tree", sizing="sometimes")
+
+
+def test_cli_flags_set_the_sizing() -> None:
+    from stagedspec.cli import _add_speculation_args, speculation_from
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--oracle", default="default")
+    p.add_argument("--quant", default="none")
+    _add_speculation_args(p)
+
+    def spec(*argv: str) -> SpeculationConfig:
+        return speculation_from(p.parse_args(list(argv)))[2]
+
+    assert spec("--method", "tree", "--draft", "d").sizing == "measured"
+    fixed = spec("--method", "tree", "--draft", "d", "--branching", "3")
+    assert (fixed.sizing, fixed.branching, fixed.tree_budget) == ("fixed", 3, SpeculationConfig().tree_budget)
+    assert spec("--method", "lookup", "--lookup-chain-length", "2").sizing == "fixed"
+    assert spec("--method", "staged", "--draft", "d", "--sizing", "fixed").sizing == "fixed"
+    assert spec("--method", "staged", "--draft", "d").measured
+    assert not spec("--method", "chain", "--draft", "d").measured  # chain is always the textbook baseline
+    assert spec("--method", "auto").measured
+
+
+def test_a_measured_method_prices_only_ar_and_its_own_arms() -> None:
+    for method in MEASURED_METHODS:
+        kinds = {a.kind for a in arms_for(True, True, "cpu", method)}
+        assert kinds == {"ar", method}
+    assert arms_for(True, True, "cpu", None) == arms_for(True, True, "cpu")
+    s = SpeculationConfig(method="tree", sizing="measured")
+    assert s.max_nodes == max(a.size for a in arms_for(True, True, "cuda", "tree"))
+    assert SpeculationConfig(method="tree").max_nodes < s.max_nodes  # fixed: its own sizes, as before
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):  # noqa: ANN001, ANN201
+    from _tiny_models import save_tiny_hf
+
+    from stagedspec.models.loading import load_model
+
+    folder = tmp_path_factory.mktemp("sizing") / "tiny"
+    save_tiny_hf("llama_gqa", folder)
+    model, tok = load_model(folder, dtype=torch.float32)
+    return model, tok, truncated_copy(model, 1)
+
+
+def _measured(tiny, method: str) -> Pipeline:  # noqa: ANN001
+    model, tok, draft = tiny
+    drafts = [] if method == "lookup" else [draft]
+    pipe = Pipeline.from_loaded(model, tok, drafts, SpeculationConfig(method=method, sizing="measured"))
+    pipe._sized_policies = {method: AutoPolicy(arms_for(True, bool(drafts), "cpu", method), FLAT)}
+    return pipe
+
+
+@pytest.mark.parametrize("method", MEASURED_METHODS)
+def test_measured_methods_are_exact_and_run_their_own_arms(tiny, method: str) -> None:  # noqa: ANN001
+    model, tok, _ = tiny
+    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    pipe = _measured(tiny, method)
+    drafter = pipe.drafter(64)
+    assert isinstance(drafter, AutoDrafter) and {a.kind for a in drafter.policy.arms} == {"ar", method}
+    for n in (7, 33):
+        out = pipe.generate(PROMPT, max_new_tokens=n)
+        assert out.token_ids == ar.generate(PROMPT, max_new_tokens=n).token_ids
+        assert set(out.stats.auto_choices) <= {a.name for a in drafter.policy.arms}
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    first = pipe.generate(PROMPT, max_new_tokens=24, sampling=sampling, seed=5)
+    assert pipe.generate(PROMPT, max_new_tokens=24, sampling=sampling, seed=5).token_ids == first.token_ids
+    # the same pipeline at fixed sizes runs the method's own drafter, never `auto`'s
+    pipe.speculation = SpeculationConfig(method=method)
+    assert not isinstance(pipe.drafter(64), AutoDrafter)
+
+
+def test_each_measured_method_keeps_its_own_learned_state(tiny) -> None:  # noqa: ANN001
+    """A restricted policy's state never overwrites `auto`'s: each is saved beside the profile, by method."""
+    model, tok, draft = tiny
+    paths = set()
+    for method in ("auto", "tree", "lookup"):
+        spec = SpeculationConfig(method=method, sizing="measured")
+        pipe = Pipeline.from_loaded(model, tok, [] if method == "lookup" else [draft], spec)
+        pipe.generate(PROMPT, max_new_tokens=12)
+        policy = pipe.sized_policy(method)
+        assert {a.kind for a in policy.arms} <= ({"ar", method} if method != "auto" else {"ar", "lookup", "tree",
+                                                                                        "staged"})
+        path = auto_state_path(policy.profile.key, method)
+        assert path.exists()
+        paths.add(path)
+        again = Pipeline.from_loaded(model, tok, [] if method == "lookup" else [draft], spec)
+        assert again.sized_policy(method).state()["greedy"]["chains"] == policy.state()["greedy"]["chains"]
+    assert len(paths) == 3
+
+
+def test_a_server_request_that_names_a_tree_budget_runs_it() -> None:
+    from stagedspec.server.engine import Engine
+    from stagedspec.server.schemas import SpeculationRequest
+
+    engine = Engine.__new__(Engine)
+    engine.speculation = SpeculationConfig(method="tree", sizing="measured")
+    engine.draft_names, engine.draft_models, engine.ngram = ["d"], [object()], None
+    assert engine.speculation_for(SpeculationRequest()).measured
+    named = engine.speculation_for(SpeculationRequest(tree_budget=5))
+    assert (named.sizing, named.tree_budget, named.measured) == ("fixed", 5, False)
