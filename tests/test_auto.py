@@ -344,6 +344,40 @@ def test_profiles_are_measured_once_and_cached(tmp_path, monkeypatch, capsys) ->
     assert path.name == f"{first.key}.v4.json"  # beside, not over, what older versions cached
 
 
+def test_requests_arriving_together_share_one_measured_profile(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The server's first requests ask for the profile at once, on threads: one measures, the others read what
+    it wrote, so every policy prices with the same numbers as the file a later process reads."""
+    import threading
+    import time
+
+    import stagedspec.costs as costs
+    from stagedspec.models.config import ModelConfig
+    from stagedspec.models.transformer import Transformer, init_random
+
+    monkeypatch.undo()
+    monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path))
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                      intermediate_size=32, max_position=320)
+    oracle = init_random(Transformer(cfg), seed=1).eval()
+    calls = []
+
+    def measure(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a slow measurement, different every time
+        calls.append(1)
+        time.sleep(0.05)
+        return CostProfile(oracle={1: 0.01 * len(calls), 4: 0.02}, drafts=[], key=costs.profile_key(oracle, [], "cpu"))
+
+    monkeypatch.setattr(costs, "measure_profile", measure)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(load_or_measure(oracle, [], "cpu"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 4
+    on_disk = CostProfile.from_json(profile_path(got[0].key).read_text())
+    assert all(p.oracle == on_disk.oracle for p in got)
+
+
 # --- dtype auto ----------------------------------------------------------------------------------------------------
 
 
