@@ -408,10 +408,9 @@ def draft_pass_overhead(draft: Transformer, curve: Mapping[int, float], repeats:
 
 
 # One measurement at a time in a process.  The server's first requests arrive together, each on a thread of its
-# own: without this, each measured a profile of its own (timings differ run to run), the last one written was on
-# disk and another in memory, so a seeded request priced by the one in memory could choose other arms than the
-# same request run alone against the file (tests/test_server_exact.py, auto at T=1, failed about one run in
-# three).  The first caller measures and writes; the others wait and read what it wrote.
+# own: without this, each could measure a profile of its own (timings differ run to run), one on disk and others
+# in memory, and a seeded request priced by one in memory could choose other arms than the same request run
+# alone against the file.  The first caller measures and writes; the others wait and read what it wrote.
 _MEASURING = threading.Lock()
 
 

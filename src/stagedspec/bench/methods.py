@@ -218,9 +218,7 @@ def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts
 
 def _measured_description(method: str, draft: str, context: bool, ngram_spec: str | None) -> str:
     """What a measured method (`SpeculationConfig.sizing`) runs: its arms, `ar` among them."""
-    from stagedspec.auto import arms_for
-
-    from stagedspec.auto import STAGE_LONG_LOOKUP, STAGE_LOOKUP_EXTRA
+    from stagedspec.auto import STAGE_LONG_LOOKUP, STAGE_LOOKUP_EXTRA, arms_for
 
     sizes = "/".join(dict.fromkeys(str(a.size) for a in arms_for(True, True, "cpu", method) if a.kind == method))
     what = {"tree": f"a best-first tree of {sizes} nodes from draft {draft}",
