@@ -64,7 +64,8 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="auto (each step, whichever of the others this machine's measured costs and the "
                         "acceptance so far make fastest; never knowingly slower than ar), ar (plain decoding), "
                         "chain (k draft tokens), tree (best-first token tree), lookup (prompt lookup / n-gram "
-                        "drafts, no draft model), staged (oracle <- draft <- lookup); default: staged with "
+                        "drafts, no draft model), staged (oracle <- draft <- lookup); tree, lookup and staged pick "
+                        "their sizes each step unless one is given (--sizing); default: staged with "
                         "--stages, else auto (with the shipped draft for the default oracle)")
     p.add_argument("--ngram", default=None, metavar="SPEC",
                    help="n-gram for lookup/staged/auto: 'default' (built once from the Python stdlib; what "
