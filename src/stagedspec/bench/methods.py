@@ -216,11 +216,11 @@ def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts
     return pipe
 
 
-def _measured_description(method: str, draft: str, context: bool, ngram_spec: str | None) -> str:
-    """What a measured method (`SpeculationConfig.sizing`) runs: its arms, `ar` among them."""
+def _measured_description(method: str, draft: str, context: bool, ngram_spec: str | None, device: str) -> str:
+    """What a measured method (`SpeculationConfig.sizing`) runs on `device`: its arms, `ar` among them."""
     from stagedspec.auto import STAGE_LONG_LOOKUP, STAGE_LOOKUP_EXTRA, arms_for
 
-    sizes = "/".join(dict.fromkeys(str(a.size) for a in arms_for(True, True, "cpu", method) if a.kind == method))
+    sizes = "/".join(dict.fromkeys(str(a.size) for a in arms_for(True, True, device, method) if a.kind == method))
     what = {"tree": f"a best-first tree of {sizes} nodes from draft {draft}",
             "lookup": f"model-free chains of {sizes} tokens ({_bottom(context, ngram_spec)})",
             "staged": f"staged oracle <- {draft} <- {_bottom(context, ngram_spec)}, the draft decoding {sizes} "
@@ -286,7 +286,7 @@ def ours(
                      if s.oracle_lookup and s.context else ")"),
     }[s.method]
     if s.measured and s.method != "auto":
-        desc = _measured_description(s.method, first, s.context, ngram_spec)
+        desc = _measured_description(s.method, first, s.context, ngram_spec, str(pipe.device))
     if quant != "none":
         desc += f", oracle on {quant} weights"
     settings = asdict(s) | {"drafts": list(draft_specs), "oracle_bytes": oracle_bytes, "draft_bytes": draft_bytes,
