@@ -288,6 +288,13 @@ def test_cli_distill_kind_feature_and_eval_draft_side_by_side(tmp_path: Path,
     assert run(distill_args(oracle_dir, corpus, feature, "--kind", "feature", "--ttt-steps", "2")) == 0
     assert json.loads((feature / CONFIG_NAME).read_text())["kind"] == "feature"
     assert run(distill_args(oracle_dir, corpus, independent)) == 0
+    converted = tmp_path / "converted"  # an independent draft continued as a feature draft
+    assert run(distill_args(oracle_dir, corpus, converted, "--kind", "feature", "--init-from", str(independent))) == 0
+    assert json.loads((converted / CONFIG_NAME).read_text())["kind"] == "feature"
+    from stagedspec.cli_distill import _saved_layers  # --layers defaults to the --init-from draft's
+
+    assert _saved_layers(str(independent)) == 1 and _saved_layers(None) is None
+    assert _saved_layers(str(tmp_path / "nothing")) is None
     assert run(distill_args(oracle_dir, corpus, tmp_path / "x", "--ttt-steps", "2")) == 2
     assert "--ttt-steps applies to --kind feature only" in capsys.readouterr().err
 
@@ -301,3 +308,51 @@ def test_cli_distill_kind_feature_and_eval_draft_side_by_side(tmp_path: Path,
     assert [Path(r["draft"]).name for r in both] == ["feature", "independent"]
     for r in both:
         assert 0 <= r["top1"] <= r["top4"] <= 1 and r["tree_mean_accepted_length"] >= 1 and r["draft_cost_ratio"] > 0
+
+
+def test_feature_draft_from_an_independent_draft_starts_as_it_and_learns_the_features(tmp_path: Path) -> None:
+    """`--kind feature --init-from INDEPENDENT`: step 0 computes the independent draft's outputs at every unrolled
+    level (fc ignores the features), the held-out figure starts where that draft's ends, and training moves fc's
+    feature half off zero.  Exactness in decoding holds as for any feature draft."""
+    from stagedspec.distill import oracle_continuation
+    from stagedspec.models.draft import DraftModel
+    from stagedspec.models.feature_draft import feature_draft_from
+
+    oracle = tiny(6, vocab=64)
+    g = torch.Generator().manual_seed(1)
+    corpus = [[i] + oracle_continuation(oracle, [i], 100, SamplingParams(temperature=1.0), g) for i in range(12)]
+    base = dict(layers=2, tokens=8 * 64, seq_len=16, batch_size=4, lr=3e-3, teacher_top_k=16, eval_every=4,
+                eval_windows=8, heldout_fraction=0.1, checkpoint_every=4, fingerprint="fp", vocab_top=40)
+    independent = distill(oracle, None, corpus, DistillConfig(out=str(tmp_path / "ind"), **base), progress=False)
+    start = load_draft(tmp_path / "ind", oracle, dtype=torch.float32)
+    converted = feature_draft_from(start, oracle)
+    assert is_feature_draft(converted) and converted.oracle_layers == start.oracle_layers
+    tokens = torch.tensor([corpus[0][:24], corpus[1][:24]])
+    feats = torch.randn(2, 24, 32)
+    with torch.no_grad():
+        levels = converted.unrolled_hidden(tokens, feats, 3)
+        plain = start.hidden_train(tokens)
+        assert torch.equal(levels[0], plain)  # fc = [0 | I]: the features are read and ignored
+        ref, out = start.new_cache(32), converted.new_cache(32)  # the cached decoding pass agrees too
+        pos = torch.arange(24)
+        assert torch.equal(converted(tokens[:1], pos, out, features=feats[:1]), start(tokens[:1], pos, ref))
+    with pytest.raises(StagedSpecError, match="only from an independent draft"):
+        feature_draft_from(converted, oracle)
+
+    cfg = DistillConfig(out=str(tmp_path / "feat"), kind="feature", ttt_steps=2, init_from=str(tmp_path / "ind"),
+                        **{**base, "lr": 1e-3})
+    trained = distill(oracle, None, corpus, cfg, progress=False)
+    history = json.loads((tmp_path / "feat" / "metrics.json").read_text())
+    ind_end = independent.training_meta["history"][-1]
+    assert abs(history[0]["heldout_kl"] - ind_end["heldout_kl"]) < 1e-3 * ind_end["heldout_kl"]
+    assert trained.fc.weight[:, :32].abs().sum() > 0  # the feature half learned something
+    assert 0 < trained.training_meta["fc_lr_scale"] < 1  # at the embeddings' scale (see `fc_lr_scale`)
+    saved = load_draft(tmp_path / "feat", oracle, expected_fingerprint="fp")
+    assert is_feature_draft(saved) and type(start) is DraftModel
+
+    # a greedy feature tree from the trained, converted draft still emits the oracle's own tokens
+    prompt = [1, 5, 9]
+    ref_tokens = generate_ar(oracle, prompt, max_new_tokens=30).token_ids
+    drafter = FeatureDrafter(saved.eval(), budget=6, max_depth=3, branching=2, max_len=300)
+    out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=30)
+    assert out.token_ids == ref_tokens

@@ -90,7 +90,8 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--layers", type=_int_at_least(1), default=None, metavar="L",
                    help="draft layers, copied from the oracle's (default: 2 for independent, strided from layer 0; "
                         "1 for feature, the oracle's last layers); with --init-from, more layers than the saved "
-                        "independent draft has grows it by no-op layers (copies with zeroed output projections)")
+                        "independent draft has grows it by no-op layers (copies with zeroed output projections); "
+                        "default with --init-from: the saved draft's")
     d.add_argument("--ttt-steps", type=_int_at_least(1), default=1, metavar="K",
                    help="feature drafts: unroll K steps on the draft's own predicted features when training "
                         "('training-time test'; 1 = off)")
@@ -98,6 +99,9 @@ def add_commands(subparsers: Any) -> None:
                    help="loss weight of unrolled step j is D**j")
     d.add_argument("--feature-loss", type=_float_in(0.0, 100.0), default=0.1, metavar="W",
                    help="feature drafts: weight of the smooth-L1 loss between predicted and oracle features")
+    d.add_argument("--fc-lr-scale", type=_float_in(0.0, 100.0), default=0.0, metavar="S",
+                   help="feature drafts: fc's learning rate is S x --lr (default 0: 1 for a fresh feature draft; for "
+                        "one converted from an independent draft, the embeddings' norm over the oracle features')")
     d.add_argument("--vocab-top", type=_int_at_least(0), default=8192, metavar="V",
                    help="draft head over the V most frequent corpus tokens (0 = the oracle's full head)")
     d.add_argument("--tokens", type=_int_at_least(1), default=2_000_000, metavar="N",
@@ -145,7 +149,9 @@ def add_commands(subparsers: Any) -> None:
                         f"WORK_DIR/{SAMPLES_NAME}); share one file between rounds so that only new requests "
                         "are sent to the oracle")
     d.add_argument("--init-from", default=None, metavar="DRAFT",
-                   help="continue training a saved draft ('default' or a draft folder) instead of starting from oracle layers")
+                   help="continue training a saved draft ('default' or a draft folder) instead of starting from oracle layers; "
+                        "with --kind feature, an independent draft becomes a feature draft that computes what it "
+                        "did until training teaches it to use the oracle's features")
     d.add_argument("--teacher-top-k", type=_int_at_least(1), default=64, metavar="K")
     d.add_argument("--eval-every", type=_int_at_least(1), default=50, metavar="S", help="held-out evaluation period (steps)")
     d.add_argument("--checkpoint-every", type=_int_at_least(1), default=100, metavar="S")
@@ -385,7 +391,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     autocast = device_type == "cuda" if args.autocast is None else args.autocast
     n_layers = oracle.config.n_layers
     if args.layers is None:
-        args.layers = 1 if args.kind == "feature" else 2
+        args.layers = _saved_layers(args.init_from) or (1 if args.kind == "feature" else 2)
     if args.kind != "feature" and args.ttt_steps > 1:
         raise StagedSpecError("--ttt-steps applies to --kind feature only")
     if args.layers > n_layers:
@@ -422,7 +428,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio, seed=args.seed,
         teacher_top_k=args.teacher_top_k, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         out=str(work), fingerprint=fingerprint, init_from=args.init_from, kind=args.kind, ttt_steps=args.ttt_steps,
-        ttt_decay=args.ttt_decay, feature_loss=args.feature_loss, save_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.save_dtype],
+        ttt_decay=args.ttt_decay, feature_loss=args.feature_loss, fc_lr_scale=args.fc_lr_scale, save_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.save_dtype],
     )
     streams = order_streams(unique, repeats, cfg.heldout_fraction, args.seed)
     n_tok = [sum(map(len, s)) for s in (plain, chats, samples)]
@@ -645,3 +651,17 @@ def _comparison_table(args: argparse.Namespace, reports: list[dict[str, Any]]) -
     lines = ["  " + " " * width0 + "".join(f"  {h:>{w}}" for h, w in zip(headers, widths))]
     lines += ["  " + f"{label:<{width0}}" + "".join(f"  {v:>{w}}" for v, w in zip(vals, widths)) for label, vals in rows]
     return "\n".join(lines)
+
+
+def _saved_layers(init_from: str | None) -> int | None:
+    """How many layers the `--init-from` draft has (None without one, or when its folder is unreadable: the
+    distillation's own checks then name the problem)."""
+    if not init_from:
+        return None
+    from stagedspec.models.draft import default_draft_dir, read_draft_config
+
+    try:
+        folder = default_draft_dir() if init_from == "default" else Path(init_from).expanduser()
+        return len(read_draft_config(folder)["oracle_layers"])
+    except Exception:  # noqa: BLE001 - reported by the distillation with its own message
+        return None

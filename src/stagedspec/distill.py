@@ -86,11 +86,13 @@ class DistillConfig:
     ttt_steps: int = 1  # feature drafts: steps unrolled on the draft's own predicted features (1 = none)
     ttt_decay: float = 0.8  # loss weight of unrolled step j is ttt_decay ** j
     feature_loss: float = 0.1  # feature drafts: weight of the smooth-L1 loss between predicted and oracle features
+    fc_lr_scale: float = 0.0  # feature drafts: fc's learning rate over lr; 0 = chosen by `fc_lr_scale()`
 
     # Fields an interrupted run may change when it is resumed (they do not affect the weights).
     RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "out", "save_dtype", "fingerprint")
     # Settings added after checkpoints existed: a checkpoint without them was written with these values.
-    ADDED_DEFAULTS = {"kind": "independent", "ttt_steps": 1, "ttt_decay": 0.8, "feature_loss": 0.1}
+    ADDED_DEFAULTS = {"kind": "independent", "ttt_steps": 1, "ttt_decay": 0.8, "feature_loss": 0.1,
+                      "fc_lr_scale": 0.0}
 
     def __post_init__(self) -> None:
         for name in ("layers", "tokens", "seq_len", "batch_size", "teacher_top_k", "eval_every",
@@ -111,6 +113,8 @@ class DistillConfig:
             raise StagedSpecError(f"draft kind must be 'independent' or 'feature', got {self.kind!r}")
         if self.ttt_steps < 1 or (self.ttt_steps > 1 and self.kind != "feature"):
             raise StagedSpecError(f"ttt-steps must be >= 1, and above 1 only for a feature draft, got {self.ttt_steps}")
+        if self.fc_lr_scale < 0:
+            raise StagedSpecError(f"fc-lr-scale must be >= 0 (0 = chosen for the run), got {self.fc_lr_scale}")
         if not 0 < self.ttt_decay <= 1 or self.feature_loss < 0:
             raise StagedSpecError("ttt-decay must be in (0, 1] and feature-loss >= 0")
 
@@ -386,21 +390,23 @@ def distill(
             cls = DraftModel
         student = cls(oracle, cfg.init_layers or cfg.layers, head_tokens, dtype=torch.float32)
     student.train()
-    params = student.trainable_parameters()
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     device = student.embed.weight.device
     use_autocast = device.type == "cuda" if autocast is None else bool(autocast)
     cols_of = support_index(student.support, vocab)
     cols_dev = cols_of.to(device)
-    step, history = 0, []
-    if resume:
-        step, history = _load_checkpoint(out / CHECKPOINT_NAME, student, opt, cfg, data, head_tokens)
-
     windows = data.heldout_windows(cfg.eval_windows, cfg.seq_len)
     # cached: the teacher sees them once (a feature draft also needs the oracle's features of them)
     h_logp, h_ids, *h_hidden = teacher_topk(oracle, windows, cfg.teacher_top_k, with_hidden=feature)
     h_cols = cols_of[h_ids]
     h_feat = h_hidden[0] if feature else None
+
+    params = student.trainable_parameters()
+    fc_scale = fc_lr_scale(cfg, student, windows, h_feat) if feature else 1.0
+    opt = torch.optim.AdamW(_param_groups(student, params, fc_scale), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.weight_decay)
+    step, history = 0, []
+    if resume:
+        step, history = _load_checkpoint(out / CHECKPOINT_NAME, student, opt, cfg, data, head_tokens)
     if step == 0:  # the starting point, so every run shows what training bought
         history = [{"step": 0, "tokens": 0, **_heldout_metrics(student, windows, h_logp, h_ids, h_cols, h_feat)}]
     total = cfg.total_steps
@@ -416,7 +422,7 @@ def distill(
             t_logp, t_ids, *t_hidden = teacher_topk(oracle, tokens, cfg.teacher_top_k, out_device=device,
                                                     with_hidden=feature)
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
+                group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
             opt.zero_grad(set_to_none=True)
             if feature:
                 from stagedspec.distill_feature import feature_loss_backward
@@ -467,11 +473,47 @@ def distill(
         "steps_done": step, "total_steps": total, "tokens_seen": step * cfg.tokens_per_step,
         "corpus_tokens": int(data.train.numel() + data.heldout.numel()),
         "config": _recorded_config(cfg), "history": history[-20:],
+        **({"fc_lr_scale": fc_scale} if feature else {}),
         **({"heldout_kl": history[-1]["heldout_kl"], "heldout_top1": history[-1]["heldout_top1"]} if history else {}),
     }
     if step >= total:
         save_draft(student, out, fingerprint, student.training_meta, dtype=getattr(torch, cfg.save_dtype))
     return student
+
+
+def fc_lr_scale(cfg: DistillConfig, student: DraftModel, windows: Tensor, oracle_features: Tensor | None) -> float:
+    """The learning-rate factor of a feature draft's fc (`cfg.fc_lr_scale`; 0 = chosen here).
+
+    Adam moves every weight by about the learning rate whatever its input's
+    scale, so the change a step makes to fc's output grows with the input.
+    The oracle's final features are about 18 times the token embeddings in
+    norm (SmolLM2-135M: 52 against 2.9).  A fresh feature draft starts with
+    fc = [I | I], dominated by the features anyway.  A draft converted from
+    an independent one (`feature_draft_from`) starts on the embeddings alone,
+    and at the plain learning rate its first steps on the feature half swamp
+    them (held-out top-1 58% -> 21% within 5 steps, measured).  So a
+    converted draft's fc learns at the embeddings' norm over the features'
+    norm on the held-out windows: a step then moves its input by what a step
+    on the embedding half would.
+    """
+    if cfg.fc_lr_scale > 0:
+        return cfg.fc_lr_scale
+    if not getattr(student, "converted_from_independent", False) or oracle_features is None:
+        return 1.0
+    with torch.no_grad():
+        e = student.embed.weight[windows.to(student.embed.weight.device)].float().norm(dim=-1).mean()
+        f = oracle_features.float().norm(dim=-1).mean()
+    return float(f"{float(e / f):.2g}")
+
+
+def _param_groups(student: DraftModel, params: list[torch.nn.Parameter], fc_scale: float) -> list[dict[str, Any]]:
+    """One optimizer group, or two when a feature draft's fc learns at its own rate (`lr_scale`)."""
+    fc = getattr(student, "fc", None)
+    if fc is None or fc_scale == 1.0:
+        return [{"params": params}]
+    mine = {id(p) for p in fc.parameters()}
+    return [{"params": [p for p in params if id(p) not in mine]},
+            {"params": [p for p in params if id(p) in mine], "lr_scale": fc_scale}]
 
 
 def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str) -> tuple[DraftModel, Tensor | None]:
@@ -489,7 +531,7 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
         raise StagedSpecError(f"--init-from {cfg.init_from}: not a draft folder (no {CONFIG_NAME} in {folder})")
     student = load_draft(folder, oracle, expected_fingerprint=fingerprint, dtype=torch.float32)
     kind = getattr(student, "kind", "independent")
-    if kind != cfg.kind:
+    if kind != cfg.kind and not (kind == "independent" and cfg.kind == "feature"):
         raise StagedSpecError(f"--init-from {cfg.init_from} is a {kind} draft, but --kind is {cfg.kind}")
     if student.config.n_layers > cfg.layers or (student.config.n_layers < cfg.layers and kind != "independent"):
         raise StagedSpecError(f"--init-from {cfg.init_from} has {student.config.n_layers} layers, "
@@ -497,6 +539,11 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
                               + (" (only an independent draft can grow layers)" if kind != "independent" else ""))
     if student.config.n_layers < cfg.layers:  # grown with zeroed output projections: the same function at step 0
         student = grow_draft(student, oracle, cfg.layers)
+    if kind != cfg.kind:  # an independent draft as a feature draft that ignores the features at step 0
+        from stagedspec.models.feature_draft import feature_draft_from
+
+        student = feature_draft_from(student, oracle)
+        student.converted_from_independent = True  # its fc learns at its own rate: see `fc_lr_scale`
     student.make_own_weights_trainable()
     return student.train(), student.head_tokens
 

@@ -132,6 +132,36 @@ class FeatureDraftModel(DraftModel):
         return super().num_bytes() + fc
 
 
+def feature_draft_from(draft: DraftModel, oracle: Transformer) -> FeatureDraftModel:
+    """A feature draft that computes exactly what the independent `draft` computes, until training moves it.
+
+    The layers, final norm and head are `draft`'s; fc's feature half starts
+    at zero and its embedding half at the identity, so the oracle's features
+    are read but ignored at step 0 and the unrolled levels equal the
+    independent draft's tree levels.  Distillation (`distill --kind feature
+    --init-from DRAFT`) then only has to learn what the features add, instead
+    of relearning what the trained draft knows (a fresh feature draft starts
+    at a held-out KL of about 20 nats; see docs/draft.md).
+    """
+    if type(draft) is not DraftModel:
+        raise StagedSpecError("a feature draft can start only from an independent draft")
+    p = draft.embed.weight
+    fd = FeatureDraftModel(oracle, list(draft.oracle_layers), draft.head_tokens, dtype=p.dtype, device=p.device)
+    with torch.no_grad():
+        for mine, theirs in zip(fd.layers, draft.layers):
+            mine.load_state_dict(theirs.state_dict())
+        fd.norm.load_state_dict(draft.norm.state_dict())
+        if draft.head is not None:
+            fd.head.weight.copy_(draft.head.weight)
+        H = fd.config.hidden_size
+        fd.fc.weight.zero_()
+        fd.fc.weight[:, H:].copy_(torch.eye(H, device=p.device, dtype=p.dtype))
+        fd.fc.bias.zero_()
+    fd.training_meta = dict(draft.training_meta)
+    fd.fingerprint = draft.fingerprint
+    return fd.train(draft.training)
+
+
 def _qkv(attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
     """Queries [B, H, T, D], keys and values [B, Hkv, T, D] of one attention layer (RoPE applied)."""
     B, T, _ = x.shape
