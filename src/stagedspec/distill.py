@@ -543,7 +543,6 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
         from stagedspec.models.feature_draft import feature_draft_from
 
         student = feature_draft_from(student, oracle)
-        student.converted_from_independent = True  # its fc learns at its own rate: see `fc_lr_scale`
     student.make_own_weights_trainable()
     return student.train(), student.head_tokens
 

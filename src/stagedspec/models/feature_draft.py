@@ -159,6 +159,7 @@ def feature_draft_from(draft: DraftModel, oracle: Transformer) -> FeatureDraftMo
         fd.fc.bias.zero_()
     fd.training_meta = dict(draft.training_meta)
     fd.fingerprint = draft.fingerprint
+    fd.converted_from_independent = True  # its fc then learns at its own rate (`distill.fc_lr_scale`)
     return fd.train(draft.training)
 
 
