@@ -255,6 +255,10 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
     assert every["trees"] == one["positions"] and every["draft_passes_per_tree"] > 0
     assert all(1 >= a >= b >= 0 for a, b in zip(every["depth_reach"], every["depth_reach"][1:]))
     assert abs(1 + sum(every["depth_reach"]) - every["mean_accepted_length"]) < 1e-9
+    assert every["growth"] == "best-first"  # auto on a CPU: what `tree` decodes with here
+    # Level-by-level growth needs static passes; without them, one clear line.
+    assert run(common + ["--draft", str(out), "--tree-growth", "levels", "--json"]) == 2
+    assert "needs static-shape passes" in capsys.readouterr().err
 
     # Two drafts (a repeated flag and a comma list, the duplicate dropped): one table, a column each,
     # measured on the same oracle replies.
@@ -264,7 +268,7 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
     header = text.splitlines()[1].split()
     assert header == ["draft", "layers:1"]
     for row in ("top-1", "top-4 @ reply 0-15", "mean accepted, tree 16", "tree reaches depth 3",
-                "mean accepted, tree 16, every position", "cost (bfloat16"):
+                "mean accepted, tree 16, every position", "cost (bfloat16", "issue 13 targets met"):
         assert any(line.strip().startswith(row) for line in text.splitlines()), row
     assert run(common + ["--draft", f"{out},layers:1", "--json"]) == 0
     both = json.loads(capsys.readouterr().out)
@@ -277,9 +281,22 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
     assert run(common + ["--draft", str(out)]) == 0
     text = capsys.readouterr().out
     assert "top-1 agreement" in text and "by reply position 0-15" in text and "depth reached" in text
-    assert "after every reply prefix" in text
+    assert "after every reply prefix" in text and "(target >= 60%: " in text and "(target <= 0.1: " in text
     assert run(common + ["--draft", str(out), "--no-every-position", "--json"]) == 0
     assert "tree_every_position" not in json.loads(capsys.readouterr().out)
+
+
+def test_eval_draft_checks_issue_13s_targets() -> None:
+    """top-1 >= 60%, top-4 >= 80%, cost <= 0.10, tree-16 >= 3.5 (decoding and every position); tree targets only
+    at budget 16, and only the figures a report has."""
+    from stagedspec.cli_distill import targets_met
+
+    report = {"top1": 0.593, "top4": 0.81, "draft_cost_ratio": 0.088, "tree_every_position": {"mean_accepted_length": 3.5}}
+    got = targets_met(report, 16)
+    assert {k: v["met"] for k, v in got.items()} == {"top1": False, "top4": True, "draft_cost_ratio": True,
+                                                      "tree_every_position": True}
+    assert got["top1"]["value"] == 0.593 and got["top1"]["target"] == 0.60
+    assert "tree_every_position" not in targets_met(report, 8)
 
 
 def test_tree_acceptance_everywhere_with_the_oracle_as_its_own_draft(oracle_dir: Path) -> None:
@@ -297,6 +314,17 @@ def test_tree_acceptance_everywhere_with_the_oracle_as_its_own_draft(oracle_dir:
     lengths = [min(depth, len(r) - i) for r in replies for i in range(len(r))]
     assert got["trees"] == len(lengths)
     assert abs(got["mean_accepted_length"] - (1 + sum(lengths) / len(lengths))) < 1e-9
+
+    assert got["growth"] == "best-first"
+
+    # Grown level by level (CUDA's growth; static passes), the same chains are spelt.
+    from stagedspec.runner import set_pass_mode
+
+    set_pass_mode(oracle, "static")
+    by_level = tree_acceptance_everywhere(oracle, prompts, replies, budget=depth, max_depth=depth, branching=1,
+                                          growth="levels")
+    assert by_level["growth"] == "levels" and by_level["trees"] == got["trees"]
+    assert abs(by_level["mean_accepted_length"] - got["mean_accepted_length"]) < 1e-9
 
     tree = TokenTree([0, 4, 6, 5, 8], [-1, 0, 0, 2, 3])  # root -> 4; root -> 6 -> 5 -> 8
     assert matched_depth(tree, [6, 5, 9]) == 2 and matched_depth(tree, [4, 1]) == 1

@@ -26,6 +26,31 @@ def test_remote_script_refuses_an_unknown_call() -> None:
     assert run.returncode == 2 and "usage" in run.stderr
 
 
+def test_full_scale_round_commands_parse_with_the_cli(tmp_path: Path) -> None:
+    """DRYRUN=1 writes the full-scale commands: one reply sampling, three trainings (the independent draft and two
+    feature drafts converted from it), one eval-draft of all of them; every one is valid for the real CLI."""
+    import shlex
+
+    from stagedspec.cli import build_parser
+
+    env = {**os.environ, "DRYRUN": "1", "ROUND_DIR": str(tmp_path / "r"), "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", str(SCRIPTS / "round.sh")], cwd=SCRIPTS.parents[1], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    commands = [shlex.split(line)[1:] for line in (tmp_path / "r" / "commands").read_text().splitlines()]
+    parsed = [build_parser().parse_args(c) for c in commands]
+    assert sorted(a.func.__name__ for a in parsed) == ["cmd_distill"] * 4 + ["cmd_eval_draft"]
+    runs = {Path(a.out).name: a for a in parsed if a.func.__name__ == "cmd_distill"}  # the three run at once
+    presample, ind, feat_a, feat_b = (runs[n] for n in ("presample", "ind", "featA", "featB"))
+    evaluate = parsed[-1]
+    assert all(a.device == "cuda" and a.init_from == "default" and a.oracle_samples == 12000 and a.seed == 9
+               for a in runs.values())
+    assert presample.stop_after_steps == 1 and ind.kind == "independent" and ind.tokens == 8_000_000
+    assert feat_a.kind == feat_b.kind == "feature" and feat_a.fc_lr_scale == 0 and feat_b.fc_lr_scale == 0.2
+    assert feat_a.ttt_steps == 3 and feat_a.feature_loss == 0 and feat_a.samples_cache != feat_b.samples_cache
+    assert evaluate.device == "cuda" and evaluate.json and len(evaluate.draft[0].split(",")) == 4
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_gpu_round_runs_end_to_end_at_toy_scale_on_the_cpu(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@
 # feature draft as tar files cut into 15 MB pieces (the device returns at most 8 files of 16 MiB).
 #
 # SMOKE=1 runs the same commands on the CPU at toy scale (tests/test_gpu_round.py): it checks the
-# commands, not the drafts.
+# commands, not the drafts.  DRYRUN=1 only writes the full-scale commands to $ROUND_DIR/commands.
 set -uo pipefail
 
 SMOKE=${SMOKE:-0}
@@ -34,18 +34,23 @@ else
   SAMPLES=${SAMPLES:-12000}; SBATCH=256; EVERY=50
   EVAL=""; EXTRA=""; CORPUS=""  # progress on: its per-evaluation lines go to the logs
   # request sources beyond the stdlib: installed packages' documented functions (never HumanEval)
-  PKGS="--sample-from $(python3 - <<'EOF'
+  PKG_PATHS=$(python3 - <<'EOF'
 import importlib.util
 names = ["numpy", "scipy", "sympy", "networkx", "pandas", "sklearn", "matplotlib", "statsmodels"]
 print(" ".join(s.submodule_search_locations[0] for n in names
                if (s := importlib.util.find_spec(n)) and s.submodule_search_locations))
 EOF
-)"
+)
+  PKGS=${PKG_PATHS:+--sample-from $PKG_PATHS}
 fi
+
+stagedspec() {  # DRYRUN=1: write the commands to $R/commands instead of running them (tests/test_gpu_round.py)
+  if [ "${DRYRUN:-0}" = 1 ]; then echo "stagedspec $*" >> "$R/commands"; else python3 -m stagedspec "$@"; fi
+}
 
 run() {  # run NAME ARGS...: one distillation, its log in $R/NAME.log
   local name=$1; shift
-  python3 -m stagedspec distill --device "$DEVICE" --oracle default --out "$R/$name" --work-dir "$R/$name-work" \
+  stagedspec distill --device "$DEVICE" --oracle default --out "$R/$name" --work-dir "$R/$name-work" \
     --seq-len $SEQ --batch-size $BATCH --min-lr-ratio 0.05 --chat-wrap 0.6 --sample-tokens 160 --sample-repeat 2 \
     --sample-batch $SBATCH --eval-every $EVERY --checkpoint-every $EVERY --max-minutes "$TRAIN_MINUTES" \
     $CORPUS $EXTRA "$@" > "$R/$name.log" 2>&1
@@ -71,8 +76,8 @@ cat "$R/status"
 
 # Side by side on the same oracle replies (20 HumanEval prompts unless SMOKE).
 drafts=default
-for d in ind featA featB; do [ -f "$R/$d/draft.safetensors" ] && drafts="$drafts,$R/$d"; done
-python3 -m stagedspec eval-draft --device "$DEVICE" --oracle default --draft "$drafts" $EVAL --json \
+for d in ind featA featB; do [ -f "$R/$d/draft.safetensors" ] || [ "${DRYRUN:-0}" = 1 ] && drafts="$drafts,$R/$d"; done
+stagedspec eval-draft --device "$DEVICE" --oracle default --draft "$drafts" $EVAL --json \
   > "$R/eval-draft.json" 2> "$R/eval-draft.log"
 echo "eval-draft exit $?" >> "$R/status"
 

@@ -38,7 +38,12 @@ from typing import Any, Sequence
 
 from stagedspec.errors import StagedSpecError
 
-TARGETS = {"top1": 0.50, "top4": 0.75, "draft_cost_ratio": 1 / 6}
+# Issue 13's targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
+# draft's cost per token against the oracle's, and the mean accepted length of a budget-16 tree (in decoding and
+# at every reply position; checked only when --tree-budget is 16).
+TARGETS = {"top1": 0.60, "top4": 0.80, "draft_cost_ratio": 0.10, "tree_mean_accepted_length": 3.5,
+           "tree_every_position": 3.5}
+TREE_TARGET_BUDGET = 16
 # Default --sample-batch per device type: a CPU gains little past 16 rows; an H100 sampled 256 at a time (issue 13).
 SAMPLE_BATCH = {"cpu": 16, "cuda": 256}
 SAMPLES_NAME = "oracle_samples.jsonl"  # per-request reply cache (stagedspec.reply_cache)
@@ -185,6 +190,14 @@ def add_commands(subparsers: Any) -> None:
     e.add_argument("--tree-budget", type=_int_at_least(1), default=16, metavar="N")
     e.add_argument("--tree-depth", type=_int_at_least(1), default=6, metavar="D")
     e.add_argument("--branching", type=_int_at_least(1), default=4, metavar="B")
+    from stagedspec.drafters.model import GROWTHS
+
+    e.add_argument("--tree-growth", choices=GROWTHS, default="auto",
+                   help="how the draft grows its trees, as in decoding: best-first on the host, or level by level "
+                        "(EAGLE-2's, one draft pass per level; needs static passes: CUDA, or --static-passes); "
+                        "auto (default): what `tree` decodes with on this device (levels on CUDA)")
+    e.add_argument("--static-passes", action="store_true",
+                   help="CPU: run the static-shape pass path, as on CUDA (needed for --tree-growth levels)")
     e.add_argument("--every-position", action=argparse.BooleanOptionalAction, default=True,
                    help="also grow the draft's tree after every prefix of the oracle's replies and report its "
                         "mean accepted length there: the same positions for every draft, far more trees "
@@ -490,7 +503,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     if not prompts:
         raise StagedSpecError(f"no prompts in {args.prompts} from offset {args.offset}")
     spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
-                chain_length=args.chain_length)
+                chain_length=args.chain_length, tree_growth=args.tree_growth)
     pipe = Pipeline(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec), dtype=args.dtype,
                     device=device, draft_weights=args.draft_weights)
     models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device,
@@ -543,7 +556,8 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
         from stagedspec.tree_acceptance import tree_acceptance_everywhere
 
         everywhere = tree_acceptance_everywhere(model, streams, continuations, budget=args.tree_budget,
-                                                max_depth=args.tree_depth, branching=args.branching)
+                                                max_depth=args.tree_depth, branching=args.branching,
+                                                growth=args.tree_growth)
         if everywhere is not None:  # None: a feature draft (its trees need a decoding run's oracle features)
             report["tree_every_position"] = everywhere
     accept: dict[str, Any] = {}
@@ -571,9 +585,20 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
         report["tree_depth_reach"] = accept["tree"]["depth_reach"]
         report["speed"] = {"ar": ar_speed, **{m: v["tokens_per_second"] for m, v in accept.items()}}
         report["accept_prompts"] = min(args.accept_prompts, len(streams))
-    report["targets"] = {k: {"target": v, "met": (report[k] <= v if k == "draft_cost_ratio" else report[k] >= v)}
-                         for k, v in TARGETS.items()}
+    report["targets"] = targets_met(report, args.tree_budget)
     return report, ar_speed
+
+
+def targets_met(report: dict[str, Any], tree_budget: int) -> dict[str, dict[str, Any]]:
+    """{figure: {"target", "value", "met"}} for each of `TARGETS` the report has (the tree's at budget 16 only)."""
+    out = {}
+    for key, target in TARGETS.items():
+        if key not in report or (key.startswith("tree") and tree_budget != TREE_TARGET_BUDGET):
+            continue
+        value = report[key]["mean_accepted_length"] if key == "tree_every_position" else report[key]
+        met = value <= target if key == "draft_cost_ratio" else value >= target
+        out[key] = {"target": target, "value": value, "met": met}
+    return out
 
 
 def _pct(value: float | None) -> str:
@@ -585,11 +610,17 @@ def _reach(values: list[float]) -> str:
 
 
 def _print_one(args: argparse.Namespace, report: dict[str, Any], where: str) -> None:
-    ok = lambda k: "ok" if report["targets"][k]["met"] else "below target"  # noqa: E731
+    def ok(key: str) -> str:  # "   (target >= 60%: not met)" after a figure that has an issue-13 target
+        t = report["targets"].get(key)
+        if t is None:
+            return ""
+        bound = f"{t['target']:.0%}" if key in ("top1", "top4") else f"{t['target']:g}"
+        return f"   (target {'<=' if key == 'draft_cost_ratio' else '>='} {bound}: {'met' if t['met'] else 'not met'})"
+
     print(f"draft {report['draft']} vs oracle {args.oracle}: {where}")
-    print(f"  top-1 agreement   {report['top1']:6.1%}   (target >= 50%: {ok('top1')})")
+    print(f"  top-1 agreement   {report['top1']:6.1%}{ok('top1')}")
     print(f"  top-2 coverage    {report['top2']:6.1%}")
-    print(f"  top-4 coverage    {report['top4']:6.1%}   (target >= 75%: {ok('top4')})")
+    print(f"  top-4 coverage    {report['top4']:6.1%}{ok('top4')}")
     print(f"  top-8 coverage    {report['top8']:6.1%}")
     print("  by reply position " + "; ".join(
         f"{name} ({b['positions']}): top-1 {_pct(b['top1'])}, top-4 {_pct(b['top4'])}"
@@ -597,17 +628,19 @@ def _print_one(args: argparse.Namespace, report: dict[str, Any], where: str) -> 
     if "speed" in report:
         print(f"  mean accepted length (tokens per oracle step, greedy, {report['accept_prompts']} prompts x "
               f"{args.accept_tokens} tokens): chain k={args.chain_length} {report['chain_mean_accepted_length']:.2f}, "
-              f"tree budget={args.tree_budget} {report['tree_mean_accepted_length']:.2f}")
+              f"tree budget={args.tree_budget} {report['tree_mean_accepted_length']:.2f}"
+              f"{ok('tree_mean_accepted_length')}")
         print(f"  depth reached (share of steps, depth 1..): chain {_reach(report['chain_depth_reach'])}; "
               f"tree {_reach(report['tree_depth_reach'])}")
         sp = report["speed"]
         print(f"  speed (tokens/s): ar {sp['ar']:.1f}, chain {sp['chain']:.1f}, tree {sp['tree']:.1f}")
     if "tree_every_position" in report:
         ev = report["tree_every_position"]
-        print(f"  tree budget={args.tree_budget} after every reply prefix ({ev['trees']} trees): mean accepted length "
-              f"{ev['mean_accepted_length']:.2f}; depth reached {_reach(ev['depth_reach'])}")
+        print(f"  tree budget={args.tree_budget} ({ev['growth']}, depth {args.tree_depth}) after every reply prefix "
+              f"({ev['trees']} trees, {ev['draft_passes_per_tree']:.1f} draft passes each): mean accepted length "
+              f"{ev['mean_accepted_length']:.2f}; depth reached {_reach(ev['depth_reach'])}{ok('tree_every_position')}")
     print(f"  cost per token    draft {report['draft_ms_per_token']:.2f} ms / oracle {report['oracle_ms_per_token']:.2f} ms "
-          f"= {report['draft_cost_ratio']:.3f} in {report['timing_dtype']} (target <= 0.167: {ok('draft_cost_ratio')})")
+          f"= {report['draft_cost_ratio']:.3f} in {report['timing_dtype']}{ok('draft_cost_ratio')}")
     print(f"  draft weights     {report.get('weights', 'native')} ({report.get('weights_reason', '')})")
 
 
@@ -640,11 +673,15 @@ def _comparison_table(args: argparse.Namespace, reports: list[dict[str, Any]]) -
         rows.append(("tok/s ar (oracle alone)", col(lambda r: f"{r['speed']['ar']:.1f}")))
     if all("tree_every_position" in r for r in reports):
         trees = reports[0]["tree_every_position"]["trees"]
-        rows.append((f"mean accepted, tree {args.tree_budget}, every position ({trees})",
+        growth = reports[0]["tree_every_position"]["growth"]
+        rows.append((f"mean accepted, tree {args.tree_budget}, every position ({trees} trees, {growth}, "
+                     f"depth {args.tree_depth})",
                      col(lambda r: f"{r['tree_every_position']['mean_accepted_length']:.2f}")))
     rows.append((f"cost ({reports[0]['timing_dtype']}, draft/oracle)", col(lambda r: f"{r['draft_cost_ratio']:.3f}")))
     rows.append(("draft ms/token", col(lambda r: f"{r['draft_ms_per_token']:.2f}")))
     rows.append(("draft weights", col(lambda r: r.get("weights", "native"))))
+    rows.append(("issue 13 targets met", col(lambda r: f"{sum(t['met'] for t in r['targets'].values())}"
+                                                        f"/{len(r['targets'])}")))
     headers = _column_names([r["draft"] for r in reports])
     width0 = max(len(label) for label, _ in rows)
     widths = [max(len(h), *(len(vals[i]) for _, vals in rows)) for i, h in enumerate(headers)]

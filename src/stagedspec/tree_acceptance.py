@@ -11,8 +11,9 @@ for 20 prompts, without running the oracle again.
 In greedy decoding the oracle accepts the longest tree path that spells its
 own continuation, so that is the accepted length here (up to bf16 near-ties
 between a verification pass and one-token decoding).  The tree is the one
-`ModelDrafter` grows in decoding (best-first, the same budget, depth,
-branching and width), so tree shapes can be compared with it too.
+`ModelDrafter` grows in decoding (best-first, or level by level as on
+CUDA; the same budget, depth, branching and width), so tree shapes can be
+compared with it too.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def matched_depth(tree: TokenTree, continuation: Sequence[int]) -> int:
 @torch.inference_mode()
 def tree_acceptance_everywhere(draft: Transformer, prompt_streams: Sequence[Sequence[int]],
                                continuations: Sequence[Sequence[int]], *, budget: int, max_depth: int,
-                               branching: int) -> dict[str, Any] | None:
+                               branching: int, growth: str = "best-first") -> dict[str, Any] | None:
     """Mean accepted length (1 + matched draft tokens) of greedy trees grown after every reply prefix.
 
-    Returns {"trees", "mean_accepted_length", "depth_reach", "draft_passes_per_tree"}, where
+    `growth` is `ModelDrafter`'s: "best-first", "levels" (static passes only) or "auto" (what decoding on the
+    draft's device uses).
+    Returns {"trees", "mean_accepted_length", "depth_reach", "draft_passes_per_tree", "growth"}, where
     depth_reach[d - 1] is the share of trees whose accepted path reaches depth d; None for a
     feature draft, whose trees need the oracle's hidden states from a decoding run.
     """
@@ -55,7 +58,7 @@ def tree_acceptance_everywhere(draft: Transformer, prompt_streams: Sequence[Sequ
         return None
     drafter = ModelDrafter(draft, budget=budget, max_depth=max_depth, branching=branching,
                            max_len=max((len(p) + len(c) for p, c in zip(prompt_streams, continuations)), default=1) + 1,
-                           growth="best-first")
+                           growth=growth)
     greedy = SamplingParams()
     matched: list[int] = []
     passes = 0
@@ -71,4 +74,4 @@ def tree_acceptance_everywhere(draft: Transformer, prompt_streams: Sequence[Sequ
     return {"trees": n,
             "mean_accepted_length": 1.0 + sum(matched) / n if n else 0.0,
             "depth_reach": [sum(m >= d for m in matched) / n if n else 0.0 for d in range(1, deepest + 1)],
-            "draft_passes_per_tree": passes / n if n else 0.0}
+            "draft_passes_per_tree": passes / n if n else 0.0, "growth": drafter.growth}
