@@ -36,6 +36,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="static-shape passes (CUDA, or --static-passes on a CPU) through torch.compile: fewer, fused "
                         "kernels; tens of seconds of compiling per pass shape the first time (cached on disk)")
+    _add_static_passes_arg(p)
+
+
+def _add_static_passes_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-passes", action="store_true",
                    help="CPU: run the static-shape pass path (fixed row buckets, the whole cache as keys), as on CUDA")
 

@@ -196,8 +196,9 @@ def add_commands(subparsers: Any) -> None:
                    help="how the draft grows its trees, as in decoding: best-first on the host, or level by level "
                         "(EAGLE-2's, one draft pass per level; needs static passes: CUDA, or --static-passes); "
                         "auto (default): what `tree` decodes with on this device (levels on CUDA)")
-    e.add_argument("--static-passes", action="store_true",
-                   help="CPU: run the static-shape pass path, as on CUDA (needed for --tree-growth levels)")
+    from stagedspec.cli import _add_static_passes_arg
+
+    _add_static_passes_arg(e)  # needed for --tree-growth levels on a CPU
     e.add_argument("--every-position", action=argparse.BooleanOptionalAction, default=True,
                    help="also grow the draft's tree after every prefix of the oracle's replies and report its "
                         "mean accepted length there: the same positions for every draft, far more trees "
