@@ -219,35 +219,40 @@ def test_transformers_baselines_run_on_the_shared_weights(fp32_oracle) -> None: 
     assert outs["hf-lookup"].token_ids == outs["hf-generate"].token_ids
 
 
-def test_llamacpp_is_skipped_with_a_reason_when_not_installed(monkeypatch) -> None:  # noqa: ANN001
-    import sys
+def test_llamacpp_is_skipped_with_a_reason_when_not_built(monkeypatch) -> None:  # noqa: ANN001
+    from stagedspec.bench import llamacpp
+    from stagedspec.bench.methods import MethodSkipped
 
-    from stagedspec.bench.methods import MethodSkipped, llamacpp_method
+    class CpuModels:
+        device = "cpu"
+        oracle_spec = "default"
 
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
-    with pytest.raises(MethodSkipped, match="llama-cpp-python is not installed"):
-        llamacpp_method(object(), "llamacpp", 256)  # type: ignore[arg-type]
+    monkeypatch.setattr(llamacpp, "bin_dir", lambda: None)
+    with pytest.raises(MethodSkipped, match="scripts/llamacpp/build.sh"):
+        llamacpp.llamacpp_method(CpuModels(), "llamacpp", 256, None)  # type: ignore[arg-type]
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("name", ["llamacpp", "llamacpp-lookup"])
-def test_llamacpp_methods_when_installed(name) -> None:  # noqa: ANN001
-    pytest.importorskip("llama_cpp")
-    from stagedspec.bench.methods import BenchModels, llamacpp_method
+@pytest.mark.parametrize("name", ["llamacpp", "llamacpp-ngram"])
+def test_llamacpp_methods_when_built(name) -> None:  # noqa: ANN001
+    from stagedspec.bench import llamacpp
+    from stagedspec.bench.methods import BenchModels
     from stagedspec.sampling import SamplingParams
 
-    models = BenchModels("default", "bf16", "cpu")
+    if llamacpp.bin_dir() is None:
+        pytest.skip("llama.cpp is not built here (scripts/llamacpp/build.sh)")
+    models = BenchModels("default", "fp32", "cpu")
     tok = models.tokenizer
     ids = tok.encode(tok.apply_chat_template("Write a Python function that adds two numbers."))
-    m = llamacpp_method(models, name, 512)
+    m = llamacpp.llamacpp_method(models, name, 512, None)
     try:
         out = m.run(ids, 8, SamplingParams(), 0)
         again = m.run(ids, 8, SamplingParams(), 0)
     finally:
         if m.close is not None:
             m.close()
-    assert 0 < out.new_tokens <= 8 and out.oracle_forward_passes >= 1
-    assert again.token_ids == out.token_ids  # the cache is reset between runs
+    assert 0 < out.new_tokens <= 8 and out.oracle_forward_passes >= 1 and out.seconds > 0
+    assert again.token_ids == out.token_ids  # no state carried between runs
 
 
 def test_tree_cost_curve_runs_passes_like_the_oracle() -> None:

@@ -76,6 +76,21 @@ def test_dtype_auto_is_printed_once_and_recorded(capsys) -> None:  # noqa: ANN00
 
 
 @pytest.mark.real_model
+def test_the_default_runs_the_ggufs_own_4_bit_codes_and_names_the_kernel(capsys) -> None:  # noqa: ANN001
+    """`--quant auto` (the default) on the embedded Q4_1 GGUF: int4 layers, and the stats say which kernel ran."""
+    from stagedspec.kernels.native import native_kernels
+
+    code, out, err = run_cli(["generate", "def f(x):", "--max-new-tokens", "4", "--json", "--method", "ar"], capsys)
+    assert code == 0, err
+    weights = json.loads(out)["stats"]["weights"]
+    assert weights.startswith("int4 x 120 layers + int8 head, on ")
+    kernels = native_kernels(quiet=True)
+    assert weights.endswith(kernels.name if kernels is not None else "torch")
+    code, out, _ = run_cli(["generate", "def f(x):", "--max-new-tokens", "4", "--json", "--quant", "none"], capsys)
+    assert json.loads(out)["stats"]["weights"] == "unquantised"
+
+
+@pytest.mark.real_model
 def test_tune_measures_and_caches_the_cost_curves(tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
     code, out, err = run_cli(["tune", "--draft", "layers:2", "--dtype", "fp32"], capsys)

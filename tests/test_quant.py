@@ -78,9 +78,14 @@ def test_quantize_model_runs_and_streams_fewer_bytes(mode: str) -> None:
     assert torch.corrcoef(torch.stack([logits.float().flatten(), dense.float().flatten()]))[0, 1] > 0.9
 
 
-def test_bad_quant_settings_are_named() -> None:
+def test_bad_quant_settings_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stagedspec.models.quant as quant
+
     with pytest.raises(StagedSpecError, match="unknown quantisation"):
         check_quant("q3", torch.bfloat16, "cpu")
+    with pytest.raises(StagedSpecError, match="bf16 or fp32"):
+        check_quant("int4", torch.float16, "cpu")
+    monkeypatch.setattr(quant, "native_kernels", lambda: None)  # PyTorch's fallback computes in bf16 only
     with pytest.raises(StagedSpecError, match="--dtype bf16"):
         check_quant("int4", torch.float32, "cpu")
     with pytest.raises(StagedSpecError, match="CPU kernels only"):
@@ -88,9 +93,11 @@ def test_bad_quant_settings_are_named() -> None:
     check_quant("none", torch.float32, "cuda")
 
 
-def test_cli_rejects_quant_with_fp32(capsys) -> None:  # noqa: ANN001
+def test_cli_rejects_quant_with_fp32_on_the_fallback_kernels(capsys, monkeypatch) -> None:  # noqa: ANN001
+    import stagedspec.models.quant as quant
     from stagedspec.cli import main
 
+    monkeypatch.setattr(quant, "native_kernels", lambda: None)
     assert main(["generate", "hi", "--quant", "int4", "--dtype", "fp32"]) == 2
     assert "--dtype bf16" in capsys.readouterr().err
 

@@ -37,7 +37,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from stagedspec.cli_args import add_quant_arg
 from stagedspec.errors import StagedSpecError
+from stagedspec.models.quant import resolve_quant
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree
 
@@ -597,7 +599,7 @@ def add_check_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ngram", default="default", metavar="SPEC",
                    help="n-gram for lookup/staged/auto: 'default' (as `generate` uses for staged and auto), a file, "
                         "or 'none'")
-    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"], help="oracle weights")
+    add_quant_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="the serving dtype to check besides fp32 (auto: what the hardware computes natively)")
@@ -624,7 +626,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     draft = args.draft if args.draft is not None else ("default" if args.oracle in ORACLES_WITH_DRAFTS else None)
     ngram = None if args.ngram in ("none", "") else args.ngram
-    cfg = CheckConfig(oracle=args.oracle, draft=draft, ngram=ngram, quant=args.quant, device=args.device,
+    quant = resolve_quant(args.quant, args.oracle, args.device)
+    cfg = CheckConfig(oracle=args.oracle, draft=draft, ngram=ngram, quant=quant, device=args.device,
                       dtype=args.dtype, quick=args.quick, user_sampling=sampling, budget=budget)
     report = run_check(cfg, out=lambda s: print(s, flush=True))
     print()

@@ -11,7 +11,9 @@ import json
 import sys
 from typing import Sequence
 
+from stagedspec.cli_args import add_quant_arg
 from stagedspec.errors import StagedSpecError
+from stagedspec.models.quant import resolve_quant
 
 
 def _positive_int(text: str) -> int:
@@ -137,9 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt", help="prompt text ('-' reads stdin)")
     _add_model_args(gen)
-    gen.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
-                     help="oracle weights: int4 (groups of 32, as in Q4_1: the default GGUF's own codes) or int8 "
-                          "(per channel), with an int8 output head; CPU and bf16 only (default: none)")
+    add_quant_arg(gen)
     _add_speculation_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--draft", default="default", metavar="SPEC",
                       help="draft model(s) to measure too, comma-separated ('none' for none; default: the shipped "
                            "draft, for the default oracle)")
-    tune.add_argument("--quant", default="none", choices=["none", "int8", "int4"], help="oracle weights")
+    add_quant_arg(tune)
     _add_draft_weights_arg(tune)
     tune.set_defaults(func=cmd_tune)
 
@@ -225,6 +225,7 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
                  oracle_lookup=False if args.no_oracle_lookup else None,
                  adaptive_budget=True if args.adaptive_budget else None)
     sizing = choose_sizing(method, args.sizing, sizes)
+    args.quant = resolve_quant(args.quant, oracle, getattr(args, "device", "cpu"))
     spec = SpeculationConfig.tuned(method, args.quant, getattr(args, "device", "cpu"), ngram=ngram, context=context,
                                    dtype=getattr(args, "dtype", None), tree_growth=args.tree_growth, sizing=sizing,
                                    **sizes)
@@ -263,7 +264,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.dtype == "auto":
         from stagedspec.pipeline import dtype_name
 
-        print(f"stagedspec: dtype {dtype_name(pipe.dtype)} ({pipe.dtype_reason})", file=sys.stderr)
+        print(f"stagedspec: dtype {dtype_name(pipe.dtype)} ({pipe.dtype_reason}); weights: {pipe.weights_description}",
+              file=sys.stderr)
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
@@ -358,10 +360,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     forget_measured_choices()  # re-time the drafts' weight formats too
     forget_measured_plans()  # and the fp32 matmul kernels
+    args.quant = resolve_quant(args.quant, args.oracle, args.device)
     pipe = Pipeline(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
                     dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights)
     profile = pipe.cost_profile(remeasure=True)
-    quant = f", {args.quant} weights" if args.quant != "none" else ""
+    quant = f", {args.quant} weights ({pipe.weights_description})" if args.quant != "none" else ""
     print(f"{profile.machine}; oracle {args.oracle} in {dtype_name(pipe.dtype)} ({pipe.dtype_reason}){quant}; "
           f"measured in {profile.measured_seconds:.1f} s")
     print("\noracle pass:")

@@ -11,6 +11,7 @@ import argparse
 import os
 import socket
 
+from stagedspec.cli_args import add_quant_arg
 from stagedspec.errors import StagedSpecError
 
 
@@ -29,8 +30,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, exact "
                                          "speculation per request; needs the 'serve' extra)")
     _add_model_args(serve)
-    serve.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
-                       help="oracle weights, as for generate (default: none)")
+    add_quant_arg(serve)
     _add_speculation_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=_positive_int, default=8000)

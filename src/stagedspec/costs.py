@@ -123,12 +123,11 @@ def ragged_segment_cost(model: Transformer, context: int = 256, segments: int = 
     A segment has its own attention call per layer against its own cache, and the work around it; the
     cost curves (one sequence) do not see that.  Times `segments` segments of `rows` rows each against one
     segment of all those rows (same rows, same cache length and key width), fastest of `repeats`, and
-    returns the difference per extra segment (0 where ragged passes do not run: a quantised head, static
-    passes, or an error).
+    returns the difference per extra segment (0 where ragged passes do not run: static passes, or an error).
     """
     from stagedspec.models.ragged import Segment, forward_ragged
 
-    if getattr(model, "head_q", None) is not None or pass_mode(model) != "eager" or segments < 2:
+    if pass_mode(model) != "eager" or segments < 2:
         return 0.0
     device = model.embed.weight.device
     total = segments * rows

@@ -89,6 +89,7 @@ class GenerationStats:
     stages: list[dict] = field(default_factory=list)  # per-stage passes and seconds (filled by the pipeline)
     finish_reason: str = "length"
     dtype: str = ""  # the oracle's compute dtype (filled by the pipeline; `--dtype auto` chooses it)
+    weights: str = ""  # the oracle's weight format and kernel, e.g. "mixed on stagedspec-native (AVX2)" (pipeline)
     auto_choices: dict[str, int] = field(default_factory=dict)  # `--method auto`: steps run per arm
 
     @property

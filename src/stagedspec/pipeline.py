@@ -45,12 +45,17 @@ def parse_dtype(name: str) -> torch.dtype:
 def resolve_dtype(name: str, device: str, quant: str = "none") -> tuple[torch.dtype, str]:
     """(dtype, why) for a --dtype value; `auto` asks the hardware (`stagedspec.hardware.auto_dtype`).
 
-    Quantised weights always compute in bf16 (the int4/int8 kernels' format).
+    Quantised weights on the native kernels take either dtype (activations are
+    quantised to int8 inside them), so `auto` asks the hardware for the rest
+    of the pass too; PyTorch's fallback kernels compute in bf16 only.
     """
     if name != "auto":
         return parse_dtype(name), "as asked"
     if quant != "none":
-        return torch.bfloat16, f"--quant {quant} computes in bf16"
+        from stagedspec.kernels.native import native_kernels
+
+        if native_kernels() is None:
+            return torch.bfloat16, f"--quant {quant} on PyTorch's kernels computes in bf16"
     from stagedspec.hardware import auto_dtype
 
     chosen, why = auto_dtype(device)
@@ -401,6 +406,13 @@ class Pipeline:
     _sized_policies: dict | None = None  # the same for each measured method (`sized_policy`)
     dtype_reason: str = "as asked"  # why this dtype (`--dtype auto` asks the hardware)
 
+    @property
+    def weights_description(self) -> str:
+        """The oracle's weight formats and the kernel running them (`--json` stats, `tune`)."""
+        from stagedspec.models.quant import describe_weights
+
+        return describe_weights(self.model)
+
     def __init__(
         self,
         oracle: str = "default",
@@ -726,6 +738,7 @@ class Pipeline:
         if owner is not None:
             self.save_auto_state(owner)  # the shared policy learned something (a seeded run's own is dropped)
         result.stats.dtype = dtype_name(self.dtype)
+        result.stats.weights = self.weights_description
         if hasattr(drafter, "request_choices"):
             result.stats.auto_choices = dict(drafter.request_choices)
         result.text = "".join(text_parts)

@@ -14,8 +14,10 @@ Methods and their families:
 - transformers: `hf-generate` (plain autoregressive `generate`),
   `hf-assisted` (assisted generation with the same draft as `assistant_model`),
   `hf-lookup` (prompt-lookup decoding, `prompt_lookup_num_tokens`);
-- llama.cpp (`llama-cpp-python`, optional): `llamacpp` (plain) and
-  `llamacpp-lookup` (its prompt-lookup drafting), on the oracle's GGUF.
+- llama.cpp (`stagedspec.bench.llamacpp`, where `scripts/llamacpp/build.sh`
+  has built it): `llamacpp` (plain), `llamacpp-spec` (its draft-model
+  speculation) and `llamacpp-ngram` (its ngram-mod drafting), on the
+  oracle's GGUF through `llama-server`.
 
 Every run returns an `Outcome` with the generated ids, wall-clock seconds and
 the forward passes of each model, from which the report derives tokens/s,
@@ -41,16 +43,17 @@ OURS = ("ar", "auto", "chain", "tree", "tree-adaptive", "lookup", "staged")
 # Run only when named: `tree` grown on the host, beside `tree` on a GPU; and tree / lookup / staged at their
 # fixed default sizes every step, beside the measured sizing the CLI runs (`SpeculationConfig.sizing`).
 VARIANTS = ("tree-best-first", "tree-fixed", "lookup-fixed", "staged-fixed")
-QUANTISED = ("int4", "int8")  # suffixes of our methods: `staged@int4` runs staged on the int4 oracle
+# Suffixes of our methods: `staged@int4` runs staged on the int4 oracle; `@mixed` is what `--quant auto` runs on
+# a GGUF; `-torch` runs those weights on PyTorch's kernels (bf16) instead of ours, side by side.
+QUANTISED = ("int4", "int8", "mixed", "int4-torch", "int8-torch")
 INT4 = ("ar@int4", "auto@int4", "lookup@int4", "staged@int4")
 TRANSFORMERS = ("hf-generate", "hf-assisted", "hf-lookup")
-LLAMACPP = ("llamacpp", "llamacpp-lookup")
+LLAMACPP = ("llamacpp", "llamacpp-spec", "llamacpp-ngram")  # run by `stagedspec.bench.llamacpp`
 ALL_METHODS = (*OURS, *VARIANTS, *INT4, *TRANSFORMERS, *LLAMACPP)
 FIXED_VARIANTS = {"tree-fixed": "tree", "lookup-fixed": "lookup", "staged-fixed": "staged"}
 NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "tree-best-first", "tree-fixed", "staged", "staged-fixed",
                "hf-assisted")
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
-LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
 
 
 def split_quant(name: str) -> tuple[str, str]:
@@ -132,15 +135,17 @@ class BenchModels:
         return spec == self.oracle_spec or resolve_model_path(spec) == resolve_model_path(self.oracle_spec)
 
     def oracle_for(self, quant: str) -> Transformer:
-        """The oracle on `quant` weights ("none": the shared unquantised oracle)."""
+        """The oracle on `quant` weights ("none": the shared unquantised oracle; "int4-torch": PyTorch's kernels)."""
         if quant == "none":
             return self.oracle
         if quant not in self._quantised:
             from stagedspec.models.loading import load_model
 
+            mode, _, kernels = quant.partition("-")
+            dtype = torch.bfloat16 if kernels == "torch" else self.dtype  # PyTorch's int4/int8 kernels take bf16
             try:
-                self._quantised[quant] = load_model(self.oracle_spec, dtype=self.dtype, device=self.device,
-                                                    quant=quant)[0]
+                self._quantised[quant] = load_model(self.oracle_spec, dtype=dtype, device=self.device,
+                                                    quant=mode, kernels=kernels or "auto")[0]
             except StagedSpecError as e:
                 raise MethodSkipped(str(e)) from None
         return self._quantised[quant]
@@ -485,6 +490,10 @@ def gguf_for(oracle_spec: str) -> Path | None:
         from stagedspec.models.default import default_gguf_path
 
         return default_gguf_path()
+    from stagedspec.models.named import PARTS_MODELS, parts_model_path
+
+    if oracle_spec in PARTS_MODELS:
+        return parts_model_path(oracle_spec)
     path = Path(oracle_spec).expanduser()
     return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
@@ -500,60 +509,3 @@ def gguf_weight_bytes(path: Path) -> int:
     if "output.weight" in tensors:
         tensors.pop("token_embd.weight", None)
     return sum(tensors.values())
-
-
-def llamacpp_method(models: BenchModels, name: str, max_context: int) -> Method:
-    """`llamacpp` / `llamacpp-lookup` through llama-cpp-python on the oracle's GGUF."""
-    try:
-        import llama_cpp
-    except ImportError:
-        raise MethodSkipped("llama-cpp-python is not installed (optional: pip install llama-cpp-python)") from None
-    if not models.device == "cpu":
-        raise MethodSkipped("llama.cpp runs are CPU-only here")
-    gguf = gguf_for(models.oracle_spec)
-    if gguf is None:
-        raise MethodSkipped("the oracle is not a GGUF, so llama.cpp has no file with the same weights")
-    kw: dict[str, Any] = {}
-    if name == "llamacpp-lookup":
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LLAMACPP_LOOKUP_TOKENS)
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max_context, n_threads=torch.get_num_threads(),
-                          n_threads_batch=torch.get_num_threads(), verbose=False, **kw)
-    eos = set(models.tokenizer.eos_token_ids)
-    real_eval = llm.eval
-    calls = [0]
-
-    def counting_eval(tokens: Sequence[int]) -> None:
-        calls[0] += 1
-        return real_eval(tokens)
-
-    llm.eval = counting_eval  # type: ignore[method-assign] - counts oracle forward passes
-    oracle_bytes = gguf_weight_bytes(gguf)
-
-    def run(ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int) -> Outcome:
-        llm.reset()
-        llm.set_seed(seed)
-        calls[0] = 0
-        greedy = sampling.greedy
-        out: list[int] = []
-        finish = "length"
-        t0 = time.perf_counter()
-        for tok in llm.generate(ids, top_k=1 if greedy else sampling.top_k, top_p=1.0 if greedy else sampling.top_p,
-                                min_p=0.0, typical_p=1.0, temp=0.0 if greedy else sampling.temperature,
-                                repeat_penalty=1.0, reset=True):
-            out.append(int(tok))
-            if tok in eos:
-                finish = "stop"
-                break
-            if len(out) >= max_new_tokens:
-                break
-        seconds = time.perf_counter() - t0
-        return Outcome(out, seconds, calls[0], [], finish_reason=finish)
-
-    desc = (f"llama.cpp {llama_cpp.__version__} on {gguf.name}"
-            + (f", prompt-lookup drafting ({LLAMACPP_LOOKUP_TOKENS} tokens)" if "draft_model" in kw else ", plain"))
-    settings = {"gguf": str(gguf), "llama_cpp_version": llama_cpp.__version__, "oracle_bytes": oracle_bytes,
-                "draft_bytes": [], "lookup_tokens": LLAMACPP_LOOKUP_TOKENS if "draft_model" in kw else None}
-    return Method(name, "llama.cpp", "lookup" if "draft_model" in kw else "baseline", desc, run, settings,
-                  close=llm.close if hasattr(llm, "close") else None)

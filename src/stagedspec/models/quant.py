@@ -1,27 +1,30 @@
-"""Weight-only quantised linear layers (int4 group-wise, int8 per-channel) on PyTorch's CPU kernels.
+"""Weight-only quantised linear layers (int4 and int8 in groups of 32) for the CPU.
 
 Why: at batch size 1 a decoding step streams every weight once, so bytes per
 weight set the speed.  The embedded default model ships as a Q4_1 GGUF: its
 layers *are* 4-bit numbers in groups of 32, each group with a scale and an
-offset.  Running them as 4-bit codes (instead of dequantised bf16) reads a
-quarter of the bytes.  PyTorch has fused CPU kernels for exactly this shape
-(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`); measured on this
-project's 2-core CPU they run the SmolLM2-135M layers in 2.6 ms per row
-instead of 9.6 ms in bf16.
+offset.  Running them as 4-bit codes reads about a quarter of bf16's bytes.
 
-Two properties matter for speculation, and the tests check both:
+Two kernel backends, chosen once per process (`kernels=`):
 
-- each output row depends only on its own input row (no rounding that varies
-  with how many rows share the matmul), so a tree's verification computes
-  the same numbers as one-token decoding;
-- the int4 codes of a Q4_1 source are recovered exactly: Q4_1 quantises a
-  group with offset = min and scale = (max - min) / 15, and re-quantising the
-  dequantised values by min/max finds the same codes.  Only the group's
-  scale and offset are rounded to bf16, the kernel's format.
+- **native** (the default where it builds): `stagedspec.kernels`, C++ with
+  AVX2 / AVX-512 VNNI integer dot products.  Weights: int4 codes with an fp16
+  scale and low per group of 32 (weight = scale * code + low), or int8 codes
+  with an fp16 scale per group of 32.  Activations are quantised to int8 per
+  row and group inside the kernel.  Every row's result is bit-identical
+  whatever shares its pass, and the same on every instruction set.  Runs with
+  bf16 or fp32 activations.
+- **torch** (the fallback, `STAGEDSPEC_QKERNELS=torch`, or where the native
+  build fails): PyTorch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`,
+  bf16 activations only; int4 scales rounded to bf16, int8 one scale per row.
 
-Activations stay bf16 (the kernels' fast path).  The layers have no fp32
-mode: fp32 exists for reference tests, which compare against unquantised
-weights anyway.
+For a Q4_1 source the int4 codes, scales and lows come back exactly (Q4_1
+stores fp16 scale and min, and min/max re-quantisation finds them).  Other
+GGUF types are dequantised to fp32 and re-quantised by min/max per group:
+Q4_K's codes survive where a group spans codes 0 and 15, and are re-rounded
+(within half a step of the new grid) where it does not; Q5/Q6/Q8 layers
+become int4 (or int8 with `int8`).  Exactness of speculation is always with
+respect to the quantised model that results.
 """
 
 from __future__ import annotations
@@ -33,66 +36,141 @@ import torch
 from torch import Tensor, nn
 
 from stagedspec.errors import StagedSpecError
+from stagedspec.kernels import packing
+from stagedspec.kernels.native import NativeKernels, native_kernels
 
-QUANT_MODES = ("none", "int8", "int4")
+# "mixed": each layer int4 where most of its groups are 4-bit in the source (a Q4_0/Q4_1/Q4_K tensor), int8
+# elsewhere (Q5_0, Q6_K, Q8_0): the source's own precision class, as llama.cpp keeps it.  `--quant auto` picks
+# it for a quantised source (a GGUF, or a folder converted from one) on a CPU, and "none" otherwise.
+QUANT_MODES = ("none", "int8", "int4", "mixed")
+QUANT_CHOICES = ("auto", *QUANT_MODES)
+MIXED_INT4_SHARE = 0.5  # a layer runs int4 under "mixed" when at least this share of its groups is 4-bit
 INT4_GROUP = 32  # Q4_1's block size; also the finest group the CPU kernel takes
 _INNER_K_TILES = 2  # packing parameter of the CPU int4 kernel (2 suits K = 576 and 1536)
+KERNEL_CHOICES = ("auto", "native", "torch")
+
+
+def resolve_kernels(choice: str | NativeKernels | None = "auto") -> NativeKernels | None:
+    """The native kernels for `choice` ("auto": native where they build, else PyTorch's), None for PyTorch's."""
+    if choice is None or isinstance(choice, NativeKernels):
+        return choice
+    if choice not in KERNEL_CHOICES:
+        raise StagedSpecError(f"unknown kernel choice {choice!r}: use one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "torch":
+        return None
+    kernels = native_kernels()
+    if kernels is None and choice == "native":
+        raise StagedSpecError("the native int4/int8 kernels are not available on this machine (see the line above)")
+    return kernels
+
+
+def describe_weights(model: nn.Module) -> str:
+    """E.g. "int4 x 196, int8 x 29 layers, int8 head, on stagedspec-native (AVX2)", or "unquantised"."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, (Int4Linear, Int8Linear)) and m is not getattr(model, "head_q", None):
+            kind = "int4" if isinstance(m, Int4Linear) else "int8"
+            counts[kind] = counts.get(kind, 0) + 1
+    if not counts:
+        return "unquantised"
+    layers = ", ".join(f"{k} x {v}" for k, v in sorted(counts.items()))
+    head = " + int8 head" if isinstance(getattr(model, "head_q", None), Int8Linear) else ""
+    return f"{layers} layers{head}, on {kernel_name(model)}"
+
+
+def kernel_name(module: nn.Module) -> str:
+    """Which kernel runs `module`'s quantised layers: 'stagedspec-native (AVX2)', 'torch', or 'none'."""
+    for m in module.modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            return m.kernels.name if m.kernels is not None else "torch"
+    return "none"
 
 
 class Int4Linear(nn.Module):
-    """y = x Wᵀ (+ b) with W stored as 4-bit codes q in groups of `INT4_GROUP` along the input axis.
+    """y = x Wᵀ (+ b) with W stored as 4-bit codes in groups of `INT4_GROUP` along the input axis."""
 
-    Dequantised value: (q - 8) * scale + zero, per (group, output row).
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, kernels: str | NativeKernels | None = "auto") -> None:
         super().__init__()
         out_features, in_features = weight.shape
         if in_features % INT4_GROUP:
             raise StagedSpecError(f"int4 needs input sizes divisible by {INT4_GROUP}, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
-        codes, scale, zero = quantize_int4(weight.float())
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES))
-        # [groups, out, 2] as the kernel wants it
-        self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous())
+        self.kernels = resolve_kernels(kernels)
+        if self.kernels is not None:
+            codes, scale, low = packing.int4_groups_from_float(weight)
+            self.register_buffer("packed", packing.pack_int4(codes, scale, low))
+        else:
+            codes, scale, zero = quantize_int4(weight.float())
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES))
+            # [groups, out, 2] as the kernel wants it
+            self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features), self.packed, INT4_GROUP, self.scales_zeros
-        )
+        flat = x.reshape(-1, self.in_features)
+        if self.kernels is not None:
+            y = self.kernels.q4_linear(flat, self.packed, self.out_features)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_zeros)
         y = y.view(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> Tensor:
         """The weight [out, in] this layer multiplies by, in fp32 (for tests and diagnostics)."""
+        if self.kernels is not None:
+            return packing.unpack_int4(self.packed, self.out_features, self.in_features)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_zeros).float().t()
 
 
 class Int8Linear(nn.Module):
-    """y = x Wᵀ (+ b) with W stored as int8 and one scale per output row (symmetric)."""
+    """y = x Wᵀ (+ b) with W stored as int8: native, one scale per group of 32; torch, one per output row."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, kernels: str | NativeKernels | None = "auto") -> None:
         super().__init__()
-        self.in_features = weight.shape[1]
+        self.out_features, self.in_features = weight.shape
+        self.kernels = resolve_kernels(kernels)
+        if self.in_features % INT4_GROUP:
+            self.kernels = None  # the native layout needs whole groups of 32
         w = weight.float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        scale = scale.to(torch.bfloat16)
-        codes = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale)
+        if self.kernels is not None:
+            codes, scale = packing.int8_groups_from_float(w)
+            self.register_buffer("packed", packing.pack_int8(codes, scale))
+        else:
+            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+            scale = scale.to(torch.bfloat16)
+            codes = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.register_buffer("codes", codes)
+            self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scale)
+        flat = x.reshape(-1, self.in_features)
+        if self.kernels is not None:
+            y = self.kernels.q8_linear(flat, self.packed, self.out_features)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
         y = y.view(*lead, y.shape[-1])
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> Tensor:
+        if self.kernels is not None:
+            return packing.unpack_int8(self.packed, self.out_features, self.in_features)
         return self.codes.float() * self.scale.float()[:, None]
+
+
+class NativeRMSNorm(nn.Module):
+    """RMSNorm on the native kernels (one call instead of PyTorch's chain of small fp32 ops), for quantised models."""
+
+    def __init__(self, norm: nn.Module, kernels: NativeKernels) -> None:
+        super().__init__()
+        self.eps, self.kernels = norm.eps, kernels
+        self.weight = norm.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class RowSwitchLinear(nn.Module):
@@ -144,9 +222,12 @@ def check_quant(mode: str, dtype: torch.dtype, device: str) -> None:
     if mode == "none":
         return
     if not str(device).startswith("cpu"):
-        raise StagedSpecError(f"--quant {mode} runs on PyTorch's CPU kernels only; on {device} use --quant none")
-    if dtype != torch.bfloat16:
-        raise StagedSpecError(f"--quant {mode} computes in bf16; use --dtype bf16 (fp32 is for reference runs)")
+        raise StagedSpecError(f"--quant {mode} runs on CPU kernels only; on {device} use --quant none")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise StagedSpecError(f"--quant {mode} takes bf16 or fp32 activations, not {dtype}")
+    if dtype == torch.float32 and native_kernels() is None:
+        raise StagedSpecError(f"--quant {mode} with fp32 activations needs the native kernels; "
+                              "PyTorch's fallback computes in bf16: use --dtype bf16")
 
 
 def _swap_layers(module: nn.Module, kind: type | tuple[type, ...], make: Callable[[nn.Module], nn.Module]) -> None:
@@ -158,14 +239,61 @@ def _swap_layers(module: nn.Module, kind: type | tuple[type, ...], make: Callabl
             _swap_layers(child, kind, make)
 
 
-def quantize_linears(module: nn.Module, mode: str) -> None:
+def quantize_linears(module: nn.Module, mode: str, kernels: str | NativeKernels | None = "auto") -> None:
     """Replace every `nn.Linear` under `module` by its `mode` counterpart, in place."""
-    make = {"int4": Int4Linear, "int8": Int8Linear}[mode]
-    _swap_layers(module, nn.Linear, lambda linear: make(linear.weight.detach(), linear.bias))
+    kernels = resolve_kernels(kernels)
+
+    def make(linear: nn.Module) -> nn.Module:
+        w = linear.weight.detach()
+        layer_mode = mode if mode != "mixed" else layer_format(w)
+        kind = Int4Linear if layer_mode == "int4" else Int8Linear
+        return kind(w, linear.bias, kernels)
+
+    _swap_layers(module, nn.Linear, make)
 
 
-def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Quantise a `Transformer`'s layers (int4 or int8) and its output head (int8), in place.
+def layer_format(weight: Tensor) -> str:
+    """"int4" where most of the weight's groups of 32 sit on a 4-bit grid (a 4-bit source), else "int8"."""
+    if weight.shape[1] % INT4_GROUP:
+        return "int8"
+    return "int4" if packing.four_bit_share(weight) >= MIXED_INT4_SHARE else "int8"
+
+
+def resolve_quant(choice: str, spec: object, device: str) -> str:
+    """The quantisation mode for a `--quant` value: "auto" is "mixed" for a quantised source on a CPU, else "none".
+
+    Why: a GGUF user expects its 4-bit weights to run as 4-bit (llama.cpp
+    does), and those are the fastest weights here; an HF checkpoint in bf16
+    or fp32 stays as it is unless a mode is named.
+    """
+    if choice != "auto":
+        return choice
+    if not str(device).startswith("cpu"):
+        return "none"
+    return "mixed" if source_is_quantised(spec) else "none"
+
+
+def source_is_quantised(spec: object) -> bool:
+    """Whether a model spec's weights come from a quantised GGUF (read from metadata, no weights loaded)."""
+    import json
+
+    from stagedspec.models.loading import open_gguf, resolve_model_path
+
+    path = resolve_model_path(str(spec))
+    if path.is_dir():
+        try:
+            stamp = json.loads((path / "stagedspec.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return str(stamp.get("source", "")).lower().endswith(".gguf")
+    plain = {"F32", "F16", "BF16", "F64"}
+    reader = open_gguf(path)
+    return any(t.tensor_type.name not in plain for t in reader.tensors if len(t.shape) == 2)
+
+
+def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloat16,
+                   kernels: str | NativeKernels | None = "auto") -> nn.Module:
+    """Quantise a `Transformer`'s layers (int4, int8, or "mixed") and its output head (int8), in place.
 
     Give it full-precision (fp32) weights: quantising values that were
     already rounded to bf16 would move a Q4_1 group's min and max.  Every
@@ -176,9 +304,17 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloa
     """
     if mode == "none":
         return model.to(dtype)
+    kernels = resolve_kernels(kernels)
     for layer in model.layers:
-        quantize_linears(layer, mode)
-    model.head_q = Int8Linear(model.head_weight.detach(), None)
+        quantize_linears(layer, mode, kernels)
+    model.head_q = Int8Linear(model.head_weight.detach(), None, kernels)
+    if kernels is not None:  # the rest of the pass row-independent too: norms and attention on the native kernels
+        from stagedspec.models.transformer import Attention, RMSNorm
+
+        _swap_layers(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernels))
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.native_attention = kernels
     for p in model.parameters():
         p.data = p.data.to(dtype)
     return model

@@ -99,8 +99,8 @@ def forward_ragged(model: Transformer, segments: list[Segment],
     `padded_rows` rows, and the head over `padded_rows` of the picked rows (see the module docstring)."""
     if not segments:
         return []
-    if model.head_q is not None or any(s.tokens.shape[0] != 1 for s in segments):
-        raise ValueError("ragged passes take batch-1 segments of an unquantised model")
+    if any(s.tokens.shape[0] != 1 for s in segments):
+        raise ValueError("ragged passes take batch-1 segments")
     with decoding_mode(model):
         return _forward_ragged(model, segments, pad)
 
@@ -213,7 +213,9 @@ def _attention(attn, x: Tensor, rope, segments: list[Segment], prepared: list[_P
         width = end if mask is None else mask.shape[-1]
         keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
         qs = q[:, :, p.rows]
-        if s.row_independent and mask is not None:
+        if attn.native_attention is not None:  # every row alone: the segment's solo numbers, bit for bit
+            o = attn.native_attention.attention(qs, keys, values, mask, attn.scale or D ** -0.5)
+        elif s.row_independent and mask is not None:
             o = _attend_row_by_row(qs, keys, values, mask, G, attn.scale)
         else:
             o = F.scaled_dot_product_attention(qs.reshape(1, Hkv, G * n, D), keys, values, attn_mask=mask,

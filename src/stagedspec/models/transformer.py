@@ -117,6 +117,9 @@ class Attention(nn.Module):
         self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.arch == "gemma3" else None
         self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.arch == "gemma3" else None
         self.scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
+        # Set by `models.quant.quantize_model` on the native kernels: attention with every row computed alone
+        # (`stagedspec.kernels.attention.cpp`), for passes over the cache (not the static path's slot tensors).
+        self.native_attention = None
 
     def forward(
         self,
@@ -149,7 +152,9 @@ class Attention(nn.Module):
             width = start + T if mask is None else mask.shape[-1]  # a fixed key width: see Transformer.forward
             keys, values = k_cache.narrow(2, 0, width), v_cache.narrow(2, 0, width)
         G = H // Hkv
-        if row_independent and mask is not None:
+        if self.native_attention is not None and not isinstance(start, Tensor):
+            out = self.native_attention.attention(q, keys, values, mask, self.scale or D ** -0.5)
+        elif row_independent and mask is not None:
             out = _attend_row_by_row(q, keys, values, mask, G, self.scale)
         else:
             # Grouped-query attention without copying the cache: the G query heads

@@ -1,0 +1,188 @@
+"""Build, load and self-check the native quantised-linear kernels (`qlinear.cpp`).
+
+Why at first use and not at install: `pip install -e .` stays a pure-Python
+install (the README's first command), and the kernels are compiled for the
+machine that runs them with the compiler it has.  The build takes about half a
+minute once (one line on stderr) and is cached under
+`<cache>/kernels/<torch version>-<source hash>/`; later loads take
+milliseconds.  Where it cannot build (no compiler, no ninja, a non-x86 CPU
+without the portable path working), the engine keeps PyTorch's own int4/int8
+kernels and says so in one line.
+
+`norm.cpp` and `attention.cpp` are the RMSNorm and attention of quantised
+models: one call each, and each row computed alone, so a whole pass is
+bit-identical per row (activations quantised to int8 would turn the last-bit
+differences of PyTorch's attention into visible ones).  `grid.cpp` (in the same library) finds the 4-bit grid a dequantised GGUF
+group sits on, so loading recovers its codes.
+
+Before the kernels are used, the fastest instruction set the CPU has is
+checked against the portable C++ path on random data, bit for bit (the kernels
+promise the same bits on every instruction set); one that disagrees is not
+used.  `STAGEDSPEC_QKERNELS=torch` skips the native kernels altogether.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stagedspec.errors import first_line
+from stagedspec.models.default import cache_root
+
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp"))
+ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
+ENV_SWITCH = "STAGEDSPEC_QKERNELS"
+# -ffp-contract=off: the portable path's float operations stay the ones written (no fused multiply-adds the
+# vector paths do not make).  -fopenmp: at::parallel_for is inline and splits work only where OpenMP is on;
+# the runtime it links is libgomp.so.1, the soname of the copy PyTorch has loaded, so one thread pool serves both.
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """The loaded kernels and the instruction set they run with on this CPU."""
+
+    isa: int
+
+    @property
+    def name(self) -> str:
+        return f"stagedspec-native ({ISA_NAMES.get(self.isa, self.isa)})"
+
+    def q4_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [rows, K] (bf16 or fp32) times int4 weights packed by `packing.pack_int4` -> [rows, out_features]."""
+        return torch.ops.stagedspec_qlinear.q4_linear(x, packed, out_features, self.isa)
+
+    def q8_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [rows, K] (bf16 or fp32) times int8 weights packed by `packing.pack_int8` -> [rows, out_features]."""
+        return torch.ops.stagedspec_qlinear.q8_linear(x, packed, out_features, self.isa)
+
+    def grid_groups(self, w: torch.Tensor, max_levels: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per group of 32 of w [N, K]: (low, step, levels) as `packing.grid_steps_reference` defines them."""
+        return torch.ops.stagedspec_qlinear.grid_groups(w, max_levels)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last axis, each row alone (`norm.cpp`)."""
+        return torch.ops.stagedspec_qlinear.rms_norm(x, weight, eps)
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+        """q [B, H, T, D] over keys/values [B, Hkv, S, D] (GQA when H > Hkv) with an additive bias [T', S] or
+        [B, 1, T', S] (0 / -inf; its first T rows are used) -> [B, H, T, D], each row alone (`attention.cpp`)."""
+        return torch.ops.stagedspec_qlinear.attention(q, keys, values, bias, scale)
+
+    def with_isa(self, isa: int) -> NativeKernels:
+        """The same kernels on another instruction set (tests compare them bit for bit)."""
+        return NativeKernels(isa)
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    return cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '-')}-{digest}"
+
+
+def native_kernels(quiet: bool = False) -> NativeKernels | None:
+    """The native kernels, built and checked once per process; None (with one warning line) where they cannot run."""
+    with _lock:
+        if "result" not in _state:
+            _state["result"], _state["why"] = _load(quiet)
+            if _state["result"] is None and not quiet and _state["why"]:
+                print(f"stagedspec: native int4/int8 kernels unavailable ({_state['why']}); "
+                      "using PyTorch's kernels", file=sys.stderr)
+        return _state["result"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    """Why `native_kernels()` returned None (after it was called), else None."""
+    return _state.get("why")  # type: ignore[return-value]
+
+
+def _load(quiet: bool) -> tuple[NativeKernels | None, str | None]:
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("torch", "0", "off", "none"):
+        return None, None
+    if not hasattr(torch.ops, "stagedspec_qlinear") or not _registered():
+        try:
+            _build(quiet)
+        except Exception as exc:  # noqa: BLE001 - any build failure means the fallback, said in one line
+            return None, f"build failed: {first_line(exc)}"
+    _register_fakes()
+    best = int(torch.ops.stagedspec_qlinear.best_isa())
+    for isa in range(best, -1, -1):
+        if isa == 0 or _agrees_with_portable(isa):
+            return NativeKernels(isa), None
+        print(f"stagedspec: the {ISA_NAMES[isa]} kernels disagree with the portable ones on this CPU; not used",
+              file=sys.stderr)
+    return None, "no instruction set passed the self-check"
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops' results for `torch.compile`'s tracing (`--compile` on the CPU's static passes)."""
+    lib = "stagedspec_qlinear"
+    if "fakes" in _state:
+        return
+    _state["fakes"] = True
+
+    def linear(x: torch.Tensor, packed: torch.Tensor, n: int, isa: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    torch.library.register_fake(f"{lib}::q4_linear", linear)
+    torch.library.register_fake(f"{lib}::q8_linear", linear)
+    torch.library.register_fake(f"{lib}::rms_norm", lambda x, w, eps: torch.empty_like(x))
+    torch.library.register_fake(f"{lib}::attention", lambda q, k, v, bias, scale: torch.empty_like(q))
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.stagedspec_qlinear.best_isa
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _build(quiet: bool) -> None:
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / "stagedspec_qlinear.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return
+    if not quiet:
+        print("stagedspec: building the native int4/int8 kernels for this CPU (once, about 30 s)...",
+              file=sys.stderr, flush=True)
+    cpp_extension.load(
+        name="stagedspec_qlinear", sources=[str(p) for p in SOURCES], build_directory=str(directory),
+        extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+    )
+
+
+def _agrees_with_portable(isa: int) -> bool:
+    """The instruction set's results equal the portable path's, bit for bit, on random weights and rows."""
+    from stagedspec.kernels.packing import pack_int4, pack_int8
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 20, 96
+    x = torch.randn(7, k, generator=g) * torch.rand(7, 1, generator=g) * 4
+    codes4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.05).half()
+    low = (torch.randn(n, k // 32, generator=g) * 0.1).half()
+    p4, p8 = pack_int4(codes4, scale, low), pack_int8(codes8, scale)
+    fast, ref = NativeKernels(isa), NativeKernels(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        if not torch.equal(fast.q4_linear(xd, p4, n), ref.q4_linear(xd, p4, n)):
+            return False
+        if not torch.equal(fast.q8_linear(xd, p8, n), ref.q8_linear(xd, p8, n)):
+            return False
+    return True

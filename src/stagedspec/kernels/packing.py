@@ -1,0 +1,172 @@
+"""Lay quantised weights out the way the native kernels read them (see `qlinear.cpp`'s header).
+
+Why tiles: a tile is 8 output features by one group of 32 inputs, contiguous
+in memory with its scales, so one pass over the weights is one sequential
+stream, and each loaded tile serves every row of the pass before the next loads.
+Output counts are padded to a multiple of 8 with zero weights; the kernels
+never write the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+GROUP = 32  # inputs per quantisation group
+TILE = 8  # output features per tile
+
+
+def _pad_rows(t: Tensor, multiple: int) -> Tensor:
+    extra = (-t.shape[0]) % multiple
+    return t if extra == 0 else torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
+
+
+def _scales_by_tile(values: Tensor) -> Tensor:
+    """fp16 [N, G] -> uint8 [tiles, G, 16]: each (tile, group)'s 8 values, as bytes."""
+    v = _pad_rows(values.to(torch.float16).contiguous(), TILE)
+    tiles, groups = v.shape[0] // TILE, v.shape[1]
+    v = v.reshape(tiles, TILE, groups).permute(0, 2, 1).contiguous()
+    return v.view(torch.uint8).reshape(tiles, groups, 2 * TILE)
+
+
+def pack_int4(codes: Tensor, scale: Tensor, low: Tensor) -> Tensor:
+    """codes uint8 [N, K] in 0..15, scale and low [N, K/32] (weight = scale * code + low) -> packed uint8."""
+    n, k = codes.shape
+    assert k % GROUP == 0 and scale.shape == low.shape == (n, k // GROUP)
+    c = _pad_rows(codes.to(torch.uint8), TILE)
+    tiles, groups = c.shape[0] // TILE, k // GROUP
+    # k = g*32 + half*16 + 4v + i  ->  [tile, g, v, o, i, half]
+    c = c.reshape(tiles, TILE, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    nibbles = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, groups, 128)
+    return torch.cat([nibbles, _scales_by_tile(scale), _scales_by_tile(low)], dim=-1).reshape(-1).contiguous()
+
+
+def pack_int8(codes: Tensor, scale: Tensor) -> Tensor:
+    """codes int8 [N, K] in -127..127, scale [N, K/32] (weight = scale * code) -> packed uint8."""
+    n, k = codes.shape
+    assert k % GROUP == 0 and scale.shape == (n, k // GROUP)
+    c = _pad_rows(codes.to(torch.int8), TILE)
+    tiles, groups = c.shape[0] // TILE, k // GROUP
+    c = c.reshape(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous()  # [tile, g, v, o, i]
+    body = c.view(torch.uint8).reshape(tiles, groups, 256)
+    return torch.cat([body, _scales_by_tile(scale)], dim=-1).reshape(-1).contiguous()
+
+
+def grid_steps(w: Tensor, max_levels: int = 16) -> tuple[Tensor, Tensor, Tensor]:
+    """`grid_steps_reference`, on the native scan where it is built (minutes become seconds on a 1.5B model)."""
+    from stagedspec.kernels.native import native_kernels
+
+    kernels = native_kernels(quiet=True)
+    return kernels.grid_groups(w, max_levels) if kernels is not None else grid_steps_reference(w, max_levels)
+
+
+def grid_steps_reference(w: Tensor, max_levels: int = 16) -> tuple[Tensor, Tensor, Tensor]:
+    """Per group of 32: (low, step, levels) of the evenly spaced grid its values sit on, as found.
+
+    A 4-bit GGUF group (Q4_0, Q4_1, Q4_K) is `scale * code + offset` for 16
+    codes, computed in fp32.  Its step divides the smallest distance d of a
+    value above the group's minimum: the first d / m (m = 1..15) on which
+    every value lies a whole number of steps above the minimum, with at most
+    16 levels from min to max.  `levels` counts those grid points (1 for a
+    constant group), or is 0 where no such grid exists (bf16 or fp32 weights,
+    or Q6_K's two scales per group); `step` is then (max - min) / 15.
+    """
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    span = hi - lo
+    above = g - lo[..., None]
+    smallest = torch.where(above > 1e-5 * span[..., None], above, span[..., None]).amin(-1)
+    step, levels = span / (max_levels - 1), torch.zeros_like(lo)
+    for m in range(15, 0, -1):  # the smallest m that fits is written last
+        s = smallest / m
+        count = span / s
+        pos = above / s[..., None]
+        fits = ((pos - pos.round()).abs() < 1e-3).all(-1) & (count <= max_levels - 0.5)
+        step = torch.where(fits, s, step)
+        levels = torch.where(fits, count.round() + 1, levels)
+    constant = ~(span > 0)
+    return lo, torch.where(constant, torch.ones_like(step), step), torch.where(constant, torch.ones_like(levels), levels)
+
+
+def four_bit_share(w: Tensor) -> float:
+    """The share of `w`'s groups of 32 whose values sit on an even grid of at most 16 levels."""
+    _, _, levels = grid_steps(w)
+    return float(((levels >= 1) & (levels <= 16)).float().mean())
+
+
+def int4_groups_from_float(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """int4 per group of 32: codes uint8 [N, K], scale and low fp16 [N, K/32] (weight = scale * code + low).
+
+    A group already on an even grid of at most 16 levels (a 4-bit GGUF
+    source) keeps its codes: the grid's own step and minimum become scale and
+    low, rounded to fp16 (Q4_0 and Q4_1 store fp16, so theirs come back
+    exactly; Q4_K's products of fp16 and 6-bit scales move by at most 2^-12
+    relative).  Any other group is quantised by min/max, as Q4_1 is made.
+    The codes are chosen against the fp16 values the kernel will use.
+    """
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, step, levels = grid_steps(w)
+    hi = g.amax(-1)
+    own_grid = (levels >= 2) & (levels <= 16)
+    scale = torch.where(own_grid, step, ((hi - lo) / 15.0)).clamp_min(1e-8).half()
+    low = lo.half()
+    codes = torch.round((g - low.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+    return codes.to(torch.uint8).reshape(n, k), scale, low
+
+
+def int8_groups_from_float(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per group of 32: codes int8 [N, K], scale fp16 [N, K/32] (weight = scale * code).
+
+    A group already on an even grid through zero of at most 255 levels (a
+    Q8_0 or Q5_0 source) keeps its codes, its step as the scale; any other
+    group gets Q8_0's rule, scale = max |w| / 127.
+    """
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, step, levels = grid_steps(w, 255)
+    amax = g.abs().amax(-1)
+    through_zero = ((lo / step) - (lo / step).round()).abs() < 1e-3
+    own_grid = (levels >= 2) & through_zero & (amax / step <= 127.5)
+    scale = torch.where(own_grid, step, amax / 127.0).clamp_min(1e-10).half()
+    codes = torch.round(g / scale.float()[..., None]).clamp_(-127, 127)
+    return codes.to(torch.int8).reshape(n, k), scale
+
+
+def dequantize_int4(codes: Tensor, scale: Tensor, low: Tensor) -> Tensor:
+    """The fp32 weight [N, K] that int4 codes stand for (reference for tests)."""
+    n, k = codes.shape
+    c = codes.float().reshape(n, k // GROUP, GROUP)
+    return (c * scale.float()[..., None] + low.float()[..., None]).reshape(n, k)
+
+
+def dequantize_int8(codes: Tensor, scale: Tensor) -> Tensor:
+    n, k = codes.shape
+    return (codes.float().reshape(n, k // GROUP, GROUP) * scale.float()[..., None]).reshape(n, k)
+
+
+def _scales_from_tiles(raw: Tensor, n: int) -> Tensor:
+    """uint8 [tiles, G, 16] -> fp32 [n, G]: the inverse of `_scales_by_tile`."""
+    tiles, groups = raw.shape[:2]
+    v = raw.contiguous().view(torch.float16).reshape(tiles, groups, TILE).permute(0, 2, 1)
+    return v.reshape(tiles * TILE, groups)[:n].float()
+
+
+def unpack_int4(packed: Tensor, n: int, k: int) -> Tensor:
+    """The fp32 weight [n, k] that `pack_int4`'s output multiplies by (tests and dequantised copies)."""
+    tiles, groups = -(-n // TILE), k // GROUP
+    p = packed.reshape(tiles, groups, 160)
+    nib = p[..., :128].reshape(tiles, groups, 4, TILE, 4)
+    codes = torch.stack([nib & 0x0F, nib >> 4], dim=-1)  # [tile, g, v, o, i, half]
+    codes = codes.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE, k)[:n]
+    return dequantize_int4(codes, _scales_from_tiles(p[..., 128:144], n), _scales_from_tiles(p[..., 144:], n))
+
+
+def unpack_int8(packed: Tensor, n: int, k: int) -> Tensor:
+    """The fp32 weight [n, k] that `pack_int8`'s output multiplies by."""
+    tiles, groups = -(-n // TILE), k // GROUP
+    p = packed.reshape(tiles, groups, 272)
+    codes = p[..., :256].contiguous().view(torch.int8).reshape(tiles, groups, 8, TILE, 4)
+    codes = codes.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, k)[:n]
+    return dequantize_int8(codes, _scales_from_tiles(p[..., 256:], n))

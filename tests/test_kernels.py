@@ -1,0 +1,222 @@
+"""The native int4/int8 kernels (`stagedspec.kernels`): layout, accuracy, and exactness per row.
+
+Speculation verifies a tree of R rows in one pass and keeps the accepted
+rows' results as if each had been decoded alone; that is only exact if a
+row's output never depends on the other rows.  These tests check it bit for
+bit for every row count 1..64 and every position, across thread counts and
+across every instruction set this CPU runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagedspec.kernels import native, packing
+
+kernels = native.native_kernels()
+needs_native = pytest.mark.skipif(kernels is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+
+
+def _layers(n: int = 40, k: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random weight packed both ways: (packed int4, its fp32 weight, packed int8, its fp32 weight)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    codes, scale, low = packing.int4_groups_from_float(w)
+    c8, s8 = packing.int8_groups_from_float(w)
+    return (packing.pack_int4(codes, scale, low), packing.dequantize_int4(codes, scale, low),
+            packing.pack_int8(c8, s8), packing.dequantize_int8(c8, s8))
+
+
+def test_packing_round_trips() -> None:
+    p4, w4, p8, w8 = _layers(n=21, k=64)  # 21 outputs: a padded last tile
+    assert torch.equal(packing.unpack_int4(p4, 21, 64), w4)
+    assert torch.equal(packing.unpack_int8(p8, 21, 64), w8)
+
+
+def test_q4_1_groups_come_back_exactly() -> None:
+    """A weight made the Q4_1 way (fp16 scale and min, codes 0 and 15 in each group) is recovered exactly."""
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (16, 4, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = (torch.rand(16, 4, 1, generator=g) * 0.02 + 0.001).half().float()
+    low = ((-7.5 + torch.randn(16, 4, 1, generator=g)) * scale).half().float()
+    w = (codes * scale + low).reshape(16, 128)
+    c, s, lo = packing.int4_groups_from_float(w)
+    assert torch.equal(packing.dequantize_int4(c, s, lo), w)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_matches_its_dequantised_weights(dtype: torch.dtype) -> None:
+    """Only the activations' int8 rounding separates the kernel from x @ W^T (about 0.5% here)."""
+    p4, w4, p8, w8 = _layers(n=64, k=256)
+    x = torch.randn(9, 256).to(dtype)
+    for y, w in ((kernels.q4_linear(x, p4, 64), w4), (kernels.q8_linear(x, p8, 64), w8)):
+        assert y.dtype == dtype and y.shape == (9, 64)
+        ref = x.float() @ w.t()
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 0.02
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_every_row_count_and_position_is_bit_identical_to_the_row_alone(kind: str) -> None:
+    p4, _, p8, _ = _layers(n=24, k=64)
+    run = (lambda x: kernels.q4_linear(x, p4, 24)) if kind == "q4" else (lambda x: kernels.q8_linear(x, p8, 24))
+    x = torch.randn(64, 64, dtype=torch.bfloat16) * torch.rand(64, 1).bfloat16() * 3
+    alone = torch.cat([run(x[i:i + 1]) for i in range(64)])
+    for rows in range(1, 65):
+        assert torch.equal(run(x[:rows]), alone[:rows]), rows
+    perm = torch.randperm(64)
+    assert torch.equal(run(x[perm]), alone[perm])
+    assert torch.equal(run(x[17:50]), alone[17:50])
+
+
+@needs_native
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    p4, _, p8, _ = _layers(n=200, k=128)
+    x = torch.randn(11, 128)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (kernels.q4_linear(x, p4, 200), kernels.q8_linear(x, p8, 200))
+        torch.set_num_threads(max(2, before))
+        many = (kernels.q4_linear(x, p4, 200), kernels.q8_linear(x, p8, 200))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+@needs_native
+def test_every_instruction_set_this_cpu_runs_gives_the_same_bits() -> None:
+    p4, _, p8, _ = _layers(n=48, k=160, seed=4)
+    x = torch.randn(13, 160) * 2
+    portable = kernels.with_isa(0)
+    best = int(torch.ops.stagedspec_qlinear.best_isa())
+    for isa in range(1, best + 1):
+        fast = kernels.with_isa(isa)
+        assert torch.equal(fast.q4_linear(x, p4, 48), portable.q4_linear(x, p4, 48)), native.ISA_NAMES[isa]
+        assert torch.equal(fast.q8_linear(x, p8, 48), portable.q8_linear(x, p8, 48)), native.ISA_NAMES[isa]
+
+
+@needs_native
+def test_zero_rows_and_extreme_activations() -> None:
+    p4, _, _, _ = _layers(n=8, k=32)
+    assert kernels.q4_linear(torch.zeros(0, 32), p4, 8).shape == (0, 8)
+    assert torch.equal(kernels.q4_linear(torch.zeros(2, 32), p4, 8), torch.zeros(2, 8))
+    big = torch.full((1, 32), 3e4)
+    assert torch.isfinite(kernels.q4_linear(big, p4, 8)).all()
+
+
+def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "torch")
+    assert native._load(quiet=True) == (None, None)
+
+
+def test_a_failed_build_falls_back_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    def no_compiler(quiet: bool) -> None:
+        raise RuntimeError("c++: command not found\nmore detail")
+
+    monkeypatch.setattr(native, "_registered", lambda: False)
+    monkeypatch.setattr(native, "_build", no_compiler)
+    monkeypatch.setattr(native, "_state", {})
+    assert native.native_kernels() is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "c++: command not found" in err[0] and "PyTorch's kernels" in err[0]
+
+
+def _q4_k_like(n: int = 64, k: int = 256, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups made as Q4_K makes them: codes over part of 0..15, scale = fp16 x 6-bit (not fp16), offset."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(2, 14, (n, k // 32, 32), generator=g)
+    scale = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 0.001).half().float() * torch.randint(1, 63, (n, k // 32, 1), generator=g)
+    offset = -(torch.rand(n, k // 32, 1, generator=g) * 0.05).half().float() * 7
+    return (codes * scale + offset).reshape(n, k), codes.reshape(n, k), scale.reshape(n, k // 32)
+
+
+def test_grid_detection_keeps_4_bit_codes_and_finds_other_groups_off_grid() -> None:
+    w, codes, scale = _q4_k_like()
+    c, s, low = packing.int4_groups_from_float(w)
+    shift = codes.reshape(64, -1, 32).amin(-1, keepdim=True)
+    assert torch.equal(c.reshape(64, -1, 32).long(), codes.reshape(64, -1, 32) - shift)  # the same codes, from 0
+    rel = (s.float() - scale).abs() / scale
+    assert rel.max() <= 2 ** -11  # the scale only rounded to fp16
+    assert packing.four_bit_share(w) == 1.0
+    assert packing.four_bit_share(torch.randn(16, 64)) == 0.0
+    lo, step, levels = packing.grid_steps_reference(w)
+    assert ((levels >= 2) & (levels <= 16)).all()
+
+
+@needs_native
+def test_native_grid_scan_agrees_with_the_reference() -> None:
+    w, _, _ = _q4_k_like(seed=5)
+    w = torch.cat([w, torch.randn(8, 256), torch.zeros(2, 256)])
+    ref = packing.grid_steps_reference(w)
+    got = kernels.grid_groups(w)
+    assert torch.equal(got[2], ref[2]) and torch.equal(got[0], ref[0])
+    assert torch.allclose(got[1], ref[1], rtol=1e-6)
+
+
+def test_q5_0_and_q8_0_groups_keep_their_codes_in_int8() -> None:
+    g = torch.Generator().manual_seed(3)
+    d = (torch.rand(32, 4, 1, generator=g) * 0.01 + 0.001).half().float()
+    for lo, hi in ((-16, 16), (-127, 128)):  # Q5_0: d * (q - 16); Q8_0: d * q
+        codes = torch.randint(lo, hi, (32, 4, 32), generator=g)
+        codes[..., 0], codes[..., 1] = lo, hi - 1
+        w = (codes * d).reshape(32, 128)
+        c, s = packing.int8_groups_from_float(w)
+        assert torch.equal(packing.dequantize_int8(c, s), w)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_attention_matches_sdpa_with_gqa_and_a_tree_mask(dtype: torch.dtype) -> None:
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(6)
+    B, H, Hkv, T, S, D = 1, 6, 2, 5, 19, 32
+    q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    cache_k = torch.randn(B, Hkv, 40, D, generator=g).to(dtype)  # the cache holds more slots than are keys
+    cache_v = torch.randn(B, Hkv, 40, D, generator=g).to(dtype)
+    keys, values = cache_k.narrow(2, 0, S), cache_v.narrow(2, 0, S)
+    visible = torch.ones(T, S, dtype=torch.bool)
+    visible[:, S - T:] = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                                       [1, 0, 1, 0, 1]], dtype=torch.bool)  # a tree over the last 5 slots
+    bias = torch.zeros(T, S, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    got = kernels.attention(q, keys, values, bias.repeat(H // Hkv, 1), D ** -0.5)
+    ref = F.scaled_dot_product_attention(q.float(), keys.float().repeat_interleave(H // Hkv, 1),
+                                         values.float().repeat_interleave(H // Hkv, 1), attn_mask=bias.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), ref, atol=tol, rtol=tol)
+
+
+def _tiny_quantised_llama():  # noqa: ANN202
+    from stagedspec.models.config import ModelConfig
+    from stagedspec.models.quant import quantize_model
+    from stagedspec.models.transformer import Transformer, init_random
+
+    cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      intermediate_size=128, max_position=128, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True)
+    model = init_random(Transformer(cfg), seed=3).eval().requires_grad_(False)
+    return quantize_model(model, "int4", torch.float32, kernels)
+
+
+@needs_native
+def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row() -> None:
+    """A tree row's logits equal one-token decoding of its path; a prompt split in two passes equals one pass."""
+    model = _tiny_quantised_llama()
+    ids = [5, 9, 33, 2, 200, 17, 41]
+    P = len(ids)
+    with torch.inference_mode():
+        whole = model(torch.tensor([ids]), torch.arange(P), model.new_cache(64))[0]
+        cache = model.new_cache(64)
+        model(torch.tensor([ids[:4]]), torch.arange(4), cache)
+        cache.commit()
+        split = model(torch.tensor([ids[4:]]), torch.arange(4, P), cache)[0]
+        cache.commit([])
+        # a tree over the last three tokens: root ids[4], children ids[5] and 99, grandchild ids[6] under ids[5]
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        tree_logits = model(torch.tensor([[ids[4], ids[5], 99, ids[6]]]), torch.tensor([4, 5, 5, 6]), cache,
+                            tree_mask=tree)[0]
+    assert torch.equal(split, whole[4:])
+    assert torch.equal(tree_logits[[0, 1, 3]], whole[4:])
