@@ -121,7 +121,7 @@ def llamacpp_method(models: BenchModels, name: str, max_context: int, draft: str
     draft_bytes: list[int] = []
     kind = "baseline"
     if name == "llamacpp-spec":
-        draft_gguf = gguf_for(draft) if draft else None
+        draft_gguf = gguf_for(draft) if draft and draft != "default" else None  # "default": our distilled draft
         if draft_gguf is None:
             raise MethodSkipped("llama.cpp's draft-model speculation needs the draft as a GGUF (--draft FILE.gguf)")
         flags = ["-md", str(draft_gguf), "--spec-draft-n-max", str(SPEC_DRAFT_MAX), "-td", str(torch.get_num_threads())]
