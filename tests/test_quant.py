@@ -197,3 +197,14 @@ def test_quantize_draft_makes_an_int8_draft_that_streams_fewer_bytes() -> None:
     with torch.inference_mode():
         logits = draft(torch.tensor([[5, 9]]), torch.arange(2), draft.new_cache(8))
     assert logits.shape == (1, 2, 320) and torch.isinf(logits[0, 0, 64:]).all()  # the restricted head, expanded
+
+
+@pytest.mark.real_model
+def test_library_callers_may_ask_for_auto_quantisation() -> None:
+    """`quant="auto"` means what `--quant auto` means: the default GGUF runs quantised on a CPU."""
+    from stagedspec.models.loading import load_model
+    from stagedspec.models.quant import describe_weights, resolve_quant
+
+    assert resolve_quant("auto", "default", "cuda") == "none"
+    model, _ = load_model("default", dtype=torch.bfloat16, quant="auto")
+    assert describe_weights(model).startswith("int4 x 120 layers")

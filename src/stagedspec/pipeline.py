@@ -438,6 +438,9 @@ class Pipeline:
 
         self.speculation = s = speculation or SpeculationConfig()
         self.device = check_device(device)
+        from stagedspec.models.quant import resolve_quant
+
+        quant = resolve_quant(quant, oracle, self.device)  # "auto", as the CLI takes it, for library callers too
         self.dtype, self.dtype_reason = resolve_dtype(dtype, self.device, quant)
         self.model, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device, quant=quant)
         drafts = [draft] if isinstance(draft, str) else list(draft or [])

@@ -12,8 +12,9 @@ kernels and says so in one line.
 `norm.cpp` and `attention.cpp` are the RMSNorm and attention of quantised
 models: one call each, and each row computed alone, so a whole pass is
 bit-identical per row (activations quantised to int8 would turn the last-bit
-differences of PyTorch's attention into visible ones).  `grid.cpp` (in the same library) finds the 4-bit grid a dequantised GGUF
-group sits on, so loading recovers its codes.
+differences of PyTorch's attention into visible ones).  `grid.cpp` (in the
+same library) finds the 4-bit grid a dequantised GGUF group sits on, so
+loading recovers its codes.
 
 Before the kernels are used, the fastest instruction set the CPU has is
 checked against the portable C++ path on random data, bit for bit (the kernels

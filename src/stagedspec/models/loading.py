@@ -51,6 +51,9 @@ def load_model(
     count (`stagedspec.models.matmul_plan`; `plan_kernels=False`: plain
     `F.linear`, for a model that is trained rather than decoded with).
     """
+    from stagedspec.models.quant import resolve_quant
+
+    quant = resolve_quant(quant, spec, device)  # "auto": "mixed" for a quantised source on a CPU, else "none"
     check_quant(quant, dtype, device)
     path = resolve_model_path(spec)
     load_dtype = dtype if quant == "none" else torch.float32
