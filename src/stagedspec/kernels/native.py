@@ -63,6 +63,11 @@ class NativeKernels:
         """x [rows, K] (bf16 or fp32) times int8 weights packed by `packing.pack_int8` -> [rows, out_features]."""
         return torch.ops.stagedspec_qlinear.q8_linear(x, packed, out_features, self.isa)
 
+    def qlinear(self, x: torch.Tensor, packed: torch.Tensor, formats: list[int], outs: list[int]) -> torch.Tensor:
+        """x [rows, K] times a weight stored as segments along its outputs: segment i holds `outs[i]` outputs in
+        format `formats[i]` (`packing.FORMATS`), packed one after another -> [rows, sum(outs)]."""
+        return torch.ops.stagedspec_qlinear.qlinear(x, packed, formats, outs, self.isa)
+
     def grid_groups(self, w: torch.Tensor, max_levels: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per group of 32 of w [N, K]: (low, step, levels) as `packing.grid_steps_reference` defines them."""
         return torch.ops.stagedspec_qlinear.grid_groups(w, max_levels)
@@ -137,6 +142,7 @@ def _register_fakes() -> None:
 
     torch.library.register_fake(f"{lib}::q4_linear", linear)
     torch.library.register_fake(f"{lib}::q8_linear", linear)
+    torch.library.register_fake(f"{lib}::qlinear", lambda x, packed, formats, outs, isa: x.new_empty(x.shape[0], sum(outs)))
     torch.library.register_fake(f"{lib}::rms_norm", lambda x, w, eps: torch.empty_like(x))
     torch.library.register_fake(f"{lib}::attention", lambda q, k, v, bias, scale: torch.empty_like(q))
 
@@ -169,21 +175,15 @@ def _build(quiet: bool) -> None:
 
 def _agrees_with_portable(isa: int) -> bool:
     """The instruction set's results equal the portable path's, bit for bit, on random weights and rows."""
-    from stagedspec.kernels.packing import pack_int4, pack_int8
+    from stagedspec.kernels.packing import random_segments
 
     g = torch.Generator().manual_seed(0)
-    n, k = 20, 96
+    k = 256
     x = torch.randn(7, k, generator=g) * torch.rand(7, 1, generator=g) * 4
-    codes4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    codes8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = (torch.rand(n, k // 32, generator=g) * 0.05).half()
-    low = (torch.randn(n, k // 32, generator=g) * 0.1).half()
-    p4, p8 = pack_int4(codes4, scale, low), pack_int8(codes8, scale)
+    packed, formats, outs = random_segments(("int4", "int8", "q4_k", "q6_k"), k, g)
     fast, ref = NativeKernels(isa), NativeKernels(0)
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        if not torch.equal(fast.q4_linear(xd, p4, n), ref.q4_linear(xd, p4, n)):
-            return False
-        if not torch.equal(fast.q8_linear(xd, p8, n), ref.q8_linear(xd, p8, n)):
+        if not torch.equal(fast.qlinear(xd, packed, formats, outs), ref.qlinear(xd, packed, formats, outs)):
             return False
     return True

@@ -21,6 +21,16 @@
 //         input 4v+i of output o in its low nibble and input 16+4v+i in its high nibble.
 //   int8: per (tile, group) 272 bytes: 8 vectors of 32 int8 codes (vector v, byte 4*o + i = input
 //         4v+i of output o), then 8 fp16 scales; weight = d * code, code in -127..127.
+//   q4_k: GGUF's Q4_K kept exactly.  Per (tile, super-block of 256 inputs) 1184 bytes: 8 fp16 d, 8 fp16
+//         dmin, then 8 groups of 144 bytes: the int4 code vectors as above, 8 uint8 scales sc and 8 uint8
+//         mins m (6-bit values); weight = (d * sc) * code - dmin * m.  Both products are exact in fp32.
+//   q6_k: GGUF's Q6_K kept exactly.  Per (tile, super-block) 1680 bytes: 8 fp16 d, then 8 groups of 208
+//         bytes: 4 vectors of low nibbles (as int4: code vectors v and v+4), 2 vectors of high 2-bit
+//         pairs (vector u, byte j, bits 2k..2k+1 = code vector 4u+k), 8 int8 scales of inputs 0..15 and
+//         8 of inputs 16..31; weight = d * sc * (code - 32), code in 0..63.
+//
+// A layer may hold several formats one after another along its outputs (a fused q|k|v whose parts a
+// GGUF stores differently): `qlinear` takes the formats and output counts of its segments.
 //
 // Instruction sets are chosen at run time by the caller (`isa` argument); functions are compiled with
 // per-function target attributes, so the library loads on any x86-64 CPU.
@@ -48,11 +58,29 @@ constexpr int64_t kGroup = 32;                      // inputs per quantisation g
 constexpr int64_t kTile = 8;                        // output features per tile
 constexpr int64_t kQ4Bytes = 4 * 32 + 2 * kTile * 2;  // 160
 constexpr int64_t kQ8Bytes = 8 * 32 + kTile * 2;      // 272
+constexpr int64_t kSuper = 256;                     // inputs per K-quant super-block
+constexpr int64_t kGroupsPerSuper = kSuper / kGroup;  // 8
+constexpr int64_t kQ4KGroupBytes = 128 + 2 * kTile;   // 144
+constexpr int64_t kQ4KSuperBytes = 4 * kTile + kGroupsPerSuper * kQ4KGroupBytes;  // 1184
+constexpr int64_t kQ6KGroupBytes = 128 + 64 + 2 * kTile;  // 208
+constexpr int64_t kQ6KSuperBytes = 2 * kTile + kGroupsPerSuper * kQ6KGroupBytes;  // 1680
 constexpr int64_t kRowBlock = 4;                    // rows computed together against one loaded tile
 constexpr int64_t kRowChunk = 64;                   // rows whose activations stay in cache per weight sweep
 constexpr int64_t kPrefetchBytes = 4096;            // how far ahead of the tile being read to prefetch
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+enum Format : int64_t { kInt4 = 0, kInt8 = 1, kQ4K = 2, kQ6K = 3 };
+
+// Bytes of one tile (8 outputs) over K inputs, or -1 where the format cannot hold K inputs.
+int64_t tile_bytes(int64_t format, int64_t K) {
+  switch (format) {
+    case kInt4: return K % kGroup ? -1 : K / kGroup * kQ4Bytes;
+    case kInt8: return K % kGroup ? -1 : K / kGroup * kQ8Bytes;
+    case kQ4K: return K % kSuper ? -1 : K / kSuper * kQ4KSuperBytes;
+    case kQ6K: return K % kSuper ? -1 : K / kSuper * kQ6KSuperBytes;
+    default: return -1;
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Activations: int8 per row and group of 32, with the group's scale d and d * sum(codes).
@@ -62,6 +90,7 @@ struct QuantizedRows {
   std::vector<int8_t> q;  // [rows, K]
   std::vector<float> d;   // [rows, G]
   std::vector<float> s;   // [rows, G] = d * sum(q over the group)
+  std::vector<int32_t> h;  // [rows, 2G] sum(q) over each half group of 16 (Q6_K's sub-blocks)
 };
 
 inline float group_amax_scalar(const float* x) {
@@ -70,23 +99,25 @@ inline float group_amax_scalar(const float* x) {
   return amax;
 }
 
-void quantize_group_scalar(const float* x, int8_t* q, float* d, float* s) {
+void quantize_group_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* h) {
   const float amax = group_amax_scalar(x);
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t sum = 0;
+  int32_t half[2] = {0, 0};
   for (int64_t i = 0; i < kGroup; ++i) {
     float v = std::nearbyint(x[i] * inv);
     v = std::min(127.f, std::max(-127.f, v));
     q[i] = static_cast<int8_t>(v);
-    sum += q[i];
+    half[i / 16] += q[i];
   }
   *d = amax / 127.f;
-  *s = *d * static_cast<float>(sum);
+  *s = *d * static_cast<float>(half[0] + half[1]);
+  h[0] = half[0];
+  h[1] = half[1];
 }
 
 #ifdef STAGEDSPEC_X86
 __attribute__((target("avx2,fma,f16c"))) void quantize_group_avx2(const float* x, int8_t* q, float* d,
-                                                                   float* s) {
+                                                                   float* s, int32_t* h) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
   __m256 m = _mm256_setzero_ps();
@@ -94,10 +125,10 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_group_avx2(const float* x
     v[j] = _mm256_loadu_ps(x + 8 * j);
     m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
   }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float amax = _mm_cvtss_f32(h);
+  __m128 top = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+  top = _mm_max_ss(top, _mm_movehdup_ps(top));
+  const float amax = _mm_cvtss_f32(top);
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   const __m256 vinv = _mm256_set1_ps(inv);
   const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
@@ -114,12 +145,18 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_group_avx2(const float* x
   __m256i p = _mm256_packs_epi16(p01, p23);
   p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
-  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  int32_t half[2];
+  for (int j = 0; j < 2; ++j) {
+    __m256i sum = _mm256_add_epi32(iv[2 * j], iv[2 * j + 1]);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    half[j] = _mm_cvtsi128_si32(s4);
+  }
   *d = amax / 127.f;
-  *s = *d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  *s = *d * static_cast<float>(half[0] + half[1]);
+  h[0] = half[0];
+  h[1] = half[1];
 }
 #endif
 
@@ -131,6 +168,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
   out.q.resize(rows * K);
   out.d.resize(rows * out.G);
   out.s.resize(rows * out.G);
+  out.h.resize(rows * out.G * 2);
   const int64_t G = out.G;
   at::parallel_for(0, rows * G, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -139,11 +177,11 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
       int8_t* q = out.q.data() + r * K + g * kGroup;
 #ifdef STAGEDSPEC_X86
       if (isa != kScalar) {
-        quantize_group_avx2(src, q, &out.d[i], &out.s[i]);
+        quantize_group_avx2(src, q, &out.d[i], &out.s[i], &out.h[2 * i]);
         continue;
       }
 #endif
-      quantize_group_scalar(src, q, &out.d[i], &out.s[i]);
+      quantize_group_scalar(src, q, &out.d[i], &out.s[i], &out.h[2 * i]);
     }
   });
   return out;
@@ -153,9 +191,10 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
 // One tile (8 outputs) against a block of RB rows.  `out` receives RB x 8 floats.
 
 struct RowsView {
-  const int8_t* q;  // first row's codes; rows at stride K
-  const float* d;   // first row's group scales; rows at stride G
+  const int8_t* q;   // first row's codes; rows at stride K
+  const float* d;    // first row's group scales; rows at stride G
   const float* s;
+  const int32_t* h;  // first row's half-group sums; rows at stride 2G
   int64_t K, G;
 };
 
@@ -204,6 +243,78 @@ void q8_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
             isum += static_cast<int32_t>(static_cast<int8_t>(w[32 * v + 4 * o + i])) * x[4 * v + i];
         const float scale = half_to_float(w + 256 + 2 * o) * da;
         acc[r][o] = std::fma(static_cast<float>(isum), scale, acc[r][o]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int o = 0; o < kTile; ++o) out[r * kTile + o] = acc[r][o];
+}
+
+
+// The integer dot product of one int4 code group (int4 layout, 128 bytes) with 32 activation codes, output o.
+inline int32_t q4_group_isum_scalar(const uint8_t* w, const int8_t* x, int o) {
+  int32_t isum = 0;
+  for (int v = 0; v < 4; ++v)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t b = w[32 * v + 4 * o + i];
+      isum += static_cast<int32_t>(b & 0x0F) * x[4 * v + i] + static_cast<int32_t>(b >> 4) * x[16 + 4 * v + i];
+    }
+  return isum;
+}
+
+template <int RB>
+void q4k_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
+  float acc[RB][kTile] = {};
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* head = w + (g / kGroupsPerSuper) * kQ4KSuperBytes;
+    const uint8_t* grp = head + 4 * kTile + (g % kGroupsPerSuper) * kQ4KGroupBytes;
+    for (int o = 0; o < kTile; ++o) {
+      const float dw = half_to_float(head + 2 * o) * static_cast<float>(grp[128 + o]);
+      const float mw = -(half_to_float(head + 2 * kTile + 2 * o) * static_cast<float>(grp[136 + o]));
+      for (int r = 0; r < RB; ++r) {
+        const int32_t isum = q4_group_isum_scalar(grp, a.q + r * a.K + g * kGroup, o);
+        const float scale = dw * a.d[r * a.G + g];
+        acc[r][o] = std::fma(static_cast<float>(isum), scale, acc[r][o]);
+        acc[r][o] = std::fma(mw, a.s[r * a.G + g], acc[r][o]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int o = 0; o < kTile; ++o) out[r * kTile + o] = acc[r][o];
+}
+
+// Q6_K code of input 4v+i of output o in a 208-byte group (see the layout in the header).
+inline int32_t q6k_code(const uint8_t* grp, int v, int o, int i) {
+  const int j = 4 * o + i;
+  const uint8_t nib = v < 4 ? (grp[32 * v + j] & 0x0F) : (grp[32 * (v - 4) + j] >> 4);
+  const uint8_t hi = (grp[128 + 32 * (v / 4) + j] >> (2 * (v % 4))) & 3;
+  return static_cast<int32_t>(nib | (hi << 4));
+}
+
+// The group's exact integer sum over both sub-blocks: sum_sub sc_sub * (sum code * x - 32 * sum x).
+inline int32_t q6k_group_isum_scalar(const uint8_t* grp, const int8_t* x, const int32_t* h, int o) {
+  int32_t isum = 0;
+  for (int sub = 0; sub < 2; ++sub) {
+    int32_t dot = 0;
+    for (int v = 4 * sub; v < 4 * sub + 4; ++v)
+      for (int i = 0; i < 4; ++i) dot += q6k_code(grp, v, o, i) * x[4 * v + i];
+    const int32_t sc = static_cast<int8_t>(grp[192 + 8 * sub + o]);
+    isum += sc * dot - ((sc * h[sub]) << 5);
+  }
+  return isum;
+}
+
+template <int RB>
+void q6k_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
+  float acc[RB][kTile] = {};
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* head = w + (g / kGroupsPerSuper) * kQ6KSuperBytes;
+    const uint8_t* grp = head + 2 * kTile + (g % kGroupsPerSuper) * kQ6KGroupBytes;
+    for (int o = 0; o < kTile; ++o) {
+      const float dw = half_to_float(head + 2 * o);
+      for (int r = 0; r < RB; ++r) {
+        const int32_t isum = q6k_group_isum_scalar(grp, a.q + r * a.K + g * kGroup, a.h + r * 2 * a.G + 2 * g, o);
+        acc[r][o] = std::fma(static_cast<float>(isum), dw * a.d[r * a.G + g], acc[r][o]);
       }
     }
   }
@@ -348,6 +459,148 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   }
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
 }
+
+// Q4_K on AVX2 / VNNI: the int4 group core, with each group's scale and low made from the super-block's
+// d and dmin and the group's 6-bit sc and m (exact products), then the same float steps as int4.
+__attribute__((target("avx2,fma,f16c"))) inline void q4k_group_scales(const uint8_t* head, const uint8_t* grp,
+                                                                     __m256* dw, __m256* mw) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 2 * kTile)));
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 128))));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 136))));
+  *dw = _mm256_mul_ps(d, sc);
+  *mw = _mm256_xor_ps(_mm256_mul_ps(dmin, m), _mm256_set1_ps(-0.f));
+}
+
+#define STAGEDSPEC_Q4K_TILE(NAME, TARGET) \
+template <int RB, bool Vnni> \
+__attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, float* out) { \
+  const __m256i low = _mm256_set1_epi8(0x0F); \
+  const __m256i ones = _mm256_set1_epi16(1); \
+  __m256 acc[RB]; \
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps(); \
+  for (int64_t g = 0; g < a.G; ++g) { \
+    const uint8_t* head = w + (g / kGroupsPerSuper) * kQ4KSuperBytes; \
+    const uint8_t* grp = head + 4 * kTile + (g % kGroupsPerSuper) * kQ4KGroupBytes; \
+    prefetch_group(grp, kQ4KGroupBytes); \
+    __m256i isum[RB]; \
+    for (int r = 0; r < RB; ++r) isum[r] = _mm256_setzero_si256(); \
+    for (int v = 0; v < 4; ++v) { \
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * v)); \
+      const __m256i lo = _mm256_and_si256(wv, low); \
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low); \
+      for (int r = 0; r < RB; ++r) { \
+        const int8_t* x = a.q + r * a.K + g * kGroup; \
+        if constexpr (Vnni) { \
+          isum[r] = _mm256_dpbusd_epi32(isum[r], lo, broadcast4(x + 4 * v)); \
+          isum[r] = _mm256_dpbusd_epi32(isum[r], hi, broadcast4(x + 16 + 4 * v)); \
+        } else { \
+          isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, broadcast4(x + 4 * v))); \
+          isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, broadcast4(x + 16 + 4 * v))); \
+        } \
+      } \
+    } \
+    __m256 dw, mw; \
+    q4k_group_scales(head, grp, &dw, &mw); \
+    for (int r = 0; r < RB; ++r) { \
+      const __m256i exact = Vnni ? isum[r] : _mm256_madd_epi16(isum[r], ones); \
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])); \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]); \
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]); \
+    } \
+  } \
+  for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]); \
+}
+
+STAGEDSPEC_Q4K_TILE(q4k_tile_avx2_impl, "avx2,fma,f16c")
+STAGEDSPEC_Q4K_TILE(q4k_tile_vnni_impl, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#undef STAGEDSPEC_Q4K_TILE
+
+// The 8 code vectors (0..63 as bytes) of a Q6_K group: low nibbles | high pairs << 4.
+template <int K>
+__attribute__((target("avx2"))) inline __m256i q6k_high(__m256i h) {
+  const __m256i mask = _mm256_set1_epi8(0x30);
+  if constexpr (K == 0) return _mm256_and_si256(_mm256_slli_epi16(h, 4), mask);
+  if constexpr (K == 1) return _mm256_and_si256(_mm256_slli_epi16(h, 2), mask);
+  if constexpr (K == 2) return _mm256_and_si256(h, mask);
+  return _mm256_and_si256(_mm256_srli_epi16(h, 2), mask);
+}
+
+__attribute__((target("avx2"))) inline void q6k_codes(const uint8_t* grp, __m256i* code) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128));
+  const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 160));
+  __m256i nib[4];
+  for (int p = 0; p < 4; ++p) nib[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * p));
+  code[0] = _mm256_or_si256(_mm256_and_si256(nib[0], low), q6k_high<0>(h0));
+  code[1] = _mm256_or_si256(_mm256_and_si256(nib[1], low), q6k_high<1>(h0));
+  code[2] = _mm256_or_si256(_mm256_and_si256(nib[2], low), q6k_high<2>(h0));
+  code[3] = _mm256_or_si256(_mm256_and_si256(nib[3], low), q6k_high<3>(h0));
+  code[4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib[0], 4), low), q6k_high<0>(h1));
+  code[5] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib[1], 4), low), q6k_high<1>(h1));
+  code[6] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib[2], 4), low), q6k_high<2>(h1));
+  code[7] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib[3], 4), low), q6k_high<3>(h1));
+}
+
+// Q6_K on AVX2: code x activation pairs with vpmaddubsw (at most 2 * 63 * 127 = 16002 per 16-bit lane;
+// two vectors add to 32004 < 32767), each pair of vectors times its sub-block's scale with vpmaddwd into
+// 32 bits; on VNNI, vpdpbusd sums a sub-block straight into 32 bits and vpmulld applies the scale.  Either
+// way the integer is sum_sub sc * (sum code * x - 32 * sum x): the same number, the same bits.
+#define STAGEDSPEC_Q6K_TILE(NAME, TARGET) \
+template <int RB, bool Vnni> \
+__attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, float* out) { \
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF); \
+  __m256 acc[RB]; \
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps(); \
+  __m256 dw = _mm256_setzero_ps(); \
+  for (int64_t g = 0; g < a.G; ++g) { \
+    const uint8_t* head = w + (g / kGroupsPerSuper) * kQ6KSuperBytes; \
+    const uint8_t* grp = head + 2 * kTile + (g % kGroupsPerSuper) * kQ6KGroupBytes; \
+    if (g % kGroupsPerSuper == 0) dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head))); \
+    prefetch_group(grp, kQ6KGroupBytes); \
+    __m256i code[8]; \
+    q6k_codes(grp, code); \
+    const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 192))); \
+    const __m256i sc2 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 200))); \
+    const __m256i sc1_16 = _mm256_or_si256(_mm256_and_si256(sc1, lo16), _mm256_slli_epi32(sc1, 16)); \
+    const __m256i sc2_16 = _mm256_or_si256(_mm256_and_si256(sc2, lo16), _mm256_slli_epi32(sc2, 16)); \
+    for (int r = 0; r < RB; ++r) { \
+      const int8_t* x = a.q + r * a.K + g * kGroup; \
+      const int32_t* h = a.h + r * 2 * a.G + 2 * g; \
+      __m256i t; \
+      if constexpr (Vnni) { \
+        __m256i u1 = _mm256_setzero_si256(), u2 = _mm256_setzero_si256(); \
+        for (int v = 0; v < 4; ++v) { \
+          u1 = _mm256_dpbusd_epi32(u1, code[v], broadcast4(x + 4 * v)); \
+          u2 = _mm256_dpbusd_epi32(u2, code[v + 4], broadcast4(x + 16 + 4 * v)); \
+        } \
+        t = _mm256_add_epi32(_mm256_mullo_epi32(u1, sc1), _mm256_mullo_epi32(u2, sc2)); \
+      } else { \
+        __m256i s[4]; \
+        for (int p = 0; p < 4; ++p) \
+          s[p] = _mm256_add_epi16(_mm256_maddubs_epi16(code[2 * p], broadcast4(x + 8 * p)), \
+                                  _mm256_maddubs_epi16(code[2 * p + 1], broadcast4(x + 8 * p + 4))); \
+        t = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(s[0], sc1_16), _mm256_madd_epi16(s[1], sc1_16)), \
+                             _mm256_add_epi32(_mm256_madd_epi16(s[2], sc2_16), _mm256_madd_epi16(s[3], sc2_16))); \
+      } \
+      const __m256i corr = _mm256_add_epi32(_mm256_mullo_epi32(sc1, _mm256_set1_epi32(h[0])), \
+                                            _mm256_mullo_epi32(sc2, _mm256_set1_epi32(h[1]))); \
+      const __m256i exact = _mm256_sub_epi32(t, _mm256_slli_epi32(corr, 5)); \
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])); \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]); \
+    } \
+  } \
+  for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]); \
+}
+
+STAGEDSPEC_Q6K_TILE(q6k_tile_avx2_impl, "avx2,fma,f16c")
+STAGEDSPEC_Q6K_TILE(q6k_tile_vnni_impl, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#undef STAGEDSPEC_Q6K_TILE
+
+template <int RB> void q4k_tile_avx2(const uint8_t* w, const RowsView& a, float* out) { q4k_tile_avx2_impl<RB, false>(w, a, out); }
+template <int RB> void q4k_tile_vnni(const uint8_t* w, const RowsView& a, float* out) { q4k_tile_vnni_impl<RB, true>(w, a, out); }
+template <int RB> void q6k_tile_avx2(const uint8_t* w, const RowsView& a, float* out) { q6k_tile_avx2_impl<RB, false>(w, a, out); }
+template <int RB> void q6k_tile_vnni(const uint8_t* w, const RowsView& a, float* out) { q6k_tile_vnni_impl<RB, true>(w, a, out); }
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
@@ -363,36 +616,81 @@ struct TileKernels {
 
 STAGEDSPEC_TABLE(q4_scalar, q4_tile_scalar)
 STAGEDSPEC_TABLE(q8_scalar, q8_tile_scalar)
+STAGEDSPEC_TABLE(q4k_scalar, q4k_tile_scalar)
+STAGEDSPEC_TABLE(q6k_scalar, q6k_tile_scalar)
 #ifdef STAGEDSPEC_X86
 STAGEDSPEC_TABLE(q4_avx2, q4_tile_avx2)
 STAGEDSPEC_TABLE(q8_avx2, q8_tile_avx2)
 STAGEDSPEC_TABLE(q4_vnni, q4_tile_vnni)
 STAGEDSPEC_TABLE(q8_vnni, q8_tile_vnni)
+STAGEDSPEC_TABLE(q4k_avx2, q4k_tile_avx2)
+STAGEDSPEC_TABLE(q4k_vnni, q4k_tile_vnni)
+STAGEDSPEC_TABLE(q6k_avx2, q6k_tile_avx2)
+STAGEDSPEC_TABLE(q6k_vnni, q6k_tile_vnni)
 #endif
 
-TileKernels kernels_for(bool int4, int64_t isa) {
+TileKernels kernels_for(int64_t format, int64_t isa) {
 #ifdef STAGEDSPEC_X86
-  if (isa == kAvx512Vnni) return int4 ? q4_vnni() : q8_vnni();
-  if (isa == kAvx2) return int4 ? q4_avx2() : q8_avx2();
+  if (isa == kAvx512Vnni) {
+    switch (format) {
+      case kInt4: return q4_vnni();
+      case kInt8: return q8_vnni();
+      case kQ4K: return q4k_vnni();
+      default: return q6k_vnni();
+    }
+  }
+  if (isa == kAvx2) {
+    switch (format) {
+      case kInt4: return q4_avx2();
+      case kInt8: return q8_avx2();
+      case kQ4K: return q4k_avx2();
+      default: return q6k_avx2();
+    }
+  }
 #endif
-  return int4 ? q4_scalar() : q8_scalar();
+  switch (format) {
+    case kInt4: return q4_scalar();
+    case kInt8: return q8_scalar();
+    case kQ4K: return q4k_scalar();
+    default: return q6k_scalar();
+  }
 }
 
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool int4, int64_t isa) {
+// A run of output features stored in one format: tiles [first_tile, first_tile + tiles) of the pass.
+struct Segment {
+  TileKernels table;
+  int64_t first_tile, tiles, out_offset, N, bytes_per_tile;
+  const uint8_t* w;
+};
+
+// y = x W^T for a weight stored as segments along its outputs (one segment for most layers).  The
+// activations are quantised once; threads split the tiles of all segments; each tile serves every row.
+at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef formats,
+                            at::IntArrayRef outs, int64_t isa) {
   TORCH_CHECK(x.dim() == 2, "qlinear: x must be [rows, K]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed weights must be contiguous uint8");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be fp32 or bf16");
+  TORCH_CHECK(formats.size() == outs.size() && !formats.empty(), "qlinear: one output count per format");
   const int64_t R = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kGroup == 0, "qlinear: K must be a multiple of 32");
-  const int64_t G = K / kGroup, tiles = (N + kTile - 1) / kTile;
-  const int64_t group_bytes = int4 ? kQ4Bytes : kQ8Bytes;
-  TORCH_CHECK(packed.numel() == tiles * G * group_bytes, "qlinear: packed weights do not match N and K");
+  const int64_t G = K / kGroup;
+  std::vector<Segment> segments;
+  int64_t tiles = 0, N = 0, bytes = 0;
+  for (size_t i = 0; i < formats.size(); ++i) {
+    const int64_t per_tile = tile_bytes(formats[i], K);
+    TORCH_CHECK(per_tile > 0, "qlinear: format ", formats[i], " cannot hold K = ", K, " inputs");
+    const int64_t n = outs[i], t = (n + kTile - 1) / kTile;
+    TORCH_CHECK(n >= 0, "qlinear: negative output count");
+    segments.push_back(Segment{kernels_for(formats[i], isa), tiles, t, N, n, per_tile, packed.data_ptr<uint8_t>() + bytes});
+    tiles += t;
+    N += n;
+    bytes += t * per_tile;
+  }
+  TORCH_CHECK(packed.numel() == bytes, "qlinear: packed weights do not match the formats, outputs and K");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({R, N}, x.options());
-  if (R == 0 || N == 0) return y;
+  if (R == 0) return y;
   const QuantizedRows qa = quantize_rows(xf.data_ptr<float>(), R, K, isa);
-  const TileKernels table = kernels_for(int4, isa);
-  const uint8_t* wbase = packed.data_ptr<uint8_t>();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
@@ -400,17 +698,23 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
     const int64_t rows = std::min(kRowChunk, R - r0);
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       float tmp[kRowBlock * kTile];
+      size_t s = 0;
       for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t* w = wbase + t * G * group_bytes;
-        const int64_t cols = std::min(kTile, N - t * kTile);
+        while (t >= segments[s].first_tile + segments[s].tiles) ++s;
+        const Segment& seg = segments[s];
+        const int64_t local = t - seg.first_tile;
+        const uint8_t* w = seg.w + local * seg.bytes_per_tile;
+        const int64_t cols = std::min(kTile, seg.N - local * kTile);
+        const int64_t col0 = seg.out_offset + local * kTile;
         for (int64_t rb = 0; rb < rows; rb += kRowBlock) {
           const int64_t n = std::min(kRowBlock, rows - rb);
           const int64_t r = r0 + rb;
-          const RowsView view{qa.q.data() + r * K, qa.d.data() + r * G, qa.s.data() + r * G, K, G};
-          table.fn[n](w, view, tmp);
+          const RowsView view{qa.q.data() + r * K, qa.d.data() + r * G, qa.s.data() + r * G,
+                              qa.h.data() + r * 2 * G, K, G};
+          seg.table.fn[n](w, view, tmp);
           for (int64_t i = 0; i < n; ++i)
             for (int64_t o = 0; o < cols; ++o) {
-              const int64_t at = (r + i) * N + t * kTile + o;
+              const int64_t at = (r + i) * N + col0 + o;
               if (bf16)
                 yb[at] = at::BFloat16(tmp[i * kTile + o]);
               else
@@ -423,12 +727,19 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
   return y;
 }
 
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef formats, at::IntArrayRef outs,
+                   int64_t isa) {
+  return segmented_linear(x, packed, formats, outs, isa);
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t isa) {
-  return quantized_linear(x, packed, N, true, isa);
+  const int64_t format = kInt4;
+  return segmented_linear(x, packed, at::IntArrayRef(&format, 1), at::IntArrayRef(&N, 1), isa);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t isa) {
-  return quantized_linear(x, packed, N, false, isa);
+  const int64_t format = kInt8;
+  return segmented_linear(x, packed, at::IntArrayRef(&format, 1), at::IntArrayRef(&N, 1), isa);
 }
 
 // The best instruction set this CPU runs: 2 (AVX-512 VNNI), 1 (AVX2 + FMA + F16C) or 0 (portable C++).
@@ -451,6 +762,7 @@ int64_t best_isa() {
 TORCH_LIBRARY(stagedspec_qlinear, m) {
   m.def("q4_linear(Tensor x, Tensor packed, int N, int isa) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor packed, int N, int isa) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor packed, int[] formats, int[] outs, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor? bias, float scale) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
@@ -459,4 +771,5 @@ TORCH_LIBRARY(stagedspec_qlinear, m) {
 TORCH_LIBRARY_IMPL(stagedspec_qlinear, CPU, m) {
   m.impl("q4_linear", &q4_linear);
   m.impl("q8_linear", &q8_linear);
+  m.impl("qlinear", &qlinear);
 }

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
+from stagedspec.models.gguf_codes import RawTensor
 from stagedspec.models.quant import check_quant, quantize_model
 from stagedspec.models.transformer import Transformer, rope_tables
 from stagedspec.tokenizer import Tokenizer, first_id, id_list
@@ -57,9 +58,13 @@ def load_model(
     check_quant(quant, dtype, device)
     path = resolve_model_path(spec)
     load_dtype = dtype if quant == "none" else torch.float32
-    model, tok = load_hf_folder(path, load_dtype, device) if path.is_dir() else load_gguf(path, load_dtype, device)
+    if path.is_dir():
+        model, tok = load_hf_folder(path, load_dtype, device)
+        sources: dict[str, list[RawTensor]] = {}
+    else:
+        model, tok, sources = load_gguf_with_sources(path, load_dtype, device)
     if quant != "none":
-        quantize_model(model, quant, dtype, kernels)
+        quantize_model(model, quant, dtype, kernels, sources)
     elif plan_kernels:
         from stagedspec.models.matmul_plan import plan_matmuls
 
@@ -111,10 +116,17 @@ def load_hf_folder(folder: Path, dtype: torch.dtype = torch.bfloat16, device: st
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
     """A GGUF file: weights are dequantised to fp32 and then cast to `dtype`."""
+    model, tok, _ = load_gguf_with_sources(path, dtype, device)
+    return model, tok
+
+
+def load_gguf_with_sources(path: Path, dtype: torch.dtype = torch.bfloat16,
+                           device: str = "cpu") -> tuple[Transformer, Tokenizer, dict[str, list[RawTensor]]]:
+    """`load_gguf`, plus each linear layer's stored blocks (`gguf_sources`) for quantisation in the file's formats."""
     ckpt = read_gguf(path)
     cfg = config_from_hf(ckpt.hf_config)
     model = build_model(cfg, convert_hf_state(cfg, ckpt.source, dtype), device)
-    return model, Tokenizer.from_gguf(ckpt.reader)
+    return model, Tokenizer.from_gguf(ckpt.reader), gguf_sources(ckpt, cfg)
 
 
 def load_model_from_state(
@@ -476,6 +488,7 @@ class GGUFCheckpoint:
     hf_config: dict[str, Any]
     source: TensorSource
     tensor_names: list[str] = field(default_factory=list)
+    raw: dict[str, RawTensor] = field(default_factory=dict)  # HF name -> stored blocks, for 2-D weights
 
 
 def open_gguf(path: Path) -> Any:
@@ -608,17 +621,51 @@ def _gguf_llama(reader: Any, arch: str) -> GGUFCheckpoint:
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
     makers: dict[str, Callable[[], Tensor]] = {}
+    raws: dict[str, RawTensor] = {}
     for name, t in tensors.items():
         hf_name = renames.get(name) or gguf_layer_name(name, per_layer)
         if hf_name is None:
             continue
         load = gguf_tensor_loader(t)
+        raw = raw_tensor(t)
         # Only the llama converter reorders Q/K rows; qwen2 files keep HF order.
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = n_heads if ".attn_q." in name else n_kv
             load = compose(load, lambda w, h=heads: unpermute_qk(w, h))
+            raw = raw and raw.rows_permuted(unpermute_qk(torch.arange(raw.blocks.shape[0]), heads))
         makers[hf_name] = load
-    return GGUFCheckpoint(reader, hf_config, FunctionSource(makers), list(tensors))
+        if raw is not None:
+            raws[hf_name] = raw
+    return GGUFCheckpoint(reader, hf_config, FunctionSource(makers), list(tensors), raws)
+
+
+def raw_tensor(t: Any) -> RawTensor | None:
+    """A 2-D GGUF tensor's stored blocks (a view of the mapped file, nothing read), else None."""
+    if len(t.shape) != 2:
+        return None
+    return RawTensor(t.tensor_type.name, t.data, int(t.shape[0]))
+
+
+def gguf_sources(ckpt: GGUFCheckpoint, cfg: ModelConfig) -> dict[str, list[RawTensor]]:
+    """Our linear layers' names ("layers.0.attn.wqkv", "head") -> the stored GGUF parts stacked along their rows.
+
+    `stagedspec.models.quant` keeps K-quant parts in their own formats from these.  Layers whose parts are
+    not all known (an unusual file) are left out and are quantised from their fp32 values as before.
+    """
+    if not ckpt.raw:
+        return {}
+    prefix = _resolve_prefix(cfg, ckpt.source.names())
+    out: dict[str, list[RawTensor]] = {}
+    for ours, parts in hf_to_ours_names(cfg).items():
+        if not ours.endswith(".weight") or not ours.startswith("layers."):
+            continue
+        raws = [ckpt.raw.get(_hf_key(part, prefix)) for part in parts]
+        if all(r is not None for r in raws):
+            out[ours[: -len(".weight")]] = raws  # type: ignore[assignment]
+    head = ckpt.raw.get("lm_head.weight") if not cfg.tie_embeddings else ckpt.raw.get(_hf_key("embed_tokens.weight", prefix))
+    if head is not None:
+        out["head"] = [head]
+    return out
 
 
 def _gguf_gpt2(reader: Any) -> GGUFCheckpoint:

@@ -18,13 +18,17 @@ Two kernel backends, chosen once per process (`kernels=`):
   build fails): PyTorch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`,
   bf16 activations only; int4 scales rounded to bf16, int8 one scale per row.
 
-For a Q4_1 source the int4 codes, scales and lows come back exactly (Q4_1
-stores fp16 scale and min, and min/max re-quantisation finds them).  Other
-GGUF types are dequantised to fp32 and re-quantised by min/max per group:
-Q4_K's codes survive where a group spans codes 0 and 15, and are re-rounded
-(within half a step of the new grid) where it does not; Q5/Q6/Q8 layers
-become int4 (or int8 with `int8`).  Exactness of speculation is always with
-respect to the quantised model that results.
+Under "mixed" (what `--quant auto` picks for a GGUF) each layer keeps its
+file's numbers exactly where a native format holds them: Q4_K and Q6_K run as
+themselves (`q4_k`, `q6_k`: their stored codes and scales, read from the
+file's blocks by `stagedspec.models.gguf_codes`); Q4_0 and Q4_1 as int4, and
+Q5_0 and Q8_0 as int8, recovered from the dequantised values (their codes
+sit on a grid with fp16 scales, which the grid scan finds exactly).  A fused
+layer (q|k|v, gate|up) keeps each part's format as a segment.  Other types
+(Q5_K, F16) are re-quantised: int4 where most groups sit on a 4-bit grid,
+else int8 by Q8_0's rule.  `int4` and `int8` re-quantise every layer to that
+one format.  Exactness of speculation is always with respect to the quantised
+model that results.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from torch import Tensor, nn
 from stagedspec.errors import StagedSpecError
 from stagedspec.kernels import packing
 from stagedspec.kernels.native import NativeKernels, native_kernels
+from stagedspec.models.gguf_codes import RawTensor, q4k_codes, q6k_codes
 
 # "mixed": each layer int4 where most of its groups are 4-bit in the source (a Q4_0/Q4_1/Q4_K tensor), int8
 # elsewhere (Q5_0, Q6_K, Q8_0): the source's own precision class, as llama.cpp keeps it.  `--quant auto` picks
@@ -64,24 +69,37 @@ def resolve_kernels(choice: str | NativeKernels | None = "auto") -> NativeKernel
     return kernels
 
 
+def weight_format(layer: nn.Module) -> str | None:
+    """"int4", "int8", "q4_k", "q6_k", or parts joined by "+" ("q4_k+q6_k"); None for an unquantised layer."""
+    if isinstance(layer, Int4Linear):
+        return "int4"
+    if isinstance(layer, Int8Linear):
+        return "int8"
+    if isinstance(layer, SegmentLinear):
+        return "+".join(dict.fromkeys(layer.format_names))
+    return None
+
+
 def describe_weights(model: nn.Module) -> str:
-    """E.g. "int4 x 196, int8 x 29 layers, int8 head, on stagedspec-native (AVX2)", or "unquantised"."""
+    """E.g. "int4 x 196, int8 x 29 layers + int8 head, on stagedspec-native (AVX2)", or "unquantised"."""
     counts: dict[str, int] = {}
+    head_q = getattr(model, "head_q", None)
     for m in model.modules():
-        if isinstance(m, (Int4Linear, Int8Linear)) and m is not getattr(model, "head_q", None):
-            kind = "int4" if isinstance(m, Int4Linear) else "int8"
+        kind = weight_format(m)
+        if kind is not None and m is not head_q:
             counts[kind] = counts.get(kind, 0) + 1
     if not counts:
         return "unquantised"
     layers = ", ".join(f"{k} x {v}" for k, v in sorted(counts.items()))
-    head = " + int8 head" if isinstance(getattr(model, "head_q", None), Int8Linear) else ""
+    head_kind = weight_format(head_q) if head_q is not None else None
+    head = f" + {head_kind} head" if head_kind else ""
     return f"{layers} layers{head}, on {kernel_name(model)}"
 
 
 def kernel_name(module: nn.Module) -> str:
     """Which kernel runs `module`'s quantised layers: 'stagedspec-native (AVX2)', 'torch', or 'none'."""
     for m in module.modules():
-        if isinstance(m, (Int4Linear, Int8Linear)):
+        if isinstance(m, (Int4Linear, Int8Linear, SegmentLinear)):
             return m.kernels.name if m.kernels is not None else "torch"
     return "none"
 
@@ -159,6 +177,73 @@ class Int8Linear(nn.Module):
         if self.kernels is not None:
             return packing.unpack_int8(self.packed, self.out_features, self.in_features)
         return self.codes.float() * self.scale.float()[:, None]
+
+
+class SegmentLinear(nn.Module):
+    """y = x Wᵀ (+ b) with W's outputs stored as segments, each in its source's own format (native kernels only).
+
+    Why: a GGUF stores Q4_K and Q6_K weights as codes and scales that the
+    native kernels run as they are (exactly the file's weights, at the file's
+    size), and a fused layer's parts (q|k|v, gate|up) may differ in type.
+    One kernel call runs all segments with activations quantised once.
+    """
+
+    def __init__(self, parts: list[tuple[str, Tensor, int]], in_features: int, bias: Tensor | None,
+                 kernels: NativeKernels) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.format_names = [fmt for fmt, _, _ in parts]
+        self.formats = [packing.FORMATS[fmt] for fmt in self.format_names]
+        self.outs = [n for _, _, n in parts]
+        self.out_features = sum(self.outs)
+        self.kernels = kernels
+        self.register_buffer("packed", torch.cat([p for _, p, _ in parts]).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        y = self.kernels.qlinear(x.reshape(-1, self.in_features), self.packed, self.formats, self.outs)
+        y = y.view(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> Tensor:
+        """The weight [out, in] this layer multiplies by, in fp32 (for tests and diagnostics)."""
+        unpack = {"int4": packing.unpack_int4, "int8": packing.unpack_int8, "q4_k": packing.unpack_q4k,
+                  "q6_k": packing.unpack_q6k}
+        pieces, at = [], 0
+        for fmt, n in zip(self.format_names, self.outs):
+            size = -(-n // packing.TILE) * packing.TILE * self.in_features * packing.BITS_PER_WEIGHT[fmt] / 8
+            pieces.append(unpack[fmt](self.packed[at:at + int(size)], n, self.in_features))
+            at += int(size)
+        return torch.cat(pieces)
+
+
+def source_segment(weight: Tensor, raw: RawTensor | None) -> tuple[str, Tensor, int]:
+    """One part of a layer in its source's format: Q4_K / Q6_K from the stored blocks, else int4 or int8 from
+    the fp32 values (exact for Q4_0, Q4_1, Q5_0 and Q8_0, whose codes sit on the grid the scan finds)."""
+    n = weight.shape[0]
+    if raw is not None and raw.kind == "Q4_K":
+        return "q4_k", packing.pack_q4k(*q4k_codes(raw)), n
+    if raw is not None and raw.kind == "Q6_K":
+        return "q6_k", packing.pack_q6k(*q6k_codes(raw)), n
+    if layer_format(weight) == "int4":
+        return "int4", packing.pack_int4(*packing.int4_groups_from_float(weight)), n
+    return "int8", packing.pack_int8(*packing.int8_groups_from_float(weight)), n
+
+
+def from_source(weight: Tensor, bias: Tensor | None, raws: list[RawTensor], kernels: NativeKernels) -> nn.Module:
+    """A layer in its GGUF parts' own formats: a `SegmentLinear`, or the plain int4 / int8 layer where every
+    part comes out in that one format."""
+    rows = [r.blocks.shape[0] for r in raws]
+    if sum(rows) != weight.shape[0] or any(r.kind in ("Q4_K", "Q6_K") and weight.shape[1] % packing.SUPER for r in raws):
+        raise StagedSpecError(f"GGUF parts of {rows} rows do not match a weight of shape {tuple(weight.shape)}")
+    parts = [source_segment(w, r) for w, r in zip(weight.float().split(rows), raws)]
+    kinds = {fmt for fmt, _, _ in parts}
+    if kinds == {"int4"}:
+        return Int4Linear(weight, bias, kernels)
+    if kinds == {"int8"}:
+        return Int8Linear(weight, bias, kernels)
+    return SegmentLinear(parts, weight.shape[1], bias, kernels)
 
 
 class NativeRMSNorm(nn.Module):
@@ -239,17 +324,27 @@ def _swap_layers(module: nn.Module, kind: type | tuple[type, ...], make: Callabl
             _swap_layers(child, kind, make)
 
 
-def quantize_linears(module: nn.Module, mode: str, kernels: str | NativeKernels | None = "auto") -> None:
-    """Replace every `nn.Linear` under `module` by its `mode` counterpart, in place."""
+def quantize_linears(module: nn.Module, mode: str, kernels: str | NativeKernels | None = "auto",
+                     sources: dict[str, list[RawTensor]] | None = None, prefix: str = "") -> None:
+    """Replace every `nn.Linear` under `module` by its `mode` counterpart, in place.
+
+    `sources` (`loading.gguf_sources`, keyed by `prefix` + the layer's name under `module`): under "mixed"
+    with the native kernels, a layer found there keeps its GGUF parts' own formats (`from_source`).
+    """
     kernels = resolve_kernels(kernels)
-
-    def make(linear: nn.Module) -> nn.Module:
-        w = linear.weight.detach()
-        layer_mode = mode if mode != "mixed" else layer_format(w)
-        kind = Int4Linear if layer_mode == "int4" else Int8Linear
-        return kind(w, linear.bias, kernels)
-
-    _swap_layers(module, nn.Linear, make)
+    sources = sources or {}
+    for name, child in list(module.named_children()):
+        if not isinstance(child, nn.Linear):
+            quantize_linears(child, mode, kernels, sources, f"{prefix}{name}.")
+            continue
+        w = child.weight.detach()
+        raws = sources.get(prefix + name)
+        if mode == "mixed" and kernels is not None and raws:
+            layer = from_source(w, child.bias, raws, kernels)
+        else:
+            layer_mode = mode if mode != "mixed" else layer_format(w)
+            layer = (Int4Linear if layer_mode == "int4" else Int8Linear)(w, child.bias, kernels)
+        setattr(module, name, layer)
 
 
 def layer_format(weight: Tensor) -> str:
@@ -292,8 +387,12 @@ def source_is_quantised(spec: object) -> bool:
 
 
 def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloat16,
-                   kernels: str | NativeKernels | None = "auto") -> nn.Module:
+                   kernels: str | NativeKernels | None = "auto",
+                   sources: dict[str, list[RawTensor]] | None = None) -> nn.Module:
     """Quantise a `Transformer`'s layers (int4, int8, or "mixed") and its output head (int8), in place.
+
+    `sources` (a GGUF's stored blocks per layer, `loading.gguf_sources`) let "mixed" keep the file's
+    K-quant layers and head in their own formats.
 
     Give it full-precision (fp32) weights: quantising values that were
     already rounded to bf16 would move a Q4_1 group's min and max.  Every
@@ -305,9 +404,14 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloa
     if mode == "none":
         return model.to(dtype)
     kernels = resolve_kernels(kernels)
-    for layer in model.layers:
-        quantize_linears(layer, mode, kernels)
-    model.head_q = Int8Linear(model.head_weight.detach(), None, kernels)
+    sources = sources or {}
+    for i, layer in enumerate(model.layers):
+        quantize_linears(layer, mode, kernels, sources, f"layers.{i}.")
+    head_raws = sources.get("head")
+    if mode == "mixed" and kernels is not None and head_raws and head_raws[0].kind in ("Q4_K", "Q6_K"):
+        model.head_q = from_source(model.head_weight.detach(), None, head_raws, kernels)
+    else:
+        model.head_q = Int8Linear(model.head_weight.detach(), None, kernels)
     if kernels is not None:  # the rest of the pass row-independent too: norms and attention on the native kernels
         from stagedspec.models.transformer import Attention, RMSNorm
 
@@ -327,11 +431,11 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     (they are trained and saved as such), whatever the oracle runs on.
     """
     module = copy.deepcopy(module)
-    _swap_layers(module, (Int4Linear, Int8Linear), _as_linear)
+    _swap_layers(module, (Int4Linear, Int8Linear, SegmentLinear), _as_linear)
     return module
 
 
-def _as_linear(layer: Int4Linear | Int8Linear) -> nn.Linear:
+def _as_linear(layer: Int4Linear | Int8Linear | SegmentLinear) -> nn.Linear:
     weight = layer.dequantized()
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=layer.bias is not None, dtype=torch.bfloat16)
     with torch.no_grad():
