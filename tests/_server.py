@@ -35,6 +35,31 @@ def tiny_model_folder(root: Path) -> Path:
     return folder
 
 
+def tiny_engine(root: Path):  # noqa: ANN201 - an Engine; imported lazily like the server itself
+    """The in-process tests' engine: the tiny random Llama (fp32), a 1-layer truncated draft, `tree`."""
+    import torch
+
+    from stagedspec.models.loading import load_model
+    from stagedspec.pipeline import SpeculationConfig, truncated_copy
+    from stagedspec.server.engine import Engine
+
+    model, tok = load_model(tiny_model_folder(root), dtype=torch.float32)
+    return Engine(model, tok, [truncated_copy(model, 1)], SpeculationConfig(method="tree"),
+                  model_name="tiny", draft_names=["layers:1"])
+
+
+# What in-process test clients call the server: a loopback name, so the Host check lets them in (the test
+# client's own default, "testserver", is a name the server refuses, as it would a rebound web page's).
+LOCAL_URL = "http://127.0.0.1:8000"
+
+
+def local_client(app, **kw):  # noqa: ANN001, ANN003, ANN201
+    """A FastAPI `TestClient` for `app` that talks to it as a local client would."""
+    from fastapi.testclient import TestClient
+
+    return TestClient(app, base_url=LOCAL_URL, **kw)
+
+
 # `stagedspec serve` with this test run's timed-choice files: the fp32 kernel plan and the draft-weight choices
 # the test process uses (`conftest.py` points both at session folders).  A server on the user's cached plan
 # could run other kernels than the test process's solo runs, whose logits then differ in the last bit and

@@ -195,6 +195,16 @@ BAD = [  # (endpoint, raw body, status, param or None, code or None)
      "messages[0].content", None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
      400, "max_tokens", None),
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL, 400,
+     "messages[0].content", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0].role", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400,
+     "tools", None),
+    ("completions", "[" * 100_000 + "]" * 100_000, 400, None, None),
+    ("completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", None),
+    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"tree_budget": 10**6}}, 400,
+     "speculation.tree_budget", None),
 ]
 
 
@@ -216,14 +226,34 @@ def test_openai_client_sees_errors_and_server_goes_on(server, client):
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2)
-    assert "not supported" in str(e.value)
+    assert "n must be 1" in str(e.value)
     r = httpx.get(server.base + "/v1/nowhere", timeout=TIMEOUT)
     assert r.status_code == 404 and "error" in r.json()
-    # unknown fields are ignored
-    ok = httpx.post(server.base + "/v1/completions", timeout=TIMEOUT,
-                    json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0, "frobnicate": [1]})
-    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices
+    # a field the server does not implement is refused, not ignored; one that cannot change the output is accepted
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "json_object"})
+    assert "response_format is not supported" in str(e.value)
+    refused = httpx.post(server.base + "/v1/completions", timeout=TIMEOUT,
+                         json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0, "frobnicate": [1]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "frobnicate"
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0, n=1, user="u",
+                                   presence_penalty=0)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_real_http_refuses_other_hosts_origins_and_non_json(server):
+    """The checks hold through uvicorn too (the in-process tests cover them in detail)."""
+    url = server.base + "/v1/completions"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(url, json=body, headers={"Host": f"rebound.example:{server.port}"}, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    r = httpx.post(url, json=body, headers={"Origin": "https://evil.example"}, timeout=TIMEOUT)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    r = httpx.post(url, content=json.dumps(body), headers={"Content-Type": "text/plain"}, timeout=TIMEOUT)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = httpx.post(url, json=body, headers={"Host": f"localhost:{server.port}"}, timeout=TIMEOUT)
+    assert r.status_code == 200
 
 
 def test_metrics_text(server):

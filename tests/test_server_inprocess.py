@@ -11,12 +11,9 @@ import torch
 
 pytest.importorskip("fastapi")
 
-from fastapi.testclient import TestClient  # noqa: E402
-
-from _server import tiny_model_folder  # noqa: E402
+from _server import local_client, tiny_engine  # noqa: E402
 from stagedspec.errors import StagedSpecError  # noqa: E402
-from stagedspec.models.loading import load_model  # noqa: E402
-from stagedspec.pipeline import SpeculationConfig, truncated_copy  # noqa: E402
+from stagedspec.pipeline import SpeculationConfig  # noqa: E402
 from stagedspec.server.app import create_app  # noqa: E402
 from stagedspec.pipeline import Pipeline  # noqa: E402
 from stagedspec.sampling import SamplingParams  # noqa: E402
@@ -30,16 +27,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    model, tok = load_model(tiny_model_folder(tmp_path_factory.mktemp("inproc")), dtype=torch.float32)
-    return Engine(model, tok, [truncated_copy(model, 1)], SpeculationConfig(method="tree"),
-                  model_name="tiny", draft_names=["layers:1"])
+    return tiny_engine(tmp_path_factory.mktemp("inproc"))
 
 
 BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
 
 
 def test_api_key_required(engine):
-    with TestClient(create_app(engine, api_key="s3cret", log=lambda s: None)) as c:
+    with local_client(create_app(engine, api_key="s3cret", log=lambda s: None)) as c:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
             r = c.post("/v1/completions", json=BODY, headers=headers)
             assert r.status_code == 401
@@ -57,7 +52,7 @@ def test_health_503_while_loading(engine):
         release.wait(10)
         return engine
 
-    with TestClient(create_app(loader=slow_loader, log=lambda s: None)) as c:
+    with local_client(create_app(loader=slow_loader, log=lambda s: None)) as c:
         assert c.get("/health").status_code == 503
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
@@ -74,7 +69,7 @@ def test_failed_load_is_reported(engine):
         raise StagedSpecError("no such model folder")
 
     seen = []
-    with TestClient(create_app(loader=broken, log=lambda s: None, on_load_error=seen.append)) as c:
+    with local_client(create_app(loader=broken, log=lambda s: None, on_load_error=seen.append)) as c:
         deadline = time.monotonic() + 10
         while not seen:
             assert time.monotonic() < deadline
@@ -89,7 +84,7 @@ def test_memory_budget_admission(engine):
     one = mem.request_kv(engine.cache_slots(2, 3, engine.speculation), engine.speculation.max_nodes, True)
     budget = mem.weights + mem.scratch + one  # room for exactly one small request's KV
     # interleaved steps: tree scratch is counted once, so the rest is KV only
-    with TestClient(create_app(engine, max_memory=budget, log=lambda s: None, batch_passes=False)) as c:
+    with local_client(create_app(engine, max_memory=budget, log=lambda s: None, batch_passes=False)) as c:
         r = c.post("/v1/completions", json={**BODY, "max_tokens": 100})  # its KV can never fit
         assert r.status_code == 400 and r.json()["error"]["code"] == "memory_budget_exceeded"
         assert c.post("/v1/completions", json=BODY).status_code == 200

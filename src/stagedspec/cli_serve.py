@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 
 from stagedspec.cli_args import add_quant_arg
 from stagedspec.errors import StagedSpecError
@@ -46,6 +47,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
                        help="require 'Authorization: Bearer KEY' (default: $STAGEDSPEC_API_KEY, else none)")
     serve.add_argument("--model-name", default=None, metavar="NAME",
                        help="the model id clients send (default: derived from --oracle)")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                       help="also answer requests whose Host header names NAME (repeatable; '*' for any). "
+                            "Loopback names and the --host address are always answered; other names are "
+                            "refused, against DNS rebinding")
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="answer browser requests from ORIGIN, e.g. http://localhost:3000, with CORS headers "
+                            "(repeatable; '*' for any). Requests carrying any other Origin header are refused")
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench-serve", help="drive a running server with the openai client at several "
@@ -90,6 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from stagedspec.server.app import create_app
+        from stagedspec.server.guard import startup_warning
     except ImportError as e:
         raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'stagedspec[serve]'") from None
@@ -99,6 +108,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     oracle, drafts, spec = speculation_from(args)
     max_memory = parse_size(args.max_memory) if args.max_memory else None
     api_key = args.api_key or os.environ.get("STAGEDSPEC_API_KEY") or None
+    warning = startup_warning(args.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     _check_port(args.host, args.port)
 
     def load() -> Engine:
@@ -112,7 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(loader=load, api_key=api_key, max_batch=args.max_batch, max_memory=max_memory,
-                     on_load_error=on_load_error, batch_passes=args.batch_passes)
+                     on_load_error=on_load_error, batch_passes=args.batch_passes, host=args.host,
+                     allowed_hosts=args.allowed_host, allowed_origins=args.allow_origin)
     print(f"stagedspec serve: http://{args.host}:{args.port}/v1 (method {spec.method}"
           f"{', batched passes' if args.batch_passes else ', interleaved steps'}"
           f"{', API key required' if api_key else ''}); loading the model...", flush=True)

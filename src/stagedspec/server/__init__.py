@@ -8,5 +8,6 @@ package, and the CLI imports it only when the `serve` command runs.
 - `scheduler`: continuous batching on one worker thread, exact per request;
 - `text`: token ids -> streamed text with stop strings;
 - `metrics`: Prometheus text;
+- `guard`: the Host and Origin checks (safe on loopback) and CORS;
 - `app`: the FastAPI routes.
 """

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine
+from stagedspec.server.guard import AccessGuard, AccessPolicy
 from stagedspec.server.metrics import Metrics
 from stagedspec.server.scheduler import Job, Scheduler
 from stagedspec.server.schemas import APIError, GenerationRequest, bad, parse_generation, parse_json
@@ -57,11 +58,15 @@ class ServerState:
 def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | None = None,
                api_key: str | None = None, max_batch: int = 8, max_memory: int | None = None,
                max_body: int = DEFAULT_MAX_BODY, log: Callable[[str], None] | None = None,
-               on_load_error: Callable[[str], None] | None = None, batch_passes: bool = True) -> FastAPI:
+               on_load_error: Callable[[str], None] | None = None, batch_passes: bool = True,
+               host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (),
+               allowed_origins: Iterable[str] = ()) -> FastAPI:
     """An app serving `engine`, or the engine `loader()` returns (loaded in the background).
 
     `on_load_error(message)` is called (on the loader thread) if loading fails: the CLI stops the
-    server then, rather than leave a process that can only answer 503."""
+    server then, rather than leave a process that can only answer 503.  `host` (the bound address),
+    `allowed_hosts` and `allowed_origins` say which `Host` headers and browser origins are answered
+    (`server.guard`)."""
     if (engine is None) == (loader is None):
         raise ValueError("pass exactly one of engine or loader")
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -94,21 +99,21 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
 
     app = FastAPI(title="stagedspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.stagedspec = state
+    app.add_middleware(AccessGuard, policy=AccessPolicy.build(host, allowed_hosts, allowed_origins))
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return error_response(exc, headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
-    async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        err = APIError(500, f"internal error: {first_line(exc)}", type="server_error")
-        return JSONResponse(err.body(), status_code=500)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return error_response(APIError(500, f"internal error: {first_line(exc)}", type="server_error"))
 
     def check_auth(request: Request) -> None:
         if state.api_key is None:
@@ -156,6 +161,7 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
 
     async def generate(request: Request, chat: bool) -> Response:
         check_auth(request)
+        check_content_type(request)
         body = parse_json(await read_body(request, state.max_body))
         req = parse_generation(body, chat)
         sched = state.ready()
@@ -188,6 +194,26 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
         return await collect(request, reply, job, sched, events)
 
     return app
+
+
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> Response:
+    """The OpenAI error shape as ASCII JSON: whatever a message quotes (a client's odd field name, an
+    exception's text), the body always encodes."""
+    return Response(json.dumps(err.body()), status_code=err.status, headers=headers, media_type="application/json")
+
+
+def check_content_type(request: Request) -> None:
+    """415 unless the body is declared `application/json` (parameters such as charset allowed).
+
+    Why: a browser sends a cross-origin `text/plain` or form POST without asking first (no CORS
+    preflight); insisting on JSON means any page's request to this server needs a preflight, which
+    only origins listed by `--allow-origin` pass."""
+    declared = request.headers.get("content-type", "")
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = json.dumps(declared[:100]) if declared else "none"
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json (got {shown})",
+                       code="unsupported_media_type")
 
 
 def unknown_model(name: str, sched: Scheduler) -> APIError:

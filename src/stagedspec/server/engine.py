@@ -151,6 +151,10 @@ class Engine:
             raise bad(f"method {method!r} needs prompt lookup or an n-gram; this server has neither",
                       "speculation.method")
         changes: dict[str, Any] = {"method": method}
+        if req.tree_budget is not None and req.tree_budget > self.max_context:
+            # a tree is verified in one pass over the context: more nodes than the context holds is no tree
+            raise bad(f"'speculation.tree_budget' must be at most {self.max_context} (the model's context), "
+                      f"got {req.tree_budget}", "speculation.tree_budget")
         if req.tree_budget is not None:  # a size the request names is run as named
             changes["tree_budget"] = req.tree_budget
             changes["sizing"] = "fixed"

@@ -321,9 +321,13 @@ class Scheduler:
         slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         job.kv_bytes = self.memory.request_kv(slots, job.spec.max_nodes, uses_drafts)
         if self.base_bytes + self._charge(job, self._floor(job)) > self.max_memory:
+            # a request whose own tree is bigger than the server's trees is told to shrink the tree
+            tree = job.spec.max_nodes > self.engine.speculation.max_nodes
+            param, advice = (("speculation.tree_budget", "lower speculation.tree_budget") if tree
+                             else ("max_tokens", "lower max_tokens or the prompt"))
             raise APIError(400, f"this request's KV cache ({format_size(job.kv_bytes)}) does not fit the server's "
                                 f"memory budget ({format_size(self.max_memory - self.base_bytes)} after the "
-                                "models): lower max_tokens or the prompt", "max_tokens", "memory_budget_exceeded")
+                                f"models): {advice}", param, "memory_budget_exceeded")
         with self._cond:
             self._waiting.append(job)
             self.metrics.update(queued=len(self._waiting))
