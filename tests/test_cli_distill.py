@@ -268,7 +268,7 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
     header = text.splitlines()[1].split()
     assert header == ["draft", "layers:1"]
     for row in ("top-1", "top-4 @ reply 0-15", "mean accepted, tree 16", "tree reaches depth 3",
-                "mean accepted, tree 16, every position", "cost (bfloat16", "issue 13 targets met"):
+                "mean accepted, tree 16, every position", "cost (bfloat16", "draft targets met"):
         assert any(line.strip().startswith(row) for line in text.splitlines()), row
     assert run(common + ["--draft", f"{out},layers:1", "--json"]) == 0
     both = json.loads(capsys.readouterr().out)
@@ -286,7 +286,7 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
     assert "tree_every_position" not in json.loads(capsys.readouterr().out)
 
 
-def test_eval_draft_checks_issue_13s_targets() -> None:
+def test_eval_draft_checks_the_draft_targets() -> None:
     """top-1 >= 60%, top-4 >= 80%, cost <= 0.10, tree-16 >= 3.5 (decoding and every position); tree targets only
     at budget 16, and only the figures a report has."""
     from stagedspec.cli_distill import targets_met

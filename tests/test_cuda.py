@@ -75,7 +75,7 @@ def test_greedy_fp32_every_method_identical_to_ar(mode: str) -> None:
 
 
 def test_sampled_methods_run_end_to_end_on_cuda_and_reproduce_their_seed() -> None:
-    """The loop's sampled path on the GPU: CPU generator, CUDA logits (a session-8 crash), same seed same tokens."""
+    """The loop's sampled path on the GPU: CPU generator, CUDA logits (it crashed on an H100 before commit 46d6456), same seed same tokens."""
     from stagedspec.drafters.lookup import LookupDrafter
     from stagedspec.drafters.model import ModelDrafter
     from stagedspec.generation import ModelOracle, speculative_generate

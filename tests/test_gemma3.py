@@ -179,7 +179,7 @@ def test_greedy_speculation_is_token_identical_to_ar(method: str) -> None:
     assert spec == ar and len(ar) == 24
 
 
-# ---------------------------------------------------------------------- bad input (issue 15, part 4)
+# ---------------------------------------------------------------------- bad input
 def _one_line(exc: pytest.ExceptionInfo) -> str:
     msg = str(exc.value)
     assert "\n" not in msg, msg

@@ -60,7 +60,7 @@ def test_the_plan_covers_every_row_count_padded_to_the_next_measured_one() -> No
 def test_the_choice_is_the_fastest_kernel_and_row_count_by_a_margin() -> None:
     assert mp.choose({1: (1.0, 0.89), 2: (1.0, 0.91), 4: (1.2, 1.2)}) == {1: (True, 1), 2: (False, 2),
                                                                           4: (False, 4)}
-    # AVX2 EPYC, session 16 (ms, the oracle's matmuls): one row runs padded to two, 3 rows as 4
+    # AVX2 EPYC, 2026-11-24 (ms, the oracle's matmuls): one row runs padded to two, 3 rows as 4
     timed = {1: (37.8, 60.0), 2: (69.0, 28.8), 3: (86.8, 36.8), 4: (73.9, 29.1), 6: (69.2, 43.6)}
     assert mp.choose(timed) == {1: (True, 2), 2: (True, 2), 3: (True, 4), 4: (True, 4), 6: (True, 6)}
     # padding within the noise margin of the unpadded F.linear is not taken

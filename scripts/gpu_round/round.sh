@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's GPU round, run on the lent GPU machine from the repository root (scripts/gpu_round/README.md).
+# Draft training on a lent GPU machine, run from the repository root (scripts/gpu_round/README.md).
 #
 # Three distillations share the one GPU, started together so that each one's host work (batching, top-k,
 # Python) overlaps the others' kernels:
@@ -59,7 +59,7 @@ run() {  # run NAME ARGS...: one distillation, its log in $R/NAME.log
 
 : > "$R/status"
 # One set of oracle replies for all three runs: sampled once (one training step), then each run reads a copy.
-# Round 6's replies (CPU bf16, seed 6) seed the cache: requests built here that match them are not sampled again.
+# The replies draft v6 was trained on (CPU bf16, seed 6) seed the cache: requests built here that match them are not sampled again.
 zcat data/distill/smollm2-135m-replies-seed6.jsonl.gz > "$R/replies.jsonl"
 COMMON=(--oracle-samples $SAMPLES $PKGS --seed 9)
 run presample --init-from default --layers 2 --tokens $IND_TOKENS --lr 3e-4 "${COMMON[@]}" \

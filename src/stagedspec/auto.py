@@ -80,11 +80,11 @@ CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
 STAGE_SIZES = (1, 2, 3, 4, 6)
 # `staged:k+m` arms also merge a long chain: where verification rows are nearly free (a CPU with native bf16,
 # a GPU) the copies it catches are long; where rows are dear the pricing leaves these arms alone.  The fixed
-# `staged` merges this many on a native-bf16 CPU (session 9: 1.75x -> 1.78-1.87x `ar`).
+# `staged` merges this many on a native-bf16 CPU (AMX Xeon, 2026-11-23: 1.75x -> 1.78-1.87x `ar`; docs/benchmarks.md).
 STAGE_LONG_LOOKUP = 8
 # A `staged:k` arm merges a prompt-lookup chain one token longer than its draft's k, as the tuned fixed
-# configurations do (bf16: 3 draft + 4 lookup; int4: 1 + 2, which no arm could express before: `auto@int4`
-# then ran at 1.10-1.17x `ar@int4` against `staged@int4`'s 1.35x, session 8).
+# configurations do (bf16: 3 draft + 4 lookup; int4: 1 + 2, which no arm could express without this: `auto@int4`
+# ran at 1.10-1.17x `ar@int4` against `staged@int4`'s 1.35x on an AMX Xeon, 2026-11-23).
 STAGE_LOOKUP_EXTRA = 1
 # Priors: mean per-depth acceptance of each proposer before any observation, and its weight in steps.
 PRIOR_ACCEPTANCE = {"context": 0.5, "ngram": 0.3, "draft": 0.6}
@@ -303,7 +303,7 @@ class StepCosts:
     verify_scale: float = 1.0  # measured verification time / the cost curve's prediction, all steps
     # The same per arm kind and decoding mode ("tree/sampled"): verifying a tree costs host work that
     # the cost curve (a pass) does not show, and `ar`'s step has the least.  One scale for all would
-    # charge `ar` the trees' extra work (on the H100 in session 8, greedy: tree steps took 1.93x the curve,
+    # charge `ar` the trees' extra work (on an H100, 2026-11-23, greedy: tree steps took 1.93x the curve,
     # `ar` steps 1.10x).
     verify_scales: dict[str, float] = field(default_factory=dict)
     # Per arm kind, measured drafting time / the cost curves' prediction: an arm not run yet is priced
@@ -879,7 +879,7 @@ class AutoDrafter:
         predicted_verify = self.policy.profile.step_seconds(last.rows, last.sampled)
         # What the step cost after drafting is the time until this step began: the loop's report (scoring,
         # verifying, committing) plus its bookkeeping and the caller's handling of the tokens, which grow
-        # with the tree (on this session's AVX-512 CPU, 1.3 ms for `ar`, 3.7 ms for a 16-node tree).  Capped
+        # with the tree (on an AVX-512 CPU, 1.3 ms for `ar`, 3.7 ms for a 16-node tree).  Capped
         # at 1.5x the report, so a caller that paused between steps does not teach a price.  In a batched
         # round (the server) the time until the next step is the round's, so there the report alone counts.
         verify_seconds = last.verify_seconds

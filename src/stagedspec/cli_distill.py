@@ -38,14 +38,14 @@ from typing import Any, Sequence
 
 from stagedspec.errors import StagedSpecError
 
-# Issue 13's targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
+# Targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
 # draft's cost per token against the oracle's, and the mean accepted length of a budget-16 tree (in decoding and
 # at every reply position; checked only when --tree-budget is 16).
 TARGETS = {"top1": 0.60, "top4": 0.80, "draft_cost_ratio": 0.10, "tree_mean_accepted_length": 3.5,
            "tree_every_position": 3.5}
 TREE_TARGET_BUDGET = 16
 AT_MOST = ("draft_cost_ratio",)  # targets that are upper bounds; the others are lower bounds
-# Default --sample-batch per device type: a CPU gains little past 16 rows; an H100 sampled 256 at a time (issue 13).
+# Default --sample-batch per device type: a CPU gains little past 16 rows; an H100 sampled 256 at a time (2026-11-23).
 SAMPLE_BATCH = {"cpu": 16, "cuda": 256}
 SAMPLES_NAME = "oracle_samples.jsonl"  # per-request reply cache (stagedspec.reply_cache)
 LEGACY_SAMPLES_NAME = "oracle_samples.json"  # the whole-list cache of older versions
@@ -612,7 +612,7 @@ def _reach(values: list[float]) -> str:
 
 
 def _print_one(args: argparse.Namespace, report: dict[str, Any], where: str) -> None:
-    def ok(key: str) -> str:  # "   (target >= 60%: not met)" after a figure that has an issue-13 target
+    def ok(key: str) -> str:  # "   (target >= 60%: not met)" after a figure that has a target
         t = report["targets"].get(key)
         if t is None:
             return ""
@@ -682,7 +682,7 @@ def _comparison_table(args: argparse.Namespace, reports: list[dict[str, Any]]) -
     rows.append((f"cost ({reports[0]['timing_dtype']}, draft/oracle)", col(lambda r: f"{r['draft_cost_ratio']:.3f}")))
     rows.append(("draft ms/token", col(lambda r: f"{r['draft_ms_per_token']:.2f}")))
     rows.append(("draft weights", col(lambda r: r.get("weights", "native"))))
-    rows.append(("issue 13 targets met", col(lambda r: f"{sum(t['met'] for t in r['targets'].values())}"
+    rows.append(("draft targets met", col(lambda r: f"{sum(t['met'] for t in r['targets'].values())}"
                                                         f"/{len(r['targets'])}")))
     headers = _column_names([r["draft"] for r in reports])
     width0 = max(len(label) for label, _ in rows)

@@ -235,7 +235,7 @@ class CostProfile:
     segment_seconds: list[float] = field(default_factory=list)
     # Host seconds of a loop step's scoring and verification beyond the oracle's pass ("greedy", "sampled"),
     # at `VERIFY_ROWS` rows: reading the decisions back, and at T > 0 the acceptance rules and the draws.  On an
-    # H100 at T=1 an 8-node tree's cost 0.67 ms more than `ar`'s, a fifth of a pass (session 8).  Empty: 0.
+    # H100 at T=1 an 8-node tree's cost 0.67 ms more than `ar`'s, a fifth of a pass (2026-11-23).  Empty: 0.
     verify_overhead: dict[str, list[float]] = field(default_factory=dict)
 
     def step_seconds(self, rows: float, sampled: bool) -> float:

@@ -4,7 +4,7 @@ Why: a draft's pass at batch 1 streams its weights once, so on a CPU its
 cost is mostly bytes.  The default SmolLM2 draft in bf16 costs 0.057 of a
 bf16 oracle pass on the AVX-512 BF16 + AMX CPU; with int8 layers and head
 (PyTorch's `_weight_int8pack_mm`) it costs 0.030, and a 3-layer draft 0.040
-instead of 0.079 (session 14, README).  What the draft proposes moves a
+instead of 0.079 (AMX Xeon, 2026-11-23; docs/benchmarks.md).  What the draft proposes moves a
 little with its rounding, but exactness never depends on the draft: the
 oracle's weights, and so the output, are untouched.
 

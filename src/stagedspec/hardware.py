@@ -56,7 +56,7 @@ def cpu_has_native_bf16() -> bool:
     """AVX-512 BF16 or AMX: bf16 matmuls run natively, so bf16 passes beat fp32 ones at any row count.
 
     Without them oneDNN emulates bf16 through fp32 conversions, and a pass over
-    several rows costs far more than a one-row pass (the AVX2 figures in the README).
+    several rows costs far more than a one-row pass (the AVX2 figures in docs/benchmarks.md).
     """
     flags = cpu_flags()
     if any(f in flags for f in NATIVE_BF16_FLAGS):
@@ -71,7 +71,7 @@ AMX_ISA_CAP = "AVX512_CORE_BF16"  # oneDNN's ISA cap below AMX (ONEDNN_MAX_CPU_I
 def amx_rounds_by_rows(isa: str | None = None) -> bool:
     """Whether oneDNN may run bf16 matmuls on AMX here, i.e. without the ISA capped below it.
 
-    Measured on an AMX CPU (this work's session 5): a 7-row bf16 pass of the
+    Measured on an AMX CPU (Intel Xeon, 2026-11-22): a 7-row bf16 pass of the
     default model differs from 7 one-row passes by up to 0.3 logits, because
     AMX kernels are chosen by the row count; capped at AVX-512 BF16 the rows
     are bit-identical.  AMX also makes multi-row passes nearly free (16 rows

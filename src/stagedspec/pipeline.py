@@ -104,7 +104,7 @@ QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "chain_length": 2, "loo
 CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_chain_length": 8}
 # bf16 on a CPU with native bf16 (AVX-512 BF16 or AMX): a verification row costs next to nothing (AMX, 2
 # threads: 12 rows 1.1x one), so `staged` merges a longer prompt-lookup chain into the oracle's tree
-# (session 9, README: 1.75x -> 1.78-1.87x bf16 `ar` greedy in four runs, T=1 1.44-1.51x).  Where rows are dear
+# (AMX Xeon, 2026-11-23, docs/benchmarks.md: 1.75x -> 1.78-1.87x bf16 `ar` greedy in four runs, T=1 1.44-1.51x).  Where rows are dear
 # (AVX2 CPUs: a 16-row bf16 pass 6.3x one row), the chain stays `lookup_chain_length` long.
 NATIVE_BF16_DEFAULTS = {"oracle_lookup_length": 8}
 # Methods whose sizes can be chosen each step by this machine's measured costs (`SpeculationConfig.sizing`).
@@ -125,7 +125,7 @@ class SpeculationConfig:
     """How drafts are proposed.
 
     Defaults were tuned on the reference 2-core CPU with the default models
-    (README, "Benchmarks"): there a bf16 pass over 4 tokens costs what one
+    (docs/benchmarks.md, the AVX-512 BF16 EPYC of 2026-11-22): there a bf16 pass over 4 tokens costs what one
     token costs, 8 cost 1.2x and 16 cost 1.5x (`stagedspec bench-engine
     --tree-cost`), so small trees of likely tokens beat wide ones.
 

@@ -8,7 +8,7 @@ device-side cache writes, and CUDA graphs of them.
 Why: at batch size 1 a small model's pass costs far more than its kernels.
 On a GPU, one eager SmolLM2-135M pass launches about 900 kernels and takes
 18 ms whatever its row count, while the same pass replayed as a CUDA graph
-takes 2.3 ms (issue 12).  A graph fixes every shape and every address, so a
+takes 2.3 ms (H100, 2026-11-22).  A graph fixes every shape and every address, so a
 pass must not depend on where in the cache it runs or how many rows it has:
 
 - rows are padded up to a *bucket* (1, 2, 4, ..., 64); padding rows see the
@@ -489,7 +489,7 @@ class ModelOracle:
         `bit_exact` (with the fixed width): attention runs one token at a time, and greedy steps
         drop what was accepted off the tree's first-child chain (`keep_slot_aligned`), so every
         method's output is bit-identical to one-token decoding with the same flag; it costs about
-        10-20% of `ar`'s speed and most of what speculation gains (README, Benchmarks)."""
+        10-20% of `ar`'s speed and most of what speculation gains (docs/benchmarks.md)."""
         self.model = model
         if fixed_width is None:
             fixed_width = wants_fixed_width(model)

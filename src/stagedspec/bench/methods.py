@@ -503,9 +503,9 @@ def gguf_weight_bytes(path: Path) -> int:
 
     The token embedding is counted only when it doubles as the output head
     (no separate `output.weight`), as for our own models."""
-    from stagedspec.models.loading import open_gguf
+    from stagedspec.models.gguf_file import read_tensor_table
 
-    tensors = {t.name: int(t.n_bytes) for t in open_gguf(path).tensors}
+    tensors = {t.name: t.n_bytes for t in read_tensor_table(path)}
     if "output.weight" in tensors:
         tensors.pop("token_embd.weight", None)
     return sum(tensors.values())

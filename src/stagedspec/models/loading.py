@@ -492,13 +492,10 @@ class GGUFCheckpoint:
 
 
 def open_gguf(path: Path) -> Any:
-    """GGUFReader over `path`, with a clear error for anything that is not a readable GGUF."""
-    from gguf import GGUFReader
+    """The GGUF file at `path` (`gguf_file.GGUFFile`: metadata decoded, tensors mapped), or a one-line error."""
+    from stagedspec.models.gguf_file import open_gguf_file
 
-    try:
-        return GGUFReader(str(path), "r")
-    except Exception as exc:
-        raise StagedSpecError(f"cannot read {path}: not a valid GGUF file ({first_line(exc)})") from None
+    return open_gguf_file(path)
 
 
 def read_gguf(path: Path) -> GGUFCheckpoint:

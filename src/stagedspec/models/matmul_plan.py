@@ -2,7 +2,7 @@
 
 Why: a decoding pass multiplies a few rows by every weight matrix, and how
 well a CPU's BLAS handles that shape is a property of the machine.  On an
-AMD EPYC with AVX2 only (session 15, MKL 2024.2 in torch 2.13) PyTorch's
+AMD EPYC with AVX2 only (2026-11-23, MKL 2024.2 in torch 2.13) PyTorch's
 fp32 `F.linear` (x Wᵀ) ran the SmolLM2-135M oracle's pass in 77 ms for one
 row, 129 ms for two and 178 ms for sixteen: its kernels for 2-16 rows
 streamed the weights at a third of the bandwidth the one-row kernel reached,
@@ -22,7 +22,7 @@ layer runs the faster one for the row count at hand (`PlannedLinear`; the
 output head through `Transformer.head_row_plan`).
 
 Row counts are a choice too.  Both kernels block the short side in groups,
-so an odd count can cost more than the round one above it (session 16, the
+so an odd count can cost more than the round one above it (2026-11-24, the
 same CPU, the oracle's matmuls: 3 rows 37 ms and 4 rows 29; 7 rows 51 and 8
 rows 46; 10-15 rows 65-81 and 16 rows 63; one row as a one-column product
 took the slow path, padded to two it did not).  So the plan for n rows is
@@ -177,7 +177,7 @@ def choose(timings: dict[int, tuple[float, float]]) -> dict[int, Step]:
     """Per measured row count n: the fastest (kernel, m >= n measured rows) by the timings, if at least
     `MARGIN` faster than `F.linear` over the n rows; else `F.linear` over n.  (W xᵀ)ᵀ often wins
     outright, and both kernels are often faster for a round count than for the odd one below it (AVX2
-    EPYC, session 16: (W xᵀ)ᵀ over 3 rows cost 26% more than over 4, over 13 rows 62% more than over
+    EPYC, 2026-11-24: (W xᵀ)ᵀ over 3 rows cost 26% more than over 4, over 13 rows 62% more than over
     16), so a pass pads up to it."""
     out: dict[int, Step] = {}
     for n, (plain, _) in timings.items():

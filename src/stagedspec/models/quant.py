@@ -264,7 +264,7 @@ class RowSwitchLinear(nn.Module):
     Why: the int8 kernel streams half of bf16's bytes and wins where a pass
     is a few rows, but it is not blocked for many rows.  On the AMX CPU a
     draft's 1-row pass costs 0.52x its bf16 time and a 4-row pass 0.72x, but
-    16 rows cost 1.6x and 48 rows 2.7x (session 14).  A draft's decoding
+    16 rows cost 1.6x and 48 rows 2.7x (AMX Xeon, 2026-11-23).  A draft's decoding
     passes are a few rows; its prompt pass is a whole prompt.  Both weights
     are kept; the dense one is a plain attribute, not counted as streamed.
     """
@@ -369,10 +369,11 @@ def resolve_quant(choice: str, spec: object, device: str) -> str:
 
 
 def source_is_quantised(spec: object) -> bool:
-    """Whether a model spec's weights come from a quantised GGUF (read from metadata, no weights loaded)."""
+    """Whether a model spec's weights come from a quantised GGUF (read from the header's tensor table only)."""
     import json
 
-    from stagedspec.models.loading import open_gguf, resolve_model_path
+    from stagedspec.models.gguf_file import read_tensor_table
+    from stagedspec.models.loading import resolve_model_path
 
     path = resolve_model_path(str(spec))
     if path.is_dir():
@@ -382,8 +383,7 @@ def source_is_quantised(spec: object) -> bool:
             return False
         return str(stamp.get("source", "")).lower().endswith(".gguf")
     plain = {"F32", "F16", "BF16", "F64"}
-    reader = open_gguf(path)
-    return any(t.tensor_type.name not in plain for t in reader.tensors if len(t.shape) == 2)
+    return any(t.type_name not in plain for t in read_tensor_table(path) if len(t.shape) == 2)
 
 
 def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloat16,

@@ -1,6 +1,6 @@
-"""Speedups as total tokens over total time against `ar`, per bench folder and temperature (session 14).
+"""Speedups as total tokens over total time against `ar`, per bench folder and temperature (AMX Xeon, 2026-11-23).
 
-    python docs/bench/avx512-amx-session14/summary.py
+    python docs/bench/avx512-amx-2026-11-23-int8-draft/summary.py
 """
 import json
 from pathlib import Path

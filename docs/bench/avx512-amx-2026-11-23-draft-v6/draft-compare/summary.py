@@ -1,6 +1,6 @@
-"""Speedups as total tokens over total time against `ar`, per bench folder here (session 13).
+"""Speedups as total tokens over total time against `ar`, per bench folder here (AMX Xeon, 2026-11-23).
 
-    python docs/bench/avx512-amx-session12/draft-compare/summary.py
+    python docs/bench/avx512-amx-2026-11-23-draft-v6/draft-compare/summary.py
 """
 import json
 from pathlib import Path

@@ -1,6 +1,6 @@
 """An ar@int4 decode pass: wall time (no profiler) minus its matmul and attention kernels' in-pass time (profiled).
 
-Usage: python int4_pass_overhead.py [THREADS].  Session 7, docs/gpu.md ("The CPU int4 pass").
+Usage: python int4_pass_overhead.py [THREADS].  AMX Xeon, 2026-11-23; docs/gpu.md ("The CPU int4 pass").
 """
 import time, torch, statistics, sys
 from torch.profiler import profile, ProfilerActivity
