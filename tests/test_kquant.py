@@ -1,4 +1,4 @@
-"""GGUF K-quant weights kept exactly (`q4_k`, `q6_k`): block decoding, packing, kernels, and loading.
+"""GGUF K-quant and Q5_0 weights kept exactly (`q4_k`, `q6_k`, `q5_0`): block decoding, packing, kernels, and loading.
 
 A Q4_K_M file (Qwen2.5-Coder-1.5B's) stores most layers as Q4_K and the
 head, `ffn_down` and `attn_v` of half the layers as Q6_K.  These tests check
@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from stagedspec.kernels import native, packing
-from stagedspec.models.gguf_codes import RawTensor, dequantized, q4k_codes, q6k_codes
+from stagedspec.models.gguf_codes import RawTensor, dequantized, q4k_codes, q5_0_codes, q6k_codes
 
 kernels = native.native_kernels()
 needs_native = pytest.mark.skipif(kernels is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, d: float = 2e-4) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks [rows, bytes]: random codes and sub-block scales, sane fp16 super-block scales."""
+    """Random Q4_K / Q6_K / Q5_0 blocks [rows, bytes]: random codes and sub-block scales, sane fp16 super-block scales."""
     import gguf
 
     qtype = getattr(gguf.GGMLQuantizationType, kind)
@@ -34,6 +34,8 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, d: float = 2e-
     scales = (rng.random((rows, cols // block, 2)) * d + d / 4).astype(np.float16).view(np.uint8)
     if kind == "Q4_K":
         b[..., 0:4] = scales.reshape(rows, cols // block, 4)  # d, dmin
+    elif kind == "Q5_0":
+        b[..., 0:2] = scales[..., :2]
     else:
         b[..., 208:210] = scales[..., :2]
     return b.reshape(rows, -1)
@@ -46,7 +48,7 @@ def _gguf_dequantized(kind: str, blocks: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(out, dtype=np.float32).reshape(blocks.shape[0], -1).copy())
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0"])
 def test_blocks_decode_exactly_as_gguf_dequantises_them(kind: str) -> None:
     blocks = random_blocks(kind, 12, 512)
     assert torch.equal(dequantized(RawTensor(kind, blocks, 512)), _gguf_dequantized(kind, blocks))
@@ -56,21 +58,23 @@ def test_packed_k_formats_unpack_to_the_file_weights() -> None:
     """21 rows: a padded last tile."""
     q4 = RawTensor("Q4_K", random_blocks("Q4_K", 21, 512, seed=1), 512)
     q6 = RawTensor("Q6_K", random_blocks("Q6_K", 21, 512, seed=2), 512)
+    q5 = RawTensor("Q5_0", random_blocks("Q5_0", 21, 512, seed=3), 512)
     assert torch.equal(packing.unpack_q4k(packing.pack_q4k(*q4k_codes(q4)), 21, 512), dequantized(q4))
     assert torch.equal(packing.unpack_q6k(packing.pack_q6k(*q6k_codes(q6)), 21, 512), dequantized(q6))
+    assert torch.equal(packing.unpack_q5(packing.pack_q5(*q5_0_codes(q5)), 21, 512), dequantized(q5))
 
 
-CASES = ["int4", "int8", "q4_k", "q6_k", "segments"]
+CASES = ["int4", "int8", "q4_k", "q6_k", "q5_0", "segments"]
 
 
 def _weight(case: str, k: int = 256, seed: int = 0) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
     """(packed, formats, outs, the fp32 weight) for one format, or a weight of four segments."""
     g = torch.Generator().manual_seed(seed)
     if case == "segments":
-        packed, formats, outs = packing.random_segments(("q4_k", "q6_k", "int8", "int4"), k, g)
+        packed, formats, outs = packing.random_segments(("q4_k", "q6_k", "int8", "q5_0", "int4"), k, g)
         names = {v: n for n, v in packing.FORMATS.items()}
         unpack = {"int4": packing.unpack_int4, "int8": packing.unpack_int8, "q4_k": packing.unpack_q4k,
-                  "q6_k": packing.unpack_q6k}
+                  "q6_k": packing.unpack_q6k, "q5_0": packing.unpack_q5}
         pieces, at = [], 0
         for f, n in zip(formats, outs):
             size = int(-(-n // 8) * 8 * k * packing.BITS_PER_WEIGHT[names[f]] / 8)
@@ -114,7 +118,7 @@ def test_every_row_count_position_thread_count_and_isa_gives_the_row_alone(case:
 
 
 # ---------------------------------------------------------------------- a K-quant GGUF, loaded
-K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
            "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K"}
 
 
@@ -165,7 +169,7 @@ def test_auto_loads_k_quants_in_their_own_formats_exactly(kquant_model) -> None:
     from stagedspec.models.quant import SegmentLinear, describe_weights
 
     path, model, _ = kquant_model
-    assert describe_weights(model).startswith("q4_k x 4, q4_k+q6_k x 2, q6_k x 2 layers + q6_k head")
+    assert describe_weights(model).startswith("q4_k x 2, q4_k+q6_k x 2, q5_0 x 2, q6_k x 2 layers + q6_k head")
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     parts = lambda *names: torch.cat([_gguf_dequantized(tensors[n].tensor_type.name, np.asarray(tensors[n].data))  # noqa: E731
                                       for n in names])
@@ -173,6 +177,7 @@ def test_auto_loads_k_quants_in_their_own_formats_exactly(kquant_model) -> None:
     assert isinstance(qkv, SegmentLinear) and qkv.format_names == ["q4_k", "q4_k", "q6_k"]
     assert torch.equal(qkv.dequantized(), parts("blk.1.attn_q.weight", "blk.1.attn_k.weight", "blk.1.attn_v.weight"))
     assert torch.equal(model.layers[0].mlp.w_down.dequantized(), parts("blk.0.ffn_down.weight"))
+    assert torch.equal(model.layers[0].attn.wo.dequantized(), parts("blk.0.attn_output.weight"))
     assert torch.equal(model.head_q.dequantized(), parts("output.weight"))
 
 

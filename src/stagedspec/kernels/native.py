@@ -180,7 +180,7 @@ def _agrees_with_portable(isa: int) -> bool:
     g = torch.Generator().manual_seed(0)
     k = 256
     x = torch.randn(7, k, generator=g) * torch.rand(7, 1, generator=g) * 4
-    packed, formats, outs = random_segments(("int4", "int8", "q4_k", "q6_k"), k, g)
+    packed, formats, outs = random_segments(("int4", "int8", "q4_k", "q6_k", "q5_0"), k, g)
     fast, ref = NativeKernels(isa), NativeKernels(0)
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)

@@ -174,8 +174,9 @@ def unpack_int8(packed: Tensor, n: int, k: int) -> Tensor:
 
 # ------------------------------------------------------------------ GGUF K-quant formats, kept exactly
 SUPER = 256  # inputs per K-quant super-block
-FORMATS = {"int4": 0, "int8": 1, "q4_k": 2, "q6_k": 3}  # the native kernels' format numbers
-BITS_PER_WEIGHT = {"int4": 5.0, "int8": 8.5, "q4_k": 1184 * 8 / (SUPER * TILE), "q6_k": 1680 * 8 / (SUPER * TILE)}
+FORMATS = {"int4": 0, "int8": 1, "q4_k": 2, "q6_k": 3, "q5_0": 4}  # the native kernels' format numbers
+BITS_PER_WEIGHT = {"int4": 5.0, "int8": 8.5, "q4_k": 1184 * 8 / (SUPER * TILE), "q6_k": 1680 * 8 / (SUPER * TILE),
+                   "q5_0": 5.5}
 
 
 def _by_tile(values: Tensor, per_group: int) -> Tensor:
@@ -237,6 +238,30 @@ def pack_q6k(codes: Tensor, sc: Tensor, d: Tensor) -> Tensor:
     return _with_super_heads(torch.cat([nibbles, pairs, scales], dim=-1), _fp16_heads(d))
 
 
+def pack_q5(codes: Tensor, d: Tensor) -> Tensor:
+    """Q5_0 kept exactly -> packed uint8: codes uint8 [N, K] in 0..31, d fp16 [N, K/32]; weight = d * (code - 16)."""
+    n, k = codes.shape
+    assert k % GROUP == 0 and d.shape == (n, k // GROUP)
+    c = _pad_rows(codes.to(torch.uint8), TILE)
+    tiles, groups = c.shape[0] // TILE, k // GROUP
+    fifth = (c >> 4).reshape(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, g, v, o, i]
+    bits = sum(fifth[:, :, v] << v for v in range(8)).reshape(tiles, groups, 32)
+    return torch.cat([_int4_code_vectors(c[:n] & 0x0F), bits.to(torch.uint8), _scales_by_tile(d)], dim=-1).reshape(-1).contiguous()
+
+
+def unpack_q5(packed: Tensor, n: int, k: int) -> Tensor:
+    """The fp32 weight [n, k] that `pack_q5`'s output multiplies by."""
+    tiles, groups = -(-n // TILE), k // GROUP
+    p = packed.reshape(tiles, groups, 176)
+    low = _int4_codes_from_vectors(p[..., :128], tiles * TILE, k)
+    bits = p[..., 128:160].reshape(tiles, groups, 1, TILE, 4)
+    fifth = torch.cat([(bits >> v) & 1 for v in range(8)], dim=2)  # [tile, g, v, o, i]
+    fifth = fifth.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, k)
+    codes = (low | (fifth << 4))[:n].float().reshape(n, groups, GROUP)
+    d = _scales_from_tiles(p[..., 160:], n)
+    return ((codes - 16) * d[..., None]).reshape(n, k)
+
+
 def _super_split(packed: Tensor, n: int, k: int, head: int, group: int) -> tuple[Tensor, Tensor]:
     tiles, supers = -(-n // TILE), k // SUPER
     p = packed.reshape(tiles, supers, head + 8 * group)
@@ -289,6 +314,10 @@ def random_format(fmt: str, n: int, k: int, g: torch.Generator) -> tuple[Tensor,
         codes, scale = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), (torch.rand(n, groups, generator=g) * 0.05).half()
         packed = pack_int4(codes, scale, (torch.randn(n, groups, generator=g) * 0.1).half())
         return packed, unpack_int4(packed, n, k)
+    if fmt == "q5_0":
+        packed = pack_q5(torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8),
+                         (torch.rand(n, groups, generator=g) * 0.01).half())
+        return packed, unpack_q5(packed, n, k)
     if fmt == "int8":
         codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         packed = pack_int8(codes, (torch.rand(n, groups, generator=g) * 0.005).half())

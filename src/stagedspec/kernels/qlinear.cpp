@@ -28,6 +28,9 @@
 //         bytes: 4 vectors of low nibbles (as int4: code vectors v and v+4), 2 vectors of high 2-bit
 //         pairs (vector u, byte j, bits 2k..2k+1 = code vector 4u+k), 8 int8 scales of inputs 0..15 and
 //         8 of inputs 16..31; weight = d * sc * (code - 32), code in 0..63.
+//   q5_0: GGUF's Q5_0 kept exactly.  Per (tile, group) 176 bytes: the int4 code vectors (low 4 bits), one
+//         vector of fifth bits (byte j, bit k = code vector k: inputs 4k..4k+3), 8 fp16 d;
+//         weight = d * (code - 16), code in 0..31.
 //
 // A layer may hold several formats one after another along its outputs (a fused q|k|v whose parts a
 // GGUF stores differently): `qlinear` takes the formats and output counts of its segments.
@@ -64,12 +67,13 @@ constexpr int64_t kQ4KGroupBytes = 128 + 2 * kTile;   // 144
 constexpr int64_t kQ4KSuperBytes = 4 * kTile + kGroupsPerSuper * kQ4KGroupBytes;  // 1184
 constexpr int64_t kQ6KGroupBytes = 128 + 64 + 2 * kTile;  // 208
 constexpr int64_t kQ6KSuperBytes = 2 * kTile + kGroupsPerSuper * kQ6KGroupBytes;  // 1680
+constexpr int64_t kQ5Bytes = 128 + 32 + 2 * kTile;  // 176
 constexpr int64_t kRowBlock = 4;                    // rows computed together against one loaded tile
 constexpr int64_t kRowChunk = 64;                   // rows whose activations stay in cache per weight sweep
 constexpr int64_t kPrefetchBytes = 4096;            // how far ahead of the tile being read to prefetch
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
-enum Format : int64_t { kInt4 = 0, kInt8 = 1, kQ4K = 2, kQ6K = 3 };
+enum Format : int64_t { kInt4 = 0, kInt8 = 1, kQ4K = 2, kQ6K = 3, kQ5 = 4 };
 
 // Bytes of one tile (8 outputs) over K inputs, or -1 where the format cannot hold K inputs.
 int64_t tile_bytes(int64_t format, int64_t K) {
@@ -78,6 +82,7 @@ int64_t tile_bytes(int64_t format, int64_t K) {
     case kInt8: return K % kGroup ? -1 : K / kGroup * kQ8Bytes;
     case kQ4K: return K % kSuper ? -1 : K / kSuper * kQ4KSuperBytes;
     case kQ6K: return K % kSuper ? -1 : K / kSuper * kQ6KSuperBytes;
+    case kQ5: return K % kGroup ? -1 : K / kGroup * kQ5Bytes;
     default: return -1;
   }
 }
@@ -315,6 +320,35 @@ void q6k_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
       for (int r = 0; r < RB; ++r) {
         const int32_t isum = q6k_group_isum_scalar(grp, a.q + r * a.K + g * kGroup, a.h + r * 2 * a.G + 2 * g, o);
         acc[r][o] = std::fma(static_cast<float>(isum), dw * a.d[r * a.G + g], acc[r][o]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int o = 0; o < kTile; ++o) out[r * kTile + o] = acc[r][o];
+}
+
+
+// Q5_0: code of input 4v+i of output o in a 176-byte group.
+inline int32_t q5_code(const uint8_t* grp, int v, int o, int i) {
+  const int j = 4 * o + i;
+  const uint8_t nib = v < 4 ? (grp[32 * v + j] & 0x0F) : (grp[32 * (v - 4) + j] >> 4);
+  return static_cast<int32_t>(nib | (((grp[128 + j] >> v) & 1) << 4));
+}
+
+template <int RB>
+void q5_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
+  float acc[RB][kTile] = {};
+  for (int64_t g = 0; g < a.G; ++g, w += kQ5Bytes) {
+    for (int o = 0; o < kTile; ++o) {
+      const float dw = half_to_float(w + 160 + 2 * o);
+      const float mw = -16.f * dw;
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = a.q + r * a.K + g * kGroup;
+        int32_t isum = 0;
+        for (int v = 0; v < 8; ++v)
+          for (int i = 0; i < 4; ++i) isum += q5_code(w, v, o, i) * x[4 * v + i];
+        acc[r][o] = std::fma(static_cast<float>(isum), dw * a.d[r * a.G + g], acc[r][o]);
+        acc[r][o] = std::fma(mw, a.s[r * a.G + g], acc[r][o]);
       }
     }
   }
@@ -601,6 +635,72 @@ template <int RB> void q4k_tile_avx2(const uint8_t* w, const RowsView& a, float*
 template <int RB> void q4k_tile_vnni(const uint8_t* w, const RowsView& a, float* out) { q4k_tile_vnni_impl<RB, true>(w, a, out); }
 template <int RB> void q6k_tile_avx2(const uint8_t* w, const RowsView& a, float* out) { q6k_tile_avx2_impl<RB, false>(w, a, out); }
 template <int RB> void q6k_tile_vnni(const uint8_t* w, const RowsView& a, float* out) { q6k_tile_vnni_impl<RB, true>(w, a, out); }
+
+// The fifth bit of code vector K, moved to bit 4 of each byte.
+template <int K>
+__attribute__((target("avx2"))) inline __m256i q5_high(__m256i h) {
+  const __m256i mask = _mm256_set1_epi8(0x10);
+  if constexpr (K <= 4) return _mm256_and_si256(_mm256_slli_epi16(h, 4 - K), mask);
+  return _mm256_and_si256(_mm256_srli_epi16(h, K - 4), mask);
+}
+
+__attribute__((target("avx2"))) inline void q5_codes(const uint8_t* grp, __m256i* code) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128));
+  __m256i nib[4];
+  for (int p = 0; p < 4; ++p) nib[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * p));
+  code[0] = _mm256_or_si256(_mm256_and_si256(nib[0], low), q5_high<0>(h));
+  code[1] = _mm256_or_si256(_mm256_and_si256(nib[1], low), q5_high<1>(h));
+  code[2] = _mm256_or_si256(_mm256_and_si256(nib[2], low), q5_high<2>(h));
+  code[3] = _mm256_or_si256(_mm256_and_si256(nib[3], low), q5_high<3>(h));
+  code[4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib[0], 4), low), q5_high<4>(h));
+  code[5] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib[1], 4), low), q5_high<5>(h));
+  code[6] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib[2], 4), low), q5_high<6>(h));
+  code[7] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib[3], 4), low), q5_high<7>(h));
+}
+
+// Q5_0: codes 0..31 against int8 activations (vpmaddubsw at most 2 * 31 * 127 = 7874 per 16-bit lane, four
+// vectors 31496 < 32767), then the int4 path's float steps with low = -16 d (exact).
+#define STAGEDSPEC_Q5_TILE(NAME, TARGET) \
+template <int RB, bool Vnni> \
+__attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, float* out) { \
+  const __m256i ones = _mm256_set1_epi16(1); \
+  __m256 acc[RB]; \
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps(); \
+  for (int64_t g = 0; g < a.G; ++g, w += kQ5Bytes) { \
+    prefetch_group(w, kQ5Bytes); \
+    __m256i code[8]; \
+    q5_codes(w, code); \
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 160))); \
+    const __m256 mw = _mm256_mul_ps(dw, _mm256_set1_ps(-16.f)); \
+    for (int r = 0; r < RB; ++r) { \
+      const int8_t* x = a.q + r * a.K + g * kGroup; \
+      __m256i exact; \
+      if constexpr (Vnni) { \
+        exact = _mm256_setzero_si256(); \
+        for (int v = 0; v < 8; ++v) exact = _mm256_dpbusd_epi32(exact, code[v], broadcast4(x + 4 * v)); \
+      } else { \
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); \
+        for (int v = 0; v < 4; ++v) { \
+          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[v], broadcast4(x + 4 * v))); \
+          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[v + 4], broadcast4(x + 16 + 4 * v))); \
+        } \
+        exact = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones)); \
+      } \
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])); \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]); \
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]); \
+    } \
+  } \
+  for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]); \
+}
+
+STAGEDSPEC_Q5_TILE(q5_tile_avx2_impl, "avx2,fma,f16c")
+STAGEDSPEC_Q5_TILE(q5_tile_vnni_impl, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#undef STAGEDSPEC_Q5_TILE
+
+template <int RB> void q5_tile_avx2(const uint8_t* w, const RowsView& a, float* out) { q5_tile_avx2_impl<RB, false>(w, a, out); }
+template <int RB> void q5_tile_vnni(const uint8_t* w, const RowsView& a, float* out) { q5_tile_vnni_impl<RB, true>(w, a, out); }
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
@@ -618,6 +718,7 @@ STAGEDSPEC_TABLE(q4_scalar, q4_tile_scalar)
 STAGEDSPEC_TABLE(q8_scalar, q8_tile_scalar)
 STAGEDSPEC_TABLE(q4k_scalar, q4k_tile_scalar)
 STAGEDSPEC_TABLE(q6k_scalar, q6k_tile_scalar)
+STAGEDSPEC_TABLE(q5_scalar, q5_tile_scalar)
 #ifdef STAGEDSPEC_X86
 STAGEDSPEC_TABLE(q4_avx2, q4_tile_avx2)
 STAGEDSPEC_TABLE(q8_avx2, q8_tile_avx2)
@@ -627,6 +728,8 @@ STAGEDSPEC_TABLE(q4k_avx2, q4k_tile_avx2)
 STAGEDSPEC_TABLE(q4k_vnni, q4k_tile_vnni)
 STAGEDSPEC_TABLE(q6k_avx2, q6k_tile_avx2)
 STAGEDSPEC_TABLE(q6k_vnni, q6k_tile_vnni)
+STAGEDSPEC_TABLE(q5_avx2, q5_tile_avx2)
+STAGEDSPEC_TABLE(q5_vnni, q5_tile_vnni)
 #endif
 
 TileKernels kernels_for(int64_t format, int64_t isa) {
@@ -636,6 +739,7 @@ TileKernels kernels_for(int64_t format, int64_t isa) {
       case kInt4: return q4_vnni();
       case kInt8: return q8_vnni();
       case kQ4K: return q4k_vnni();
+      case kQ5: return q5_vnni();
       default: return q6k_vnni();
     }
   }
@@ -644,6 +748,7 @@ TileKernels kernels_for(int64_t format, int64_t isa) {
       case kInt4: return q4_avx2();
       case kInt8: return q8_avx2();
       case kQ4K: return q4k_avx2();
+      case kQ5: return q5_avx2();
       default: return q6k_avx2();
     }
   }
@@ -652,6 +757,7 @@ TileKernels kernels_for(int64_t format, int64_t isa) {
     case kInt4: return q4_scalar();
     case kInt8: return q8_scalar();
     case kQ4K: return q4k_scalar();
+    case kQ5: return q5_scalar();
     default: return q6k_scalar();
   }
 }

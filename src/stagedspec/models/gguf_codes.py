@@ -15,6 +15,9 @@ Block layouts (ggml's `block_q4_K` and `block_q6_K`, 256 weights each):
   32c..32c+31 (low and high nibbles).
 - Q6_K, 210 bytes: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs,
   16 int8 scales (one per 16 weights), fp16 d.  Weight = d * sc * (code - 32).
+- Q5_0, 22 bytes per 32 weights: fp16 d, a uint32 of fifth bits (bit j =
+  weight j), 16 bytes of low nibbles (weight j low, weight j+16 high).
+  Weight = d * (code - 16).
 
 The decoders are checked against `gguf.quants.dequantize` bit for bit
 (`tests/test_gguf_codes.py`).
@@ -28,8 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-Q4K_BLOCK, Q6K_BLOCK = 144, 210
-KEPT_TYPES = ("Q4_K", "Q6_K")  # GGUF types whose codes these decoders return
+Q4K_BLOCK, Q6K_BLOCK, Q5_0_BLOCK = 144, 210, 22
+KEPT_TYPES = ("Q4_K", "Q6_K", "Q5_0")  # GGUF types whose codes these decoders return
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,9 @@ class RawTensor:
         return RawTensor(self.kind, self.blocks[order.numpy()], self.cols)
 
 
-def _blocks(raw: RawTensor, size: int) -> np.ndarray:
+def _blocks(raw: RawTensor, size: int, weights: int = 256) -> np.ndarray:
     rows = raw.blocks.shape[0]
-    return np.ascontiguousarray(raw.blocks).reshape(rows, raw.cols // 256, size)
+    return np.ascontiguousarray(raw.blocks).reshape(rows, raw.cols // weights, size)
 
 
 def _fp16(b: np.ndarray) -> Tensor:
@@ -86,6 +89,18 @@ def q6k_codes(raw: RawTensor) -> tuple[Tensor, Tensor, Tensor]:
     return torch.from_numpy(codes), torch.from_numpy(sc), _fp16(b[..., 208:210])
 
 
+def q5_0_codes(raw: RawTensor) -> tuple[Tensor, Tensor]:
+    """Q5_0 -> codes uint8 [N, K] (0..31), d fp16 [N, K/32]."""
+    b = _blocks(raw, Q5_0_BLOCK, 32)
+    n, groups = b.shape[:2]
+    fifth = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [n, groups, 1]
+    bits = ((fifth >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, groups, 32]
+    qs = b[..., 6:22]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    codes = (low | (bits << 4)).reshape(n, groups * 32)
+    return torch.from_numpy(codes), _fp16(b[..., 0:2])
+
+
 def dequantized(raw: RawTensor) -> Tensor:
     """The fp32 weight [N, K] the decoded numbers stand for (tests compare it with gguf's own dequantisation)."""
     if raw.kind == "Q4_K":
@@ -99,4 +114,8 @@ def dequantized(raw: RawTensor) -> Tensor:
         n, k = codes.shape
         scale = d.float().repeat_interleave(16, 1) * sc.float()
         return ((codes.float() - 32).reshape(n, k // 16, 16) * scale[..., None]).reshape(n, k)
+    if raw.kind == "Q5_0":
+        codes, d = q5_0_codes(raw)
+        n, k = codes.shape
+        return ((codes.float() - 16).reshape(n, k // 32, 32) * d.float()[..., None]).reshape(n, k)
     raise ValueError(f"no decoder for GGUF type {raw.kind}")

@@ -19,10 +19,10 @@ Two kernel backends, chosen once per process (`kernels=`):
   bf16 activations only; int4 scales rounded to bf16, int8 one scale per row.
 
 Under "mixed" (what `--quant auto` picks for a GGUF) each layer keeps its
-file's numbers exactly where a native format holds them: Q4_K and Q6_K run as
-themselves (`q4_k`, `q6_k`: their stored codes and scales, read from the
-file's blocks by `stagedspec.models.gguf_codes`); Q4_0 and Q4_1 as int4, and
-Q5_0 and Q8_0 as int8, recovered from the dequantised values (their codes
+file's numbers exactly where a native format holds them: Q4_K, Q6_K and Q5_0
+run as themselves (`q4_k`, `q6_k`, `q5_0`: their stored codes and scales,
+read from the file's blocks by `stagedspec.models.gguf_codes`); Q4_0 and Q4_1
+as int4, and Q8_0 as int8, recovered from the dequantised values (their codes
 sit on a grid with fp16 scales, which the grid scan finds exactly).  A fused
 layer (q|k|v, gate|up) keeps each part's format as a segment.  Other types
 (Q5_K, F16) are re-quantised: int4 where most groups sit on a 4-bit grid,
@@ -42,11 +42,12 @@ from torch import Tensor, nn
 from stagedspec.errors import StagedSpecError
 from stagedspec.kernels import packing
 from stagedspec.kernels.native import NativeKernels, native_kernels
-from stagedspec.models.gguf_codes import RawTensor, q4k_codes, q6k_codes
+from stagedspec.models.gguf_codes import KEPT_TYPES, RawTensor, q4k_codes, q5_0_codes, q6k_codes
 
-# "mixed": each layer int4 where most of its groups are 4-bit in the source (a Q4_0/Q4_1/Q4_K tensor), int8
-# elsewhere (Q5_0, Q6_K, Q8_0): the source's own precision class, as llama.cpp keeps it.  `--quant auto` picks
-# it for a quantised source (a GGUF, or a folder converted from one) on a CPU, and "none" otherwise.
+# "mixed": each layer in its source's own format where a GGUF's blocks are at hand (see above); otherwise int4
+# where most of its groups are 4-bit in the source (a Q4_0/Q4_1/Q4_K tensor), int8 elsewhere (Q5_0, Q6_K,
+# Q8_0), as llama.cpp keeps them.  `--quant auto` picks it for a quantised source (a GGUF, or a folder
+# converted from one) on a CPU, and "none" otherwise.
 QUANT_MODES = ("none", "int8", "int4", "mixed")
 QUANT_CHOICES = ("auto", *QUANT_MODES)
 MIXED_INT4_SHARE = 0.5  # a layer runs int4 under "mixed" when at least this share of its groups is 4-bit
@@ -209,7 +210,7 @@ class SegmentLinear(nn.Module):
     def dequantized(self) -> Tensor:
         """The weight [out, in] this layer multiplies by, in fp32 (for tests and diagnostics)."""
         unpack = {"int4": packing.unpack_int4, "int8": packing.unpack_int8, "q4_k": packing.unpack_q4k,
-                  "q6_k": packing.unpack_q6k}
+                  "q6_k": packing.unpack_q6k, "q5_0": packing.unpack_q5}
         pieces, at = [], 0
         for fmt, n in zip(self.format_names, self.outs):
             size = -(-n // packing.TILE) * packing.TILE * self.in_features * packing.BITS_PER_WEIGHT[fmt] / 8
@@ -219,13 +220,15 @@ class SegmentLinear(nn.Module):
 
 
 def source_segment(weight: Tensor, raw: RawTensor | None) -> tuple[str, Tensor, int]:
-    """One part of a layer in its source's format: Q4_K / Q6_K from the stored blocks, else int4 or int8 from
-    the fp32 values (exact for Q4_0, Q4_1, Q5_0 and Q8_0, whose codes sit on the grid the scan finds)."""
+    """One part of a layer in its source's format: Q4_K / Q6_K / Q5_0 from the stored blocks, else int4 or int8
+    from the fp32 values (exact for Q4_0, Q4_1 and Q8_0, whose codes sit on the grid the scan finds)."""
     n = weight.shape[0]
     if raw is not None and raw.kind == "Q4_K":
         return "q4_k", packing.pack_q4k(*q4k_codes(raw)), n
     if raw is not None and raw.kind == "Q6_K":
         return "q6_k", packing.pack_q6k(*q6k_codes(raw)), n
+    if raw is not None and raw.kind == "Q5_0":
+        return "q5_0", packing.pack_q5(*q5_0_codes(raw)), n
     if layer_format(weight) == "int4":
         return "int4", packing.pack_int4(*packing.int4_groups_from_float(weight)), n
     return "int8", packing.pack_int8(*packing.int8_groups_from_float(weight)), n
@@ -408,7 +411,7 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloa
     for i, layer in enumerate(model.layers):
         quantize_linears(layer, mode, kernels, sources, f"layers.{i}.")
     head_raws = sources.get("head")
-    if mode == "mixed" and kernels is not None and head_raws and head_raws[0].kind in ("Q4_K", "Q6_K"):
+    if mode == "mixed" and kernels is not None and head_raws and head_raws[0].kind in KEPT_TYPES:
         model.head_q = from_source(model.head_weight.detach(), None, head_raws, kernels)
     else:
         model.head_q = Int8Linear(model.head_weight.detach(), None, kernels)
