@@ -189,11 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     from stagedspec.bench.run import add_bench_command
     from stagedspec.check import add_check_command
     from stagedspec.cli_distill import add_commands as add_distill_commands
+    from stagedspec.cli_export import add_commands as add_export_commands
     from stagedspec.cli_serve import add_commands as add_serve_commands
 
     add_bench_command(sub)
     add_check_command(sub)
     add_distill_commands(sub)
+    add_export_commands(sub)
     add_serve_commands(sub)
     return parser
 
