@@ -41,6 +41,7 @@ CUDA_ORACLE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 RAGGED_SEGMENTS = 8  # segments of the ragged pass timed for the per-segment cost
 PROFILE_VERSION = 4  # 2: draft_overhead; 3: shared-pass row counts and segment_seconds; 4: verify_overhead
+MIN_REPEATS, SECONDS_PER_SHAPE = 2, 0.5  # a shape is timed `repeats` times, or as often as fits in this
 VERIFY_ROWS = (1, 8)  # verification overhead is measured on a root-only tree (`ar`) and an 8-node chain
 
 
@@ -99,8 +100,10 @@ def forward_cost_curve(
             toks = torch.randint(0, vocab, (1, rows), generator=g).to(device)
             mask, depth = _tree_mask(rows)
             pos = torch.tensor(depth, device=device) + context
-            times = []
-            for r in range(repeats + 1):  # the first pass of a new shape warms caches and kernels
+            times: list[float] = []
+            wanted = repeats + 1
+            r = 0
+            while r < wanted:  # the first pass of a new shape warms caches and kernels
                 sync()
                 t = time.perf_counter()
                 if runner is not None:
@@ -111,6 +114,9 @@ def forward_cost_curve(
                 sync()
                 if r:
                     times.append(time.perf_counter() - t)
+                    if r == 1:  # slow shapes (a big model's wide passes) take fewer repeats: the whole stays seconds
+                        wanted = 1 + max(MIN_REPEATS, min(repeats, int(SECONDS_PER_SHAPE / max(times[0], 1e-9))))
+                r += 1
                 cache.discard()
             out[n] = min(times)
     return monotone(out)
