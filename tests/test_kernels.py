@@ -220,3 +220,41 @@ def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row() -> None:
                             tree_mask=tree)[0]
     assert torch.equal(split, whole[4:])
     assert torch.equal(tree_logits[[0, 1, 3]], whole[4:])
+
+
+@needs_native
+@pytest.mark.parametrize("mode, dtype, qkv_bias", [("int4", torch.float32, False), ("mixed", torch.float32, True),
+                                                    ("int8", torch.bfloat16, True)])
+def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: torch.dtype, qkv_bias: bool) -> None:
+    """`layer.cpp` runs a block's operations in the Python path's order: prompt, tree and batched passes agree
+    bit for bit with the layers run op by op (Qwen2's q|k|v bias included)."""
+    from stagedspec.models.config import ModelConfig
+    from stagedspec.models.quant import NativeDecoderLayer, quantize_model
+    from stagedspec.models.transformer import Transformer, init_random
+
+    cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      intermediate_size=128, max_position=128, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True,
+                      qkv_bias=qkv_bias)
+    model = quantize_model(init_random(Transformer(cfg), seed=5).eval().requires_grad_(False), mode, dtype, kernels)
+    assert all(isinstance(b.native_layer, NativeDecoderLayer) for b in model.layers)
+
+    def passes() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            cache = model.new_cache(64)
+            prompt = model(torch.tensor([[5, 9, 33, 2, 200]]), torch.arange(5), cache)
+            cache.commit()
+            tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+            nodes = model(torch.tensor([[7, 8, 9]]), torch.tensor([5, 6, 6]), cache, tree_mask=tree)
+            batch_cache = model.new_cache(16, batch=2)
+            batch = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.arange(3), batch_cache)
+        return [prompt, nodes, batch]
+
+    fused = passes()
+    saved = [b.native_layer for b in model.layers]
+    for b in model.layers:
+        b.native_layer = None
+    op_by_op = passes()
+    for b, layer in zip(model.layers, saved):
+        b.native_layer = layer
+    for a, b in zip(fused, op_by_op):
+        assert torch.equal(a, b)

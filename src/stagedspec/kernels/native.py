@@ -12,7 +12,9 @@ kernels and says so in one line.
 `norm.cpp` and `attention.cpp` are the RMSNorm and attention of quantised
 models: one call each, and each row computed alone, so a whole pass is
 bit-identical per row (activations quantised to int8 would turn the last-bit
-differences of PyTorch's attention into visible ones).  `grid.cpp` (in the
+differences of PyTorch's attention into visible ones).  `layer.cpp` runs a
+whole Llama-family decoder layer in one call (the same operations, without
+Python's cost per operation).  `grid.cpp` (in the
 same library) finds the 4-bit grid a dequantised GGUF group sits on, so
 loading recovers its codes.
 
@@ -36,7 +38,8 @@ import torch
 from stagedspec.errors import first_line
 from stagedspec.models.default import cache_root
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp",
+                                                      "layer.cpp"))
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
 ENV_SWITCH = "STAGEDSPEC_QKERNELS"
 # -ffp-contract=off: the portable path's float operations stay the ones written (no fused multiply-adds the
@@ -81,6 +84,16 @@ class NativeKernels:
         """q [B, H, T, D] over keys/values [B, Hkv, S, D] (GQA when H > Hkv) with an additive bias [T', S] or
         [B, 1, T', S] (0 / -inf; its first T rows are used) -> [B, H, T, D], each row alone (`attention.cpp`)."""
         return torch.ops.stagedspec_qlinear.attention(q, keys, values, bias, scale)
+
+    def decoder_layer(self, x: torch.Tensor, packed: list[torch.Tensor], formats: list[int], outs: list[int],
+                      splits: list[int], biases: list[torch.Tensor | None], attn_norm: torch.Tensor,
+                      mlp_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float, n_heads: int,
+                      n_kv_heads: int) -> torch.Tensor:
+        """One Llama-family decoder layer (`layer.cpp`): the Python path's operations from C++, the same bits."""
+        return torch.ops.stagedspec_qlinear.decoder_layer(x, packed, formats, outs, splits, biases, attn_norm, mlp_norm,
+                                                          eps, cos, sin, k_cache, v_cache, start, mask, scale, n_heads,
+                                                          n_kv_heads, self.isa)
 
     def with_isa(self, isa: int) -> NativeKernels:
         """The same kernels on another instruction set (tests compare them bit for bit)."""
@@ -145,6 +158,7 @@ def _register_fakes() -> None:
     torch.library.register_fake(f"{lib}::qlinear", lambda x, packed, formats, outs, isa: x.new_empty(x.shape[0], sum(outs)))
     torch.library.register_fake(f"{lib}::rms_norm", lambda x, w, eps: torch.empty_like(x))
     torch.library.register_fake(f"{lib}::attention", lambda q, k, v, bias, scale: torch.empty_like(q))
+    torch.library.register_fake(f"{lib}::decoder_layer", lambda x, *args: torch.empty_like(x))
 
 
 def _registered() -> bool:

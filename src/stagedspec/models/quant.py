@@ -219,6 +219,56 @@ class SegmentLinear(nn.Module):
         return torch.cat(pieces)
 
 
+class NativeDecoderLayer:
+    """A Llama-family `Block` run as one native call (`NativeKernels.decoder_layer`), its arguments gathered once.
+
+    Why: at one row, Python's cost per operation (about 25 a layer) is as
+    much as the weights' streaming on a 135M model; the native call runs the
+    same operations in the same order, so the bits do not change.
+    """
+
+    def __init__(self, block: nn.Module, kernels: NativeKernels) -> None:
+        attn, mlp = block.attn, block.mlp
+        linears = [attn.wqkv, attn.wo, mlp.w_up, mlp.w_down]
+        segments = [_segments(layer) for layer in linears]
+        self.kernels = kernels
+        self.packed = [layer.packed for layer in linears]
+        self.formats = [f for fmts, _ in segments for f in fmts]
+        self.outs = [n for _, outs in segments for n in outs]
+        self.splits = [len(fmts) for fmts, _ in segments]
+        self.biases = [layer.bias for layer in linears]
+        self.attn_norm, self.mlp_norm, self.eps = block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps
+        self.scale = attn.scale or attn.head_dim ** -0.5
+        self.n_heads, self.n_kv_heads = attn.n_heads, attn.n_kv_heads
+
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, start: int,
+                 mask: Tensor | None) -> Tensor:
+        cos, sin = rope
+        return self.kernels.decoder_layer(x, self.packed, self.formats, self.outs, self.splits, self.biases,
+                                          self.attn_norm, self.mlp_norm, self.eps, cos, sin, k_cache, v_cache, start,
+                                          mask, self.scale, self.n_heads, self.n_kv_heads)
+
+
+def _segments(layer: nn.Module) -> tuple[list[int], list[int]]:
+    if isinstance(layer, SegmentLinear):
+        return layer.formats, layer.outs
+    fmt = "int4" if isinstance(layer, Int4Linear) else "int8"
+    return [packing.FORMATS[fmt]], [layer.out_features]
+
+
+def fusable(block: nn.Module) -> bool:
+    """Whether `block` is a Llama-family block whose parts all run on the native kernels (see `NativeDecoderLayer`)."""
+    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+    if attn is None or mlp is None or getattr(block, "post_attn_norm", None) is not None:
+        return False
+    linears = [attn.wqkv, attn.wo, mlp.w_up, mlp.w_down]
+    return (attn.use_rope and attn.q_norm is None and attn.native_attention is not None and mlp.gated
+            and not mlp.gelu_gate and isinstance(block.attn_norm, NativeRMSNorm)
+            and isinstance(block.mlp_norm, NativeRMSNorm)
+            and all(isinstance(layer, (Int4Linear, Int8Linear, SegmentLinear)) and layer.kernels is not None
+                    for layer in linears))
+
+
 def source_segment(weight: Tensor, raw: RawTensor | None) -> tuple[str, Tensor, int]:
     """One part of a layer in its source's format: Q4_K / Q6_K / Q5_0 from the stored blocks, else int4 or int8
     from the fp32 values (exact for Q4_0, Q4_1 and Q8_0, whose codes sit on the grid the scan finds)."""
@@ -424,6 +474,9 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloa
                 m.native_attention = kernels
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    if kernels is not None:
+        for block in model.layers:
+            block.native_layer = NativeDecoderLayer(block, kernels) if fusable(block) else None
     return model
 
 
@@ -435,6 +488,9 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     """
     module = copy.deepcopy(module)
     _swap_layers(module, (Int4Linear, Int8Linear, SegmentLinear), _as_linear)
+    for m in module.modules():
+        if getattr(m, "native_layer", None) is not None:
+            m.native_layer = None  # it would still run the quantised copies
     return module
 
 

@@ -17,6 +17,7 @@ checkpoints onto them.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -246,8 +247,13 @@ class Block(nn.Module):
         # Gemma-3 also normalises each sub-layer's output before it joins the residual stream.
         self.post_attn_norm = _norm(cfg) if cfg.arch == "gemma3" else None
         self.post_mlp_norm = _norm(cfg) if cfg.arch == "gemma3" else None
+        # Set by `models.quant.quantize_model` on the native kernels: this whole block as one C++ call
+        # (`stagedspec.kernels.layer.cpp`, the same operations and bits) for passes over the cache.
+        self.native_layer: Callable[..., Tensor] | None = None
 
     def forward(self, x, rope, k_cache, v_cache, start, mask, row_independent=False):  # noqa: ANN001 - hot path
+        if self.native_layer is not None and not isinstance(start, Tensor):
+            return self.native_layer(x, rope, k_cache, v_cache, start, mask)
         return self.after_attention(x, self.attn(self.attn_norm(x), rope, k_cache, v_cache, start, mask,
                                                  row_independent))
 
