@@ -232,8 +232,8 @@ def test_openai_client_sees_errors_and_server_goes_on(server, client):
     # a field the server does not implement is refused, not ignored; one that cannot change the output is accepted
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       response_format={"type": "json_object"})
-    assert "response_format is not supported" in str(e.value)
+                                       presence_penalty=0.5)
+    assert "presence_penalty is not supported" in str(e.value)
     refused = httpx.post(server.base + "/v1/completions", timeout=TIMEOUT,
                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0, "frobnicate": [1]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "frobnicate"

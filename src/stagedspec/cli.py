@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--show-stages", action="store_true",
                      help="after generating, show the text coloured by the stage that proposed each token")
+    from stagedspec.cli_constraints import add_constraint_args
+
+    add_constraint_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     ngram = sub.add_parser("ngram", help="n-gram drafters: build")
@@ -274,8 +277,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     quiet = args.json or args.show_stages
+    from stagedspec.cli_constraints import controls_from
+
     result = pipe.generate(prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                           seed=args.seed, stop_strings=args.stop, on_text=None if quiet else stream)
+                           seed=args.seed, stop_strings=args.stop, on_text=None if quiet else stream,
+                           controls=controls_from(args))
     st = result.stats
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "method": method,

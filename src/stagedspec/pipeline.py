@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -21,12 +21,17 @@ from stagedspec.generation import (
     GenerationResult,
     ModelOracle,
     NoDrafter,
+    Oracle,
     context_budget,
     speculative_generate,
 )
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import draft_cache_len
 from stagedspec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from stagedspec.constraints.grammar import GrammarCompiler
+    from stagedspec.constraints.processor import LogitControls, LogitsProcessor
 
 METHODS = ("auto", "ar", "chain", "tree", "lookup", "staged")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -405,6 +410,7 @@ class Pipeline:
     _auto_policy = None  # what `--method auto` has learned, kept across requests (see `stagedspec.auto`)
     _sized_policies: dict | None = None  # the same for each measured method (`sized_policy`)
     dtype_reason: str = "as asked"  # why this dtype (`--dtype auto` asks the hardware)
+    _grammar_compiler: GrammarCompiler | None = None  # the tokenizer as the grammar library sees it (`grammar_compiler`)
 
     @property
     def weights_description(self) -> str:
@@ -564,8 +570,10 @@ class Pipeline:
         except OSError:
             pass  # a read-only cache costs a little exploration next time, nothing else
 
-    def _stage_chain(self, below: Drafter, max_len: int, chain_length: int) -> Drafter:
-        """The draft models as stages, top one first, each decoding speculatively against the one below."""
+    def _stage_chain(self, below: Drafter, max_len: int, chain_length: int,
+                     processor: LogitsProcessor | None = None) -> Drafter:
+        """The draft models as stages, top one first, each decoding speculatively against the one below
+        (each stage's rows biased and masked by `processor`, as the oracle's are)."""
         from stagedspec.generation import Oracle
         from stagedspec.models.feature_draft import is_feature_draft
         from stagedspec.stages import StageDrafter
@@ -583,10 +591,14 @@ class Pipeline:
             else:
                 # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
                 stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_nodes), fixed_width=False)
+            if processor is not None:
+                from stagedspec.constraints.processor import ConstrainedOracle
+
+                stage = ConstrainedOracle(stage, processor)
             below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
         return below
 
-    def _auto_drafter(self, max_len: int, reproducible: bool) -> Drafter:
+    def _auto_drafter(self, max_len: int, reproducible: bool, processor: LogitsProcessor | None = None) -> Drafter:
         """Every arm's drafter for `--method auto` or a measured method, sized per step by the policy (see
         `stagedspec.auto`).
 
@@ -601,8 +613,8 @@ class Pipeline:
         if reproducible:
             policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
         has_lookup = self.ngram is not None or s.context
-        lookup = (LookupDrafter(self.ngram, s.context, chain_length=lookup_horizon(policy.arms)) if has_lookup
-                  else None)
+        lookup = (LookupDrafter(self.ngram, s.context, chain_length=lookup_horizon(policy.arms), processor=processor)
+                  if has_lookup else None)
         arms: dict = {}
         for arm in policy.arms:
             if arm.kind == "ar":
@@ -614,20 +626,20 @@ class Pipeline:
             biggest = max(a.size for a in tree_arms)
             tree = tree_drafter(self.draft_models[0], method="tree", budget=biggest,
                                 max_depth=tree_depth_for(biggest), branching=2, max_len=max_len,
-                                growth=s.tree_growth)
+                                growth=s.tree_growth, processor=processor)
             for arm in tree_arms:
                 arms[arm] = (tree, [(tree, "budget", arm.size), (tree, "max_depth", tree_depth_for(arm.size))])
         stage_arms = [a for a in policy.arms if a.kind == "staged"]
         if stage_arms:
-            below = (LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length) if has_lookup
-                     else NoDrafter())
-            top = self._stage_chain(below, max_len, max(STAGE_SIZES))
+            below = (LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
+                     if has_lookup else NoDrafter())
+            top = self._stage_chain(below, max_len, max(STAGE_SIZES), processor)
             staged: Drafter = top
             merged_lookup = None
             if s.context:
                 from stagedspec.drafters.merged import MergedDrafter
 
-                merged_lookup = LookupDrafter(None, True,
+                merged_lookup = LookupDrafter(None, True, processor=processor,
                                               chain_length=max(staged_lookup_length(a) for a in stage_arms))
                 staged = MergedDrafter(top, merged_lookup)
             for arm in stage_arms:
@@ -654,13 +666,15 @@ class Pipeline:
             raise StagedSpecError("the prompt is empty after tokenisation")
         return ids
 
-    def drafter(self, max_len: int, reproducible: bool = False) -> Drafter:
-        """The drafter of one request; `reproducible` asks `auto` for seed-reproducible choices."""
+    def drafter(self, max_len: int, reproducible: bool = False, processor: LogitsProcessor | None = None) -> Drafter:
+        """The drafter of one request; `reproducible` asks `auto` for seed-reproducible choices; `processor`
+        (the request's logit bias and grammar, `logits_processor`) shapes every draft row as it shapes the
+        oracle's."""
         s = self.speculation
         if s.method == "ar":
             return NoDrafter()
         if s.measured:
-            return self._auto_drafter(max_len, reproducible)
+            return self._auto_drafter(max_len, reproducible, processor)
         if s.method in ("chain", "tree"):
             adaptive = None
             if s.method == "tree" and s.adaptive_budget:
@@ -669,18 +683,37 @@ class Pipeline:
                 adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
             return tree_drafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
                                 branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive,
-                                growth=s.tree_growth)
+                                growth=s.tree_growth, processor=processor)
         from stagedspec.drafters.lookup import LookupDrafter
 
-        below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length)
+        below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
         if s.method == "lookup":
             return below
-        below = self._stage_chain(below, max_len, s.stage_chain_length)
+        below = self._stage_chain(below, max_len, s.stage_chain_length, processor)
         if s.oracle_lookup and s.context:
             from stagedspec.drafters.merged import MergedDrafter
 
-            below = MergedDrafter(below, LookupDrafter(None, True, chain_length=s.merged_lookup_length))
+            below = MergedDrafter(below, LookupDrafter(None, True, chain_length=s.merged_lookup_length,
+                                                       processor=processor))
         return below
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This pipeline's tokenizer as the grammar library sees it: built at the first grammar (about a
+        second on a 49k vocabulary), then kept for every later request."""
+        if self._grammar_compiler is None:
+            from stagedspec.constraints.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+        return self._grammar_compiler
+
+    def logits_processor(self, controls: LogitControls | None) -> LogitsProcessor | None:
+        """A request's processor for `controls` (bias, grammar), or None when it asks for neither;
+        a bad bias or grammar raises a one-line `StagedSpecError`."""
+        if controls is None or not controls.active:
+            return None
+        from stagedspec.constraints.processor import build_processor
+
+        return build_processor(controls, self.model.config.vocab_size, self.grammar_compiler)
 
     def generate(
         self,
@@ -692,8 +725,12 @@ class Pipeline:
         seed: int | None = None,
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
+        controls: LogitControls | None = None,
     ) -> GenerationResult:
-        """Generate from text (or token ids); `on_text` receives text pieces as they are decided."""
+        """Generate from text (or token ids); `on_text` receives text pieces as they are decided.
+
+        `controls`: a logit bias and/or a grammar (`stagedspec.constraints`); the output is then exactly
+        constrained `ar`'s (greedy) or distributed as it (sampling), whatever the method."""
         from stagedspec.tokenizer import StreamDecoder
 
         if max_new_tokens < 1:
@@ -702,8 +739,13 @@ class Pipeline:
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
         if self.bit_exact and str(self.device) == "cpu" and not _warned_amx:
             _warn_amx_bit_exact()
-        oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
-        drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy)
+        processor = self.logits_processor(controls)
+        oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
+        if processor is not None:
+            from stagedspec.constraints.processor import ConstrainedOracle
+
+            oracle = ConstrainedOracle(oracle, processor, settles=True)
+        drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy, processor=processor)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []
         held = ""  # decoded text held back while it could still begin a stop string

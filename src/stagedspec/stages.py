@@ -153,7 +153,10 @@ class StageDrafter:
         tree = TokenTree([root], [-1], sampled=not sampling.greedy)
         extra = self.branching - 1
         if sampling.greedy:
-            alternatives = rows.topk(min(extra + 1, rows.shape[-1]), dim=-1).indices.tolist() if extra else None
+            alternatives = None
+            if extra:  # a token the stage rules out (-inf: a grammar mask) is never worth a node
+                top = rows.topk(min(extra + 1, rows.shape[-1]), dim=-1)
+                alternatives = torch.where(top.values.isfinite(), top.indices, -1).tolist()
         else:
             q = probs_from_logits(rows, sampling)
         parent = 0
@@ -161,7 +164,7 @@ class StageDrafter:
             spine_node = tree.add(parent, tok, origins[i])
             if sampling.greedy:
                 if alternatives is not None:
-                    for alt in [a for a in alternatives[i] if a != tok][:extra]:
+                    for alt in [a for a in alternatives[i] if a != tok and a >= 0][:extra]:
                         tree.add(parent, alt, self.name)
             else:
                 tree.child_q[parent] = q[i]

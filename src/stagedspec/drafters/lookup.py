@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from stagedspec.constraints.processor import LogitsProcessor
 from stagedspec.drafters.context import ContextDrafter
 from stagedspec.drafters.ngram import NgramModel
 from stagedspec.errors import StagedSpecError
@@ -43,7 +44,10 @@ class LookupDrafter:
         *,
         chain_length: int = 6,
         branching: int = 2,
+        processor: LogitsProcessor | None = None,
     ) -> None:
+        """`processor`: a request's grammar (`stagedspec.constraints`); each chain is cut at its first token the
+        grammar forbids after the path before it, which the oracle would give probability 0."""
         if ngram is None and not context:
             raise StagedSpecError("a lookup drafter needs an n-gram model, prompt lookup, or both")
         if chain_length < 1 or branching < 1:
@@ -52,6 +56,7 @@ class LookupDrafter:
         self.context = ContextDrafter() if context else None
         self.chain_length, self.branching = chain_length, branching
         self.forward_passes = 0  # a lookup is not a forward pass
+        self.processor = processor
         self._known: list[int] = []
 
     @property
@@ -107,5 +112,7 @@ class LookupDrafter:
     ) -> TokenTree:
         tree = TokenTree([context[-1]], [-1])
         for proposer, chain in self.chains(context, max_tokens):
+            if self.processor is not None:
+                chain = chain[: self.processor.allowed_prefix(context, chain)]
             _add_path(tree, chain, proposer)
         return tree

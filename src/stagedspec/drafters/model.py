@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from stagedspec.budget import AdaptiveBudget
+from stagedspec.constraints.processor import LogitsProcessor
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import acquire_runner, draft_cache_len, pass_mode, run_model
@@ -58,9 +59,12 @@ class ModelDrafter:
         max_len: int | None = None,
         adaptive: AdaptiveBudget | None = None,
         growth: str = "auto",
+        processor: LogitsProcessor | None = None,
     ) -> None:
         """`adaptive`: cut each tree to the number of best nodes that maximises expected tokens per
-        second (see `stagedspec.budget`); `budget` is then the most it may keep."""
+        second (see `stagedspec.budget`); `budget` is then the most it may keep.  `processor`: a request's
+        logit bias and grammar (`stagedspec.constraints`), applied to every draft row by its node's path,
+        so the draft proposes under the masks the oracle is scored with; trees then grow best-first."""
         if method not in ("tree", "chain"):
             raise StagedSpecError(f"unknown draft method {method!r}: use 'tree' or 'chain'")
         for label, value in (("tree budget", budget), ("tree depth", max_depth), ("chain length", chain_length),
@@ -90,6 +94,7 @@ class ModelDrafter:
             growth = "levels" if self.runner is not None and self.supports_levels and self.device.type == "cuda" \
                 else "best-first"
         self.growth = growth
+        self.processor = processor
         self._last_step: tuple[int, float] | None = None  # (context length, predicted tokens) of the last tree
 
     @property
@@ -158,6 +163,12 @@ class ModelDrafter:
             positions = torch.tensor([base - 1 + depth_of[x] for x in nodes])
             return self._run_nodes(tree, nodes, positions, mask)
 
+        if self.processor is not None:
+            raw_expand, processor = expand, self.processor
+
+            def expand(tree: TokenTree, nodes: list[int]) -> Tensor:  # noqa: F811 - the same pass, constrained
+                return processor.rows(context, tree, nodes, raw_expand(tree, nodes))
+
         depth = max(1, min(self.max_depth if self.method == "tree" else self.chain_length, max_tokens))
         if self.method == "chain":
             k = min(self.chain_length, depth)
@@ -167,7 +178,7 @@ class ModelDrafter:
             else:
                 tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="sampled",
                                  budget=k, max_depth=k, branching=[1] * k, proposer=self.name)
-        elif self.growth == "levels":
+        elif self.growth == "levels" and self.processor is None:  # levels read raw rows on the device
             def run_level(tokens: Tensor, level: int, tree_mask: Tensor) -> Tensor:
                 self.forward_passes += 1
                 logits = self.runner.run_on_device(tokens, base - 1 + level, tree_mask, base)

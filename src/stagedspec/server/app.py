@@ -176,6 +176,7 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
         except StagedSpecError as e:
             raise bad(str(e)) from None
         spec = sched.engine.speculation_for(req.speculation)
+        processor = sched.engine.logits_processor(req.logit_bias, req.grammar)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -185,7 +186,7 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 pass
 
-        job = Job(prompt_ids, max_tokens, sampling, req.seed, req.stop, spec, deliver)
+        job = Job(prompt_ids, max_tokens, sampling, req.seed, req.stop, spec, deliver, processor=processor)
         sched.submit(job)
         reply = Reply(chat, sched.engine.model_name, len(prompt_ids))
         if req.stream:

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from stagedspec.constraints.processor import ConstrainedOracle, LogitsProcessor
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
 from stagedspec.pipeline import SpeculationConfig, stage_report
@@ -65,6 +66,7 @@ class Job:
     deliver: Callable[[Event], None]
     kv_bytes: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    processor: LogitsProcessor | None = None  # the request's logit bias and grammar (`stagedspec.constraints`)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -87,9 +89,11 @@ class _Running:
         self.job = job
         pipe = engine.pipeline(job.spec)
         max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
-        self.oracle = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact)
+        self.oracle: Any = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact)
+        if job.processor is not None:  # rows biased and masked by their path, the drafts' as the oracle's
+            self.oracle = ConstrainedOracle(self.oracle, job.processor, settles=True)
         reproducible = job.seed is not None and not job.sampling.greedy
-        self.drafter = pipe.drafter(max_len, reproducible=reproducible)
+        self.drafter = pipe.drafter(max_len, reproducible=reproducible, processor=job.processor)
         # `auto` prices its arms by the batched round it shares (`auto.SharedLoad`), except for a seeded
         # sampled request: its tree shapes, and so its draws, must be its solo run's.
         self.load_aware = hasattr(self.drafter, "shared_load") and not reproducible

@@ -5,7 +5,7 @@ the OpenAI shape (`{"error": {"message", "type", "param", "code"}}`, status
 400) naming the one field that is wrong.  A few explicit checks say that
 more plainly than overriding a validation framework's own 422 errors.
 
-Why no field is ignored: a client that sends `tools`, `logit_bias` or a
+Why no field is ignored: a client that sends `tools`, `presence_penalty: 1` or a
 misspelt `max_token` and gets a plain completion back cannot tell that its
 request was not honoured.  So every field is either honoured, accepted
 because at the value sent it cannot change the output (`n: 1`,
@@ -22,7 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagedspec.errors import first_line
+from stagedspec.constraints.grammar import GrammarSpec
+from stagedspec.errors import StagedSpecError, first_line
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -80,6 +81,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     speculation: SpeculationRequest = field(default_factory=SpeculationRequest)
+    logit_bias: dict[str, Any] = field(default_factory=dict)  # as sent; token ids are checked against the model
+    grammar: GrammarSpec | None = None  # from `response_format` (chat): json_object or json_schema
 
 
 # A JSON string (escapes and all, closing quote optional so that an unterminated one cannot make the scan
@@ -166,16 +169,16 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
 # ---------------------------------------------------------------- which fields a request may carry
 # Honoured: they change what is generated, and the server does what they say.
 _HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                       "stream_options", "speculation"})
-HONOURED_FIELDS = {False: _HONOURED | {"prompt"}, True: _HONOURED | {"messages", "max_completion_tokens"}}
+                       "stream_options", "speculation", "logit_bias"})
+HONOURED_FIELDS = {False: _HONOURED | {"prompt"},
+                   True: _HONOURED | {"messages", "max_completion_tokens", "response_format"}}
 
 # Accepted at these values only, because there they ask for nothing this server does not do ("null" too).
 NEUTRAL_FIELDS: dict[bool, dict[str, tuple[Any, ...]]] = {
     False: {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,),
-            "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)},
+            "presence_penalty": (0,), "frequency_penalty": (0,)},
     True: {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,),
-           "frequency_penalty": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
-           "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+           "frequency_penalty": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
            "modalities": (["text"],), "store": (False,), "service_tier": ("auto", "default")},
 }
 
@@ -316,6 +319,50 @@ def _speculation(body: dict[str, Any]) -> SpeculationRequest:
     return SpeculationRequest(method=method, draft=draft, tree_budget=budget)
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = {"name": str, "description": str, "strict": bool, "schema": (dict, bool)}
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[str, Any]:
+    """`logit_bias` as sent (an object); its keys and values are checked against the model's vocabulary later
+    (`stagedspec.constraints.parse_logit_bias`), where the vocabulary is known."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases in [-100, 100]", "logit_bias")
+    return value
+
+
+def _response_format(body: dict[str, Any]) -> GrammarSpec | None:
+    """`response_format` -> the grammar it asks for: None for text, any JSON object, or a JSON schema."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise bad(f"'response_format' must be an object with 'type' one of {', '.join(RESPONSE_FORMATS)}",
+                  "response_format")
+    kind = value["type"]
+    _check_object_fields(value, "response_format", ("type", "json_schema") if kind == "json_schema" else ("type",))
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("'response_format.json_schema' must be an object with a 'schema'", "response_format.json_schema")
+    _check_object_fields(spec, "response_format.json_schema", tuple(JSON_SCHEMA_FIELDS))
+    for key, kinds in JSON_SCHEMA_FIELDS.items():
+        if spec.get(key) is not None and not isinstance(spec[key], kinds):
+            raise bad(f"'response_format.json_schema.{key}' has the wrong type", f"response_format.json_schema.{key}")
+    if spec.get("schema") is None:
+        raise bad("'response_format.json_schema.schema' is required", "response_format.json_schema.schema")
+    try:
+        return GrammarSpec.json_schema(spec["schema"])
+    except StagedSpecError as e:
+        raise bad(str(e), "response_format.json_schema.schema") from None
+
+
 def _stream_options(body: dict[str, Any]) -> bool:
     """`stream_options.include_usage` (the other option OpenAI has, `include_obfuscation`, changes no text)."""
     options = body.get("stream_options")
@@ -416,4 +463,7 @@ def parse_generation(body: dict[str, Any], chat: bool) -> GenerationRequest:
     req.stream = _flag(body, "stream")
     req.include_usage = _stream_options(body)
     req.speculation = _speculation(body)
+    req.logit_bias = _logit_bias(body)
+    if chat:
+        req.grammar = _response_format(body)
     return req
