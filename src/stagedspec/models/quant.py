@@ -465,19 +465,24 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloa
         model.head_q = from_source(model.head_weight.detach(), None, head_raws, kernels)
     else:
         model.head_q = Int8Linear(model.head_weight.detach(), None, kernels)
-    if kernels is not None:  # the rest of the pass row-independent too: norms and attention on the native kernels
-        from stagedspec.models.transformer import Attention, RMSNorm
-
-        _swap_layers(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernels))
-        for m in model.modules():
-            if isinstance(m, Attention):
-                m.native_attention = kernels
     for p in model.parameters():
         p.data = p.data.to(dtype)
     if kernels is not None:
-        for block in model.layers:
-            block.native_layer = NativeDecoderLayer(block, kernels) if fusable(block) else None
+        run_rest_natively(model, kernels)
     return model
+
+
+def run_rest_natively(model: nn.Module, kernels: NativeKernels) -> None:
+    """Norms and attention on the native kernels (each row computed alone), and eligible blocks as one native
+    call each (`NativeDecoderLayer`), for a model whose linear layers already run on them.  In place."""
+    from stagedspec.models.transformer import Attention, RMSNorm
+
+    _swap_layers(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernels))
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.native_attention = kernels
+    for block in model.layers:
+        block.native_layer = NativeDecoderLayer(block, kernels) if fusable(block) else None
 
 
 def dequantized_copy(module: nn.Module) -> nn.Module:
@@ -514,11 +519,14 @@ def quantize_draft(draft: nn.Module, oracle: nn.Module) -> nn.Module:
     depends on the draft.  Layers shared with the oracle (a `layers:N`
     draft) are already quantised and are left as they are.
     """
+    kernels = resolve_kernels("auto")
     for layer in draft.layers:
-        quantize_linears(layer, "int8")
+        quantize_linears(layer, "int8", kernels)
     own_head = getattr(draft, "head", None)
     if own_head is not None:  # a distilled draft's restricted head
-        draft.head_q = Int8Linear(own_head.weight.detach(), None)
+        draft.head_q = Int8Linear(own_head.weight.detach(), None, kernels)
     elif draft.head_weight is oracle.head_weight:  # the oracle's own (tied) head
         draft.head_q = oracle.head_q
+    if kernels is not None:  # norms, attention and whole blocks native too: a draft pass is mostly overhead
+        run_rest_natively(draft, kernels)
     return draft
