@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Sequence
 
-from stagedspec.cli_args import add_quant_arg
+from stagedspec.cli_args import add_quant_arg, add_threads_arg
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.quant import resolve_quant
 
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="prompt text ('-' reads stdin)")
     _add_model_args(gen)
     add_quant_arg(gen)
+    add_threads_arg(gen)
     _add_speculation_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -186,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="draft model(s) to measure too, comma-separated ('none' for none; default: the shipped "
                            "draft, for the default oracle)")
     add_quant_arg(tune)
+    add_threads_arg(tune)
     _add_draft_weights_arg(tune)
     tune.set_defaults(func=cmd_tune)
 
@@ -266,6 +268,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant,
                     draft_weights=args.draft_weights)
     pipe.bit_exact = args.bit_exact
+    pipe.threads = args.threads
     if args.dtype == "auto":
         from stagedspec.pipeline import dtype_name
 
@@ -371,6 +374,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     args.quant = resolve_quant(args.quant, args.oracle, args.device)
     pipe = Pipeline(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
                     dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights)
+    if args.threads != "auto":
+        import torch
+
+        torch.set_num_threads(args.threads)
     profile = pipe.cost_profile(remeasure=True)
     quant = f", {args.quant} weights ({pipe.weights_description})" if args.quant != "none" else ""
     print(f"{profile.machine}; oracle {args.oracle} in {dtype_name(pipe.dtype)} ({pipe.dtype_reason}){quant}; "

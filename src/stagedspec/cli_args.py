@@ -1,4 +1,4 @@
-"""Command-line arguments shared by several commands, declared once (generate, tune, serve, check)."""
+"""Command-line arguments shared by several commands, declared once (generate, tune, serve, check, bench)."""
 
 from __future__ import annotations
 
@@ -14,3 +14,24 @@ def add_quant_arg(p: argparse.ArgumentParser) -> None:
                         "for its 5- to 8-bit layers, on a CPU; anything else unquantised), mixed (that, forced), "
                         "int4 or int8 (every layer; groups of 32), or none (dequantised). The output head runs "
                         "int8 whenever the layers are quantised")
+
+
+def threads_value(text: str) -> str | int:
+    """`--threads`: "auto" or a positive count."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}")
+    return n
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """`--threads`: how many CPU threads decode."""
+    p.add_argument("--threads", type=threads_value, default="auto",
+                   help="CPU threads: auto (default: the CPUs this process may use, fewer while other processes "
+                        "keep some busy, re-read every 0.25 s, for models on the native kernels whose results "
+                        "do not depend on it; every allowed CPU otherwise) or a fixed count")

@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 
-from stagedspec.cli_args import add_quant_arg
+from stagedspec.cli_args import add_quant_arg, add_threads_arg
 from stagedspec.errors import StagedSpecError
 
 
@@ -32,6 +32,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
                                          "speculation per request; needs the 'serve' extra)")
     _add_model_args(serve)
     add_quant_arg(serve)
+    add_threads_arg(serve)
     _add_speculation_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=_positive_int, default=8000)
@@ -114,8 +115,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_port(args.host, args.port)
 
     def load() -> Engine:
-        return Engine.load(oracle, drafts, spec, dtype=args.dtype, device=args.device, quant=args.quant,
-                           draft_weights=args.draft_weights, bit_exact=args.bit_exact, model_name=args.model_name)
+        engine = Engine.load(oracle, drafts, spec, dtype=args.dtype, device=args.device, quant=args.quant,
+                             draft_weights=args.draft_weights, bit_exact=args.bit_exact, model_name=args.model_name)
+        engine.threads = args.threads
+        return engine
 
     server: uvicorn.Server | None = None
 

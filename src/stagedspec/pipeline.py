@@ -31,6 +31,7 @@ from stagedspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from stagedspec.constraints.grammar import GrammarCompiler
+    from stagedspec.threads import ThreadGovernor
     from stagedspec.constraints.processor import LogitControls, LogitsProcessor
 
 METHODS = ("auto", "ar", "chain", "tree", "lookup", "staged")
@@ -411,6 +412,8 @@ class Pipeline:
     _sized_policies: dict | None = None  # the same for each measured method (`sized_policy`)
     dtype_reason: str = "as asked"  # why this dtype (`--dtype auto` asks the hardware)
     _grammar_compiler: GrammarCompiler | None = None  # the tokenizer as the grammar library sees it (`grammar_compiler`)
+    threads: str | int = "auto"  # "auto": follow the machine's load where results allow (`thread_governor`); N: fixed
+    _governor: ThreadGovernor | None = None
 
     @property
     def weights_description(self) -> str:
@@ -715,6 +718,15 @@ class Pipeline:
 
         return build_processor(controls, self.model.config.vocab_size, self.grammar_compiler)
 
+    def thread_governor(self) -> ThreadGovernor | None:
+        """The thread count for a run (`stagedspec.threads.governor_for`): `threads` = N fixes it; "auto"
+        follows the machine's load where the oracle's results cannot depend on it (kept across runs)."""
+        from stagedspec.threads import governor_for
+
+        if self.threads != "auto" or self._governor is None:
+            self._governor = governor_for(self.model, self.threads)
+        return self._governor
+
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -740,6 +752,7 @@ class Pipeline:
         if self.bit_exact and str(self.device) == "cpu" and not _warned_amx:
             _warn_amx_bit_exact()
         processor = self.logits_processor(controls)
+        governor = self.thread_governor()
         oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
         if processor is not None:
             from stagedspec.constraints.processor import ConstrainedOracle
@@ -759,6 +772,8 @@ class Pipeline:
 
         def on_tokens(step: list[int]) -> bool:
             nonlocal held, hit_stop
+            if governor is not None:
+                governor.tick()
             held += "".join(stream.push(t) for t in step)
             for s in stop_strings:
                 cut = held.find(s)

@@ -121,6 +121,8 @@ class Engine:
     batched_passes: bool = False
     # The tokenizer as the grammar library sees it: built at the first request with a grammar, then shared.
     _grammar_compiler: Any = None
+    # `--threads`: "auto" follows the machine's load where results allow (`stagedspec.threads`), N fixes it.
+    threads: str | int = "auto"
 
     @classmethod
     def load(cls, oracle: str, drafts: Sequence[str], speculation: SpeculationConfig, *, dtype: str = "bf16",

@@ -41,6 +41,7 @@ import torch
 from stagedspec.constraints.processor import ConstrainedOracle, LogitsProcessor
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
+from stagedspec.threads import governor_for
 from stagedspec.pipeline import SpeculationConfig, stage_report
 from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
@@ -270,6 +271,7 @@ class Scheduler:
         self.engine = engine
         self.max_batch = max_batch
         self.batch_passes = batch_passes
+        self.governor = governor_for(engine.model, engine.threads)  # thread count follows the machine's load
         engine.batched_passes = batch_passes
         self.memory = engine.memory_model()
         nodes = engine.speculation.max_nodes
@@ -424,6 +426,8 @@ class Scheduler:
             if joining:
                 with self._cond:
                     self._publish()
+            if self.governor is not None:
+                self.governor.tick()
             self._round()
             if self.round_pause and self._running:
                 time.sleep(self.round_pause)
