@@ -108,9 +108,10 @@ def expand_methods(names: Sequence[str]) -> list[str]:
     for ref in reversed(dict.fromkeys(reference_for(m) for m in out if split_quant(m)[0] in OURS)):
         if ref not in out:
             out.insert(0, ref)  # the reference for speedups and exactness
-    if "ar" not in out:
-        out.insert(0, "ar")  # the baseline of the memory-traffic column
-    return out
+    ours = [m for m in out if split_quant(m)[0] in OURS]
+    if "ar" not in out and (not ours or any(split_quant(m)[1] == "none" for m in ours)):
+        out.insert(0, "ar")  # the baseline of the memory-traffic column (not run when every method of ours is
+    return out  # quantised: their reference is their own ar@QUANT, and a dequantised 1.5B pass costs seconds
 
 
 def stage_method_name(spec: str) -> str:
