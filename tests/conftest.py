@@ -49,6 +49,70 @@ def private_cost_cache(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
     monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
 
 
+@pytest.fixture(scope="session")
+def session_cost_folder(tmp_path_factory):  # noqa: ANN001, ANN201
+    """One folder per test run for `auto`'s cost profiles and learned state (real-model tests).
+
+    Why: a test must not read what an earlier process learned (its arm choices would depend on history), nor
+    leave profiles measured under a test run's load to decide a user's later runs.  Why per session and
+    seeded: measuring the default pair's profile takes ~40 s on two busy cores, so each is measured at most
+    once per run, and profiles this machine already measured (`<cache>/costs/*.v<version>.json`, the
+    machine's pass costs, not learned state) are copied in read-only, as are the fp32 kernel-plan and
+    draft-weight timings a subprocess would otherwise re-take.  Nothing is written back.
+    """
+    import shutil
+
+    from stagedspec.costs import PROFILE_VERSION
+    from stagedspec.models.default import cache_root
+
+    folder = tmp_path_factory.mktemp("session-costs")
+    user = cache_root() / "costs"
+    if user.is_dir():
+        # profiles only: learned state (`<key>.<method>.json`) stays behind
+        for f in [*user.glob(f"*.v{PROFILE_VERSION}.json"), user / "matmul-plan.json", user / "draft-weights.json"]:
+            if f.is_file():
+                shutil.copyfile(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def shared_cost_cache(session_cost_folder):  # noqa: ANN001, ANN201
+    """A module's in-process `auto` reads and writes profiles and learned state in the session's folder."""
+    from stagedspec.costs import PROFILE_VERSION
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("stagedspec.costs.profile_path",
+                   lambda key: session_cost_folder / f"{key}.v{PROFILE_VERSION}.json")
+        yield session_cost_folder
+
+
+@pytest.fixture(scope="session")
+def isolated_cache_env(session_cost_folder, tmp_path_factory):  # noqa: ANN001, ANN201
+    """Environment for a `stagedspec` subprocess: `STAGEDSPEC_CACHE` at a session folder whose `costs/` is
+    `session_cost_folder` and whose other entries link to the user's cache.
+
+    Why links: the converted default model (a one-time GGUF conversion) and the compiled kernels live there
+    too; a subprocess must reuse them, not rebuild them per run.  The default model is converted into the
+    user's cache first if it is missing there (any real-model test in the run would do so anyway), so that
+    the subprocess and the in-process tests share one conversion.
+    """
+    import importlib.util
+
+    from stagedspec.models.default import PACKAGE, cache_root, default_model_dir
+
+    real = cache_root()
+    if importlib.util.find_spec(PACKAGE) is not None:
+        default_model_dir()
+    for shared in ("kernels", "ngram", "gguf"):  # folders of keyed entries: written through the link
+        (real / shared).mkdir(parents=True, exist_ok=True)
+    root = tmp_path_factory.mktemp("cache")
+    for entry in real.iterdir():
+        if entry.name != "costs" and not entry.name.startswith("."):
+            (root / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    (root / "costs").symlink_to(session_cost_folder, target_is_directory=True)
+    return {**os.environ, "STAGEDSPEC_CACHE": str(root)}
+
+
 @pytest.fixture(autouse=True)
 def _keep_onednn_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     """Undo a cap an in-process `--bit-exact` run sets, so it does not leak into later tests' subprocesses."""

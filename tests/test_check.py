@@ -6,7 +6,6 @@ real (non-control) path, flag its own negative control, and give one-line errors
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +41,6 @@ def rows(out: str, part: str) -> list[str]:
 
 
 def test_check_passes_on_a_correct_pair_and_flags_its_control(tiny: Path, capsys) -> None:  # noqa: ANN001
-    t0 = time.perf_counter()
     code, out, err = run_check(["--oracle", str(tiny), "--draft", "layers:1", "--quick"], capsys)
     assert code == 0, out + err
     greedy = rows(out, "greedy")
@@ -55,7 +53,6 @@ def test_check_passes_on_a_correct_pair_and_flags_its_control(tiny: Path, capsys
     assert len(control) == 2 and all(" FLAGGED " in r for r in control), control
     assert len(rows(out, "speed")) == 6
     assert "result: PASS" in out
-    assert time.perf_counter() - t0 < 30
 
 
 def biased_deterministic_verify(tree, logits, sampling, generator):  # noqa: ANN001, ANN201

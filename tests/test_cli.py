@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +20,15 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:  # noqa: ANN001
     return code, out.out, out.err
 
 
+# In-process `auto` (the default method) prices with the session's cost profiles, never the user's learned state.
+pytestmark = pytest.mark.usefixtures("shared_cost_cache")
+
+
 @pytest.mark.real_model
-def test_default_generate_offline_in_a_subprocess(tmp_path: Path) -> None:
-    """The README's main job: default model, no network, text then a tokens/s line."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "*",
+def test_default_generate_offline_in_a_subprocess(tmp_path: Path, isolated_cache_env: dict[str, str]) -> None:
+    """The README's main job: default model, no network, text then a tokens/s line (its `auto` state goes to the
+    session's cache, the converted model and kernels are the user's)."""
+    env = {**isolated_cache_env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "*",
            "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
     proc = subprocess.run(
         [sys.executable, "-m", "stagedspec", "generate", PROMPT, "--chat", "--max-new-tokens", "12"],

@@ -5,7 +5,8 @@ vocabulary of V = 5 tokens and a fixed table of random logits per context
 (drawn lazily from a seed and the context bytes, so every run sees the same
 models).  For a prompt and L = 3 new tokens we compute the oracle's exact
 distribution over the V**3 continuations (temperature / top-k / top-p applied
-at every step, exactly as `probs_from_logits` does), draw N continuations with
+at every step by `tests/_reference_sampling.py`, a numpy implementation of
+their definitions independent of the engine's), draw N continuations with
 the real loop (`speculative_generate`, one seed per sample) and run a
 chi-square goodness-of-fit test.  Cells with expected count < 5 are pooled; a
 sample in a cell of probability 0 fails outright.
@@ -51,6 +52,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from _reference_sampling import reference_probs
 from stagedspec.auto import Arm, AutoDrafter, AutoPolicy
 from stagedspec.costs import CostProfile
 from stagedspec.generation import NoDrafter, speculative_generate
@@ -64,6 +66,7 @@ from stagedspec.verification import (
     sampled_node_rule,
     _decide_children,
     verify,
+    verify_greedy,
     verify_sampled,
     walk_tree,
 )
@@ -208,12 +211,18 @@ def _path_tokens(tree: TokenTree, node: int) -> list[int]:
 
 
 def exact_distribution(lm: TableLM, prompt: Sequence[int], sampling: SamplingParams) -> Dist:
-    """P(x1..xL | prompt) for every continuation, by the chain rule over the table."""
+    """P(x1..xL | prompt) for every continuation, by the chain rule over the table.
+
+    Each step's distribution comes from `reference_probs` (numpy, from the definitions), not from the
+    engine's `probs_from_logits`: a mistake in the engine's temperature/top-k/top-p would otherwise be on
+    both sides of the chi-square test and cancel (tests/test_sampling_reference.py pins the two together).
+    """
     dist = {}
+    s = sampling
     for seq in product(range(V), repeat=L):
         prob = 1.0
         for t in range(L):
-            prob *= float(probs_from_logits(lm.logits(tuple(prompt) + seq[:t]), sampling)[seq[t]])
+            prob *= float(reference_probs(lm.logits(tuple(prompt) + seq[:t]), s.temperature, s.top_k, s.top_p)[seq[t]])
             if prob == 0.0:
                 break
         dist[seq] = prob
@@ -498,13 +507,31 @@ AUTO_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config, sampled", AUTO_CONFIGS, ids=[c[0].name for c in AUTO_CONFIGS])
-def test_auto_history_dependent_shapes_keep_the_distribution(config: Config, sampled: bool) -> None:
-    pvalue, df, drafter = run_drafter(config, lambda o, d: toy_auto_drafter(d, sampled), N_FAST)
+N_BATCHED_PATHS = 1_500  # `auto` through the batched rules: detects TV >= 0.09 (df 14-31, power 0.9); the rules
+# themselves get N_FAST on every CONFIGS tree shape (`test_speculative_sampling_matches_the_oracle`)
+
+
+@pytest.mark.parametrize("config, sampled, verifier",
+                         [(*c, "walk") for c in AUTO_CONFIGS] + [(*c, "batched") for c in AUTO_CONFIGS],
+                         ids=[f"{c[0].name}-{v}" for v in ("walk", "batched") for c in AUTO_CONFIGS])
+def test_auto_history_dependent_shapes_keep_the_distribution(config: Config, sampled: bool, verifier: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    use_verifier(monkeypatch, verifier)
+    n = N_FAST if verifier == "walk" else N_BATCHED_PATHS
+    pvalue, df, drafter = run_drafter(config, lambda o, d: toy_auto_drafter(d, sampled), n)
     steps = sum(drafter.all_choices.values())
-    used = [name for name, n in drafter.all_choices.items() if n >= 0.05 * steps]
+    used = [name for name, k in drafter.all_choices.items() if k >= 0.05 * steps]
     assert len(used) >= 2, f"the shape hardly changed: {drafter.all_choices}"
-    assert pvalue > ALPHA, f"{config.name}: chi-square p = {pvalue:.3g} (df {df}) with {N_FAST} samples"
+    assert pvalue > ALPHA, f"{config.name}: chi-square p = {pvalue:.3g} (df {df}) with {n} samples ({verifier})"
+
+
+def test_auto_through_a_corrupted_batched_verifier_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched-path test above, with the batched leftover corrupted: 300 samples give p ~ 1e-17 here."""
+    use_verifier(monkeypatch, "batched")
+    corrupt_batched_leftover(monkeypatch)
+    config, sampled = AUTO_CONFIGS[1]
+    pvalue, _, _ = run_drafter(config, lambda o, d: toy_auto_drafter(d, sampled), 300)
+    assert pvalue < ALPHA, f"a corrupted batched verifier passed under auto: p = {pvalue:.3g}"
 
 
 @pytest.mark.slow
@@ -518,7 +545,7 @@ def test_a_shape_that_peeks_at_the_oracle_draw_is_caught() -> None:
     config = Config("neg-peek", S(1.0), "good", {}, seed=43)
     wrong, _, _ = run_drafter(config, OraclePeekingDrafter, N_NEGATIVE)
     # The control is a real test of the policy, so it gets the power of one: 2,000 samples failed it once
-    # by chance (p = 0.0003 after session 10's policy changes; seeds 44-50 gave 0.24-0.98, and 10,000
+    # by chance (p = 0.0003 with the policy of commit 079ff6c; seeds 44-50 gave 0.24-0.98, and 10,000
     # samples of this seed 0.86), where a biased policy's p only falls with more samples.
     right, _, _ = run_drafter(config, lambda o, d: toy_auto_drafter(d, True), N_CONTROL)
     assert wrong < ALPHA, f"a drafter that reads the oracle's draw passed: p = {wrong:.3g}"
@@ -531,6 +558,47 @@ def test_a_shape_that_peeks_at_the_oracle_draw_is_caught() -> None:
 
 
 VERIFIERS = {"walk": verify, "batched": verify_sampled}  # `verify` walks on a CPU; CUDA logits take `verify_sampled`
+
+
+def cuda_dispatch_verify(tree: TokenTree, logits: Tensor, sampling: SamplingParams, generator: Gen) -> VerifyResult:
+    """What `verify` runs when the logits live on a GPU: the greedy walk at T=0, else the batched `verify_sampled`.
+
+    On a CPU `verify` walks node by node, so without this the producers tested on the CPU (stage chains, whose
+    inner loops call `verify` too, `auto`, feature drafts, static-runner trees) never reach the batched rules.
+    """
+    if sampling.greedy:
+        return verify_greedy(tree, logits)
+    return verify_sampled(tree, logits, sampling, generator)
+
+
+def use_verifier(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Make every loop verify with `name` ("walk": `verify` as a CPU runs it; "batched": as CUDA runs it).
+
+    Patched where the loop looks it up (`stagedspec.generation.verify`, read at each `iter_steps` call), so a
+    stage's own inner loop, which passes no verifier, switches with the oracle's.
+    """
+    if name == "batched":
+        monkeypatch.setattr("stagedspec.generation.verify", cuda_dispatch_verify)
+    elif name != "walk":
+        raise ValueError(name)
+
+
+def corrupt_batched_leftover(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NEGATIVE CONTROL for the batched path: inside the real `verify_sampled`, a node whose children are all
+    rejected draws its token from its p instead of what the rejections left (mistake (d) of the walk's controls).
+
+    The acceptance decisions stay right; only `_decide_children`'s leftover is replaced, so a test catching this
+    shows that the batched rules themselves, not a stand-in, decide its samples.
+    """
+    import stagedspec.verification as verification
+
+    real = verification._decide_children
+
+    def leftover_is_p(tree: TokenTree, order: list[list[int]], parents: list[int], probs: Tensor):  # noqa: ANN202
+        _, accept_prob, no_q = real(tree, order, parents, probs)
+        return probs, accept_prob, no_q
+
+    monkeypatch.setattr(verification, "_decide_children", leftover_is_p)
 
 
 @pytest.mark.parametrize("verifier", VERIFIERS)

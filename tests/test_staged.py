@@ -31,7 +31,9 @@ from test_distribution_exactness import (  # the shared toy models and statistic
     ToyDrafter,
     ToyOracle,
     chi_square_pvalue,
+    corrupt_batched_leftover,
     exact_distribution,
+    use_verifier,
 )
 
 
@@ -95,11 +97,20 @@ def test_staged_sampling_matches_the_oracle(levels: int, seed: int, sampling: Sa
     assert p > ALPHA, f"staged chain of {levels} levels deviates from the oracle (p = {p:.2e})"
 
 
-@pytest.mark.parametrize("levels, seed, sampling, kw", STAGED_CONFIGS[:3])
+# Stage chains on a GPU verify with the batched rules at every level (`verify` on CUDA logits); the CPU walks.
+# One merged configuration (stage spines with two drawn siblings a node, fixed lookup nodes merged in) also runs
+# batched:
+# N_BATCHED detects TV >= 0.08 (power 0.9) there; the rules themselves get N_FAST on every toy tree shape.
+N_BATCHED = 2_000
+MERGED_CASES = [(*c, "walk") for c in STAGED_CONFIGS[:3]] + [(*STAGED_CONFIGS[3], "batched")]
+
+
+@pytest.mark.parametrize("levels, seed, sampling, kw, verifier", MERGED_CASES)
 def test_staged_with_merged_lookup_matches_the_oracle(levels: int, seed: int, sampling: SamplingParams,
-                                                      kw: dict) -> None:
-    p = sample_pvalue(levels, seed, sampling, N_FAST, build=merged, **kw)
-    assert p > ALPHA, f"staged chain of {levels} levels with merged fixed proposals deviates (p = {p:.2e})"
+                                                      kw: dict, verifier: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_verifier(monkeypatch, verifier)
+    p = sample_pvalue(levels, seed, sampling, N_FAST if verifier == "walk" else N_BATCHED, build=merged, **kw)
+    assert p > ALPHA, f"staged chain of {levels} levels with merged fixed proposals deviates (p = {p:.2e}, {verifier})"
 
 
 @pytest.mark.slow
@@ -108,10 +119,23 @@ def test_staged_sampling_high_power(levels: int, seed: int, sampling: SamplingPa
     assert sample_pvalue(levels, seed, sampling, N_SLOW, **kw) > ALPHA
 
 
-def test_negative_control_wrong_q_passed_up_is_caught() -> None:
+@pytest.mark.parametrize("verifier, n", [("walk", N_NEGATIVE), ("batched", 300)])
+def test_negative_control_wrong_q_passed_up_is_caught(verifier: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrong q reaches the batched rules too (they read `child_q` row by row): caught by either verifier."""
+    use_verifier(monkeypatch, verifier)
     sampling = SamplingParams(temperature=0.5, top_k=3)
-    p = sample_pvalue(3, 12, sampling, N_NEGATIVE, stage_cls=WrongQStage, k=2, b=2)  # ~1e-107 when written
-    assert p < ALPHA, f"the wrong stage was not detected (p = {p:.3f})"
+    p = sample_pvalue(3, 12, sampling, n, stage_cls=WrongQStage, k=2, b=2)  # ~1e-107 at 2,000 walked samples
+    assert p < ALPHA, f"the wrong stage was not detected (p = {p:.3f}, {verifier})"
+
+
+def test_negative_control_corrupted_batched_verifier_under_a_merged_stage_chain_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched merged case above with `verify_sampled`'s leftover corrupted: caught with few samples."""
+    use_verifier(monkeypatch, "batched")
+    corrupt_batched_leftover(monkeypatch)
+    levels, seed, sampling, kw = STAGED_CONFIGS[3]
+    p = sample_pvalue(levels, seed, sampling, 300, build=merged, **kw)  # ~1e-7 when written
+    assert p < ALPHA, f"a corrupted batched verifier passed under a stage chain (p = {p:.3f})"
 
 
 def test_staged_greedy_is_the_oracle_argmax_continuation() -> None:

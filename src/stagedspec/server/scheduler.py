@@ -271,7 +271,8 @@ class Scheduler:
         self.engine = engine
         self.max_batch = max_batch
         self.batch_passes = batch_passes
-        self.governor = governor_for(engine.model, engine.threads)  # thread count follows the machine's load
+        model = getattr(engine, "model", None)  # thread count follows the machine's load (`stagedspec.threads`)
+        self.governor = governor_for(model, getattr(engine, "threads", "auto")) if model is not None else None
         engine.batched_passes = batch_passes
         self.memory = engine.memory_model()
         nodes = engine.speculation.max_nodes
