@@ -351,3 +351,14 @@ def test_parts_that_join_into_the_wrong_file_are_refused(monkeypatch, tmp_path) 
     monkeypatch.setitem(named.PARTS_MODELS, "fake", good)
     assert named.parts_model_path("fake").read_bytes() == b"abcabcabc"
     sys.modules.pop("stagedspec_test_part1", None)
+
+
+def test_a_named_oracle_is_paired_with_its_family_draft_only_when_installed(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    from stagedspec.models import named
+
+    monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(named.importlib.util, "find_spec", lambda name: None)
+    assert named.paired_draft("qwen2.5-coder-1.5b") is None
+    assert named.paired_draft("default") is None
+    monkeypatch.setattr(named.importlib.util, "find_spec", lambda name: object())
+    assert named.paired_draft("qwen2.5-coder-1.5b") == "qwen2.5-coder-0.5b"

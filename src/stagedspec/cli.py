@@ -363,7 +363,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from stagedspec.models.draft import ORACLES_WITH_DRAFTS
 
     if args.oracle not in ORACLES_WITH_DRAFTS and args.draft == "default":
-        drafts = []  # drafts ship for the named oracles only
+        from stagedspec.models.named import paired_draft
+
+        pair = paired_draft(args.oracle)  # drafts ship for the named oracles only; a named pair is installed
+        drafts = [pair] if pair else []
     # `auto` keeps the drafts it is given (`ar` would drop them); nothing is generated here.
     from stagedspec.draft_weights import forget_measured_choices
 

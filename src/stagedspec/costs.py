@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 import torch
 
 from stagedspec import hardware
+from stagedspec.threads import SPARE_CPU
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capacity, wants_fixed_width
 
@@ -243,6 +244,9 @@ class CostProfile:
     # at `VERIFY_ROWS` rows: reading the decisions back, and at T > 0 the acceptance rules and the draws.  On an
     # H100 at T=1 an 8-node tree's cost 0.67 ms more than `ar`'s, a fifth of a pass (2026-11-23).  Empty: 0.
     verify_overhead: dict[str, list[float]] = field(default_factory=dict)
+    # CPUs' worth of other processes' work while this was measured (`stagedspec.threads`): a profile taken
+    # beside a busy process prices every pass too high and is used for its run only, never cached.
+    others_load: float = 0.0
 
     def step_seconds(self, rows: float, sampled: bool) -> float:
         """Predicted seconds of verifying a tree of `rows` nodes: the oracle's pass plus the host work around it
@@ -298,7 +302,8 @@ class CostProfile:
                    key=d.get("key", ""), measured_seconds=float(d.get("measured_seconds", 0.0)),
                    draft_overhead={str(k): float(v) for k, v in d.get("draft_overhead", {}).items()},
                    segment_seconds=[float(x) for x in d.get("segment_seconds", [])],
-                   verify_overhead={str(k): [float(x) for x in v] for k, v in d.get("verify_overhead", {}).items()})
+                   verify_overhead={str(k): [float(x) for x in v] for k, v in d.get("verify_overhead", {}).items()},
+                   others_load=float(d.get("others_load", 0.0)))
 
 
 def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str) -> str:
@@ -318,6 +323,24 @@ def profile_path(key: str) -> Path:
     return cache_root() / "costs" / f"{key}.v{PROFILE_VERSION}.json"
 
 
+class OthersLoad:
+    """CPUs' worth of other processes' work since construction (0.0 where `/proc/stat` is not readable)."""
+
+    def __init__(self) -> None:
+        from stagedspec.threads import allowed_cpus, read_busy_seconds
+
+        self._cpus, self._read = allowed_cpus(), read_busy_seconds
+        self._start = (time.perf_counter(), self._read(self._cpus), time.process_time())
+
+    def since_start(self) -> float:
+        wall0, busy0, own0 = self._start
+        busy = self._read(self._cpus)
+        wall = time.perf_counter() - wall0
+        if busy is None or busy0 is None or wall <= 0:
+            return 0.0
+        return max(0.0, ((busy - busy0) - (time.process_time() - own0)) / wall)
+
+
 def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: str, *, repeats: int = 5,
                     quiet: bool = False) -> CostProfile:
     """Time the oracle's and every draft's passes by row count, as the loop runs them (a few seconds)."""
@@ -325,6 +348,7 @@ def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: 
         print(f"stagedspec: measuring pass costs on {hardware.describe(device)} (once; cached)...",
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    load = OthersLoad()
     rows = CUDA_ORACLE_ROWS if device.startswith("cuda") else CPU_ORACLE_ROWS
     oracle_curve = forward_cost_curve(oracle, sizes=rows, context=256, repeats=repeats)
     draft_curves = [forward_cost_curve(d, sizes=DRAFT_ROWS, context=256, repeats=repeats, fixed_width=False)
@@ -336,7 +360,7 @@ def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: 
                 for d, c in zip(drafts, draft_curves)]
     verify = verify_step_overhead(oracle, oracle_curve, repeats=repeats)
     return CostProfile(oracle_curve, draft_curves, hardware.describe(device), profile_key(oracle, drafts, device),
-                       time.perf_counter() - t0, overhead, segment, verify)
+                       time.perf_counter() - t0, overhead, segment, verify, load.since_start())
 
 
 def verify_step_overhead(oracle: Transformer, curve: Mapping[int, float], repeats: int = 5) -> dict[str, list[float]]:
@@ -431,6 +455,11 @@ def load_or_measure(oracle: Transformer, drafts: Sequence[Transformer], device: 
             except (ValueError, KeyError, TypeError, OSError):
                 pass  # a corrupt or old cache entry is simply measured again
         profile = measure_profile(oracle, drafts, device, quiet=quiet)
+        if profile.others_load >= SPARE_CPU:
+            if not quiet:
+                print(f"stagedspec: other processes kept {profile.others_load:.1f} CPUs busy while pass costs were "
+                      "measured; using them for this run only (measured again next time)", file=sys.stderr)
+            return profile
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once never share it

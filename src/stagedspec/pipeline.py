@@ -462,8 +462,11 @@ class Pipeline:
                                   "for model-free drafting use --method lookup")
         if s.method == "lookup":
             drafts = []
-        if s.method == "auto" and not drafts and self.has_bundled_draft:
-            drafts = ["default"]
+        if s.method == "auto" and not drafts:
+            from stagedspec.models.named import paired_draft
+
+            pair = paired_draft(oracle) if isinstance(oracle, str) else None
+            drafts = ["default"] if self.has_bundled_draft else [pair] if pair else []
         self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device, draft_weights)
                              for d in drafts]
         self.draft_model = self.draft_models[0] if self.draft_models else None

@@ -78,6 +78,28 @@ PARTS_MODELS = {
 }
 
 
+# The draft `--method auto` runs under a named oracle when no --draft is given: the smaller model of the same
+# family and vocabulary (measured on the AVX2 EPYC, 2026-11-25: mean accepted length 5.6 tokens a step).
+PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+
+def paired_draft(oracle_spec: str) -> str | None:
+    """The named draft paired with `oracle_spec`, where its files are installed (or already joined), else None."""
+    draft = PARTS_MODELS.get(PAIRED_DRAFTS.get(str(oracle_spec), ""))
+    if draft is None:
+        return None
+    from stagedspec.models.default import cache_root
+
+    joined = cache_root() / "gguf" / draft.gguf_name
+    if joined.is_file() and joined.stat().st_size == draft.size:
+        return draft.name
+    try:
+        found = all(importlib.util.find_spec(f"{draft.part_prefix}{i}") is not None for i in range(1, draft.parts + 1))
+    except (ImportError, ValueError):
+        found = False
+    return draft.name if found else None
+
+
 def parts_model_path(name: str) -> Path:
     """The joined GGUF of a parts model in the cache, joined and checked (size, SHA-256) on first use."""
     import hashlib
