@@ -162,12 +162,13 @@ def test_bad_inputs_are_one_line_errors(oracle_dir: Path, corpus: list[str], tmp
     assert err.startswith("stagedspec: error:") and message in err
 
 
-def test_argument_validation(oracle_dir: Path, corpus: list[str], tmp_path: Path) -> None:
-    with pytest.raises(SystemExit) as exc:
-        run(distill_args(oracle_dir, corpus, tmp_path / "d", "--layers", "0"))
-    assert exc.value.code == 2
-    with pytest.raises(SystemExit):
-        run(distill_args(oracle_dir, corpus, tmp_path / "d", "--chat-wrap", "1.5"))
+def test_argument_validation(oracle_dir: Path, corpus: list[str], tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad flag values are argparse's errors: exit status 2 and one line (`cli.OneLineErrorParser`)."""
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--layers", "0")) == 2
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--chat-wrap", "1.5")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("error:" in line for line in err)
 
 
 def test_humaneval_is_refused(oracle_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from stagedspec.cli_args import add_quant_arg, add_threads_arg
 from stagedspec.errors import StagedSpecError
@@ -21,7 +21,27 @@ def _positive_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    """An integer where 0 means something (`--top-k 0`: off; `--seed 0`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments are one line on stderr (exit status 2), not argparse's usage block; `--help` has the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -127,13 +147,13 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-k", type=_positive_int, default=0, metavar="K", help="0 = off")
+    p.add_argument("--top-k", type=_non_negative_int, default=0, metavar="K", help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=_positive_int, default=None, metavar="S")
+    p.add_argument("--seed", type=_non_negative_int, default=None, metavar="S")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stagedspec", description="Exact staged speculative decoding.")
+    parser = OneLineErrorParser(prog="stagedspec", description="Exact staged speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
@@ -447,7 +467,10 @@ def _apply_pass_flags(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help (0) or a bad argument (2, one line already printed)
+        return int(done.code or 0)
     _apply_pass_flags(args)
     try:
         return args.func(args)
