@@ -188,16 +188,14 @@ def test_ngram_build_errors(capsys, tmp_path: Path) -> None:  # noqa: ANN001
     assert code == 2 and "missing.txt" in err
 
 
-def test_knob_names_and_their_earlier_aliases() -> None:
-    """One name per knob (--chain-length, --lookup-chain-length, --stage-chain-length); the earlier
-    --draft-k / --lookup-k / --stage-k still parse into the same fields and stay out of --help."""
+def test_one_name_per_knob(capsys) -> None:  # noqa: ANN001
+    """--chain-length, --lookup-chain-length, --stage-chain-length; the earlier -k names are gone (one line)."""
     from stagedspec.cli import build_parser
 
     parser = build_parser()
-    new = parser.parse_args(["generate", "x", "--chain-length", "3", "--lookup-chain-length", "5",
-                             "--stage-chain-length", "2"])
-    old = parser.parse_args(["generate", "x", "--draft-k", "3", "--lookup-k", "5", "--stage-k", "2"])
-    for args in (new, old):
-        assert (args.chain_length, args.lookup_chain_length, args.stage_chain_length) == (3, 5, 2)
-    generate = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("generate"))
-    assert "--draft-k" not in generate.format_help() and "--chain-length" in generate.format_help()
+    args = parser.parse_args(["generate", "x", "--chain-length", "3", "--lookup-chain-length", "5",
+                              "--stage-chain-length", "2"])
+    assert (args.chain_length, args.lookup_chain_length, args.stage_chain_length) == (3, 5, 2)
+    for old in ("--draft-k", "--lookup-k", "--stage-k"):
+        code, _, err = run_cli(["generate", "x", old, "3"], capsys)
+        assert code == 2 and "unrecognized arguments" in err and len(err.strip().splitlines()) == 1

@@ -138,10 +138,6 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chain-length", type=_positive_int, default=None, metavar="K",
                    help=f"draft tokens per step for --method chain (default {d.chain_length}; "
                         f"{q['chain_length']} with --quant)")
-    # The earlier names (--draft-k, --lookup-k, --stage-k): existing scripts still run; hidden from --help.
-    for old, dest in (("--draft-k", "chain_length"), ("--lookup-k", "lookup_chain_length"),
-                      ("--stage-k", "stage_chain_length")):
-        p.add_argument(old, dest=dest, type=_positive_int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -186,7 +186,7 @@ def add_commands(subparsers: Any) -> None:
     e.add_argument("--accept-prompts", type=_int_at_least(0), default=4, metavar="N",
                    help="prompts decoded with chain and tree speculation for the mean accepted length")
     e.add_argument("--accept-tokens", type=_int_at_least(1), default=128, metavar="N")
-    e.add_argument("--chain-length", "--draft-k", type=_int_at_least(1), default=4, metavar="K",
+    e.add_argument("--chain-length", type=_int_at_least(1), default=4, metavar="K",
                    help="draft tokens per step for chain speculation")
     e.add_argument("--tree-budget", type=_int_at_least(1), default=16, metavar="N")
     e.add_argument("--tree-depth", type=_int_at_least(1), default=6, metavar="D")
