@@ -11,30 +11,9 @@ import json
 import sys
 from typing import NoReturn, Sequence
 
-from stagedspec.cli_args import add_quant_arg, add_threads_arg
+from stagedspec.cli_args import add_quant_arg, add_threads_arg, non_negative_int, positive_int
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.quant import resolve_quant
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    """An integer where 0 means something (`--top-k 0`: off; `--seed 0`)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -100,16 +79,16 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
                         "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
     p.add_argument("--no-context", action="store_true", help="no prompt lookup at the bottom stage")
-    p.add_argument("--lookup-chain-length", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--lookup-chain-length", type=positive_int, default=None, metavar="K",
                    help=f"tokens per lookup chain (default {d.lookup_chain_length}; "
                         f"{q['lookup_chain_length']} with --quant, 1 for lookup)")
-    p.add_argument("--stage-chain-length", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--stage-chain-length", type=positive_int, default=None, metavar="K",
                    help=f"tokens each model stage decodes per proposal, staged (default {d.stage_chain_length}; "
                         f"{q['stage_chain_length']} with --quant)")
-    p.add_argument("--stage-branching", type=_positive_int, default=None, metavar="B",
+    p.add_argument("--stage-branching", type=positive_int, default=None, metavar="B",
                    help=f"alternatives per position in a stage's proposal, spine included (staged; default "
                         f"{d.stage_branching})")
-    p.add_argument("--oracle-lookup-length", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--oracle-lookup-length", type=positive_int, default=None, metavar="K",
                    help="staged: tokens of the prompt-lookup chain merged into the oracle's tree (default: "
                         "--lookup-chain-length; 8 in bf16 on a CPU with native bf16, where rows are nearly free)")
     p.add_argument("--no-oracle-lookup", action="store_true",
@@ -124,28 +103,28 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-growth", choices=GROWTHS, default=d.tree_growth,
                    help="tree: grow best-first on the host, or level by level on the device with one copy back "
                         "(needs static passes); auto: levels on CUDA, best-first on a CPU")
-    p.add_argument("--tree-budget", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--tree-budget", type=positive_int, default=None, metavar="N",
                    help=f"tree nodes per step (default {d.tree_budget}; {q['tree_budget']} with --quant)")
-    p.add_argument("--tree-depth", type=_positive_int, default=None, metavar="D",
+    p.add_argument("--tree-depth", type=positive_int, default=None, metavar="D",
                    help=f"maximum tree depth (default {d.tree_depth}; {q['tree_depth']} with --quant)")
-    p.add_argument("--branching", type=_positive_int, default=None, metavar="B",
+    p.add_argument("--branching", type=positive_int, default=None, metavar="B",
                    help=f"children considered per node (tree; default {d.branching})")
     p.add_argument("--sizing", choices=SIZINGS, default=None,
                    help="tree, lookup, staged: 'measured' (the default when no size flag of the method is given) "
                         "chooses each step plain decoding or one of the method's sizes by this machine's measured "
                         "costs and the acceptance so far, so the method is never knowingly slower than ar; "
                         "'fixed' runs the sizes the flags give (their defaults if none), every step")
-    p.add_argument("--chain-length", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--chain-length", type=positive_int, default=None, metavar="K",
                    help=f"draft tokens per step for --method chain (default {d.chain_length}; "
                         f"{q['chain_length']} with --quant)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-k", type=_non_negative_int, default=0, metavar="K", help="0 = off")
+    p.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=_non_negative_int, default=None, metavar="S")
+    p.add_argument("--seed", type=non_negative_int, default=None, metavar="S")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--from-stdlib", action="store_true", help="the CPython stdlib sources on this machine")
     src.add_argument("--from-samples", metavar="SPEC",
                      help="text sampled from this model (a draft or oracle spec; the paper's recipe)")
-    build.add_argument("--tokens", type=_positive_int, default=200_000, help="tokens to sample with --from-samples")
+    build.add_argument("--tokens", type=positive_int, default=200_000, help="tokens to sample with --from-samples")
     build.add_argument("--temperature", type=float, default=1.5, help="sampling temperature for --from-samples")
-    build.add_argument("--order", type=_positive_int, default=3, help="n-gram order (2..5)")
+    build.add_argument("--order", type=positive_int, default=3, help="n-gram order (2..5)")
     build.add_argument("--out", required=True, metavar="FILE")
     build.set_defaults(func=cmd_ngram_build)
 
@@ -189,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     bench.add_argument("--dtypes", default="bf16,fp32,int4", help="comma-separated weight formats to measure: bf16, "
                        "fp32, int8, int4 (quantised weights with bf16 compute; transformers runs bf16 for those)")
-    bench.add_argument("--n-prompts", type=_positive_int, default=3)
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--n-prompts", type=positive_int, default=3)
+    bench.add_argument("--max-new-tokens", type=positive_int, default=128)
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     bench.add_argument("--tree-cost", action="store_true",
                        help="also print the cost of one oracle forward vs the number of tree nodes (1..64)")

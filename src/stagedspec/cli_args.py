@@ -3,8 +3,28 @@
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from stagedspec.models.quant import QUANT_CHOICES
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `lo`, else argparse's one-line error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)  # counts: tokens, nodes, requests, threads
+non_negative_int = int_at_least(0)  # where 0 means something: --top-k 0 (off), --seed 0
 
 
 def add_quant_arg(p: argparse.ArgumentParser) -> None:
@@ -21,12 +41,9 @@ def threads_value(text: str) -> str | int:
     if text == "auto":
         return text
     try:
-        n = int(text)
-    except ValueError:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}")
-    return n
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

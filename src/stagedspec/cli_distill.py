@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from stagedspec.cli_args import int_at_least
 from stagedspec.errors import StagedSpecError
 
 # Targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
@@ -52,19 +53,6 @@ LEGACY_SAMPLES_NAME = "oracle_samples.json"  # the whole-list cache of older ver
 
 
 # ---------------------------------------------------------------------- argument types
-def _int_at_least(lo: int):  # noqa: ANN202
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-
-    return parse
-
-
 def _float_in(lo: float, hi: float, lo_open: bool = False):  # noqa: ANN202
     def parse(text: str) -> float:
         try:
@@ -93,12 +81,12 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--kind", default="independent", choices=["independent", "feature"],
                    help="independent: the draft reads tokens only; feature: EAGLE-style, it also reads the oracle's "
                         "hidden state at the previous position (see docs/draft.md, 'Feature draft')")
-    d.add_argument("--layers", type=_int_at_least(1), default=None, metavar="L",
+    d.add_argument("--layers", type=int_at_least(1), default=None, metavar="L",
                    help="draft layers, copied from the oracle's (default: 2 for independent, strided from layer 0; "
                         "1 for feature, the oracle's last layers); with --init-from, more layers than the saved "
                         "independent draft has grows it by no-op layers (copies with zeroed output projections); "
                         "default with --init-from: the saved draft's")
-    d.add_argument("--ttt-steps", type=_int_at_least(1), default=1, metavar="K",
+    d.add_argument("--ttt-steps", type=int_at_least(1), default=1, metavar="K",
                    help="feature drafts: unroll K steps on the draft's own predicted features when training "
                         "('training-time test'; 1 = off)")
     d.add_argument("--ttt-decay", type=_float_in(0.0, 1.0, lo_open=True), default=0.8, metavar="D",
@@ -108,9 +96,9 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--fc-lr-scale", type=_float_in(0.0, 100.0), default=0.0, metavar="S",
                    help="feature drafts: fc's learning rate is S x --lr (default 0: 1 for a fresh feature draft; for "
                         "one converted from an independent draft, the embeddings' norm over the oracle features')")
-    d.add_argument("--vocab-top", type=_int_at_least(0), default=8192, metavar="V",
+    d.add_argument("--vocab-top", type=int_at_least(0), default=8192, metavar="V",
                    help="draft head over the V most frequent corpus tokens (0 = the oracle's full head)")
-    d.add_argument("--tokens", type=_int_at_least(1), default=2_000_000, metavar="N",
+    d.add_argument("--tokens", type=int_at_least(1), default=2_000_000, metavar="N",
                    help="training tokens in total (with --seq-len and --batch-size: the number of steps)")
     d.add_argument("--corpus", nargs="+", default=None, metavar="FILE",
                    help="training text files (default: CPython stdlib sources and installed Python docs)")
@@ -118,10 +106,10 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--lr", type=_float_in(0.0, 1.0, lo_open=True), default=1e-3, help="peak learning rate")
     d.add_argument("--min-lr-ratio", type=_float_in(0.0, 1.0), default=0.1,
                    help="cosine decay ends at lr * this ratio on the last step")
-    d.add_argument("--seq-len", type=_int_at_least(2), default=256, metavar="T")
-    d.add_argument("--batch-size", type=_int_at_least(1), default=8, metavar="B")
-    d.add_argument("--seed", type=_int_at_least(0), default=0)
-    d.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N", help="torch CPU threads")
+    d.add_argument("--seq-len", type=int_at_least(2), default=256, metavar="T")
+    d.add_argument("--batch-size", type=int_at_least(1), default=8, metavar="B")
+    d.add_argument("--seed", type=int_at_least(0), default=0)
+    d.add_argument("--threads", type=int_at_least(1), default=None, metavar="N", help="torch CPU threads")
     d.add_argument("--device", default="cpu", metavar="DEV",
                    help="cpu or cuda: where the oracle (teacher) and the draft train (default: cpu)")
     d.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=None,
@@ -131,23 +119,23 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--max-minutes", type=_float_in(0.0, 1e7, lo_open=True), default=None, metavar="M",
                    help="time box for the training loop: stop after a checkpoint, save the draft so far "
                         "(--resume continues)")
-    d.add_argument("--stop-after-steps", type=_int_at_least(1), default=None, metavar="S",
+    d.add_argument("--stop-after-steps", type=int_at_least(1), default=None, metavar="S",
                    help="end this call after step S (checkpointed, draft so far saved; the schedule is unchanged "
                         "and --resume continues): the reproducible form of a time-boxed run")
     d.add_argument("--chat-wrap", type=_float_in(0.0, 1.0), nargs="?", const=0.5, default=0.0, metavar="F",
                    help="fraction of the Python files whose documented functions become chat exchanges "
                         "in the oracle's chat template (bare flag: 0.5)")
-    d.add_argument("--oracle-samples", type=_int_at_least(0), default=0, metavar="N",
+    d.add_argument("--oracle-samples", type=int_at_least(0), default=0, metavar="N",
                    help="add the oracle's own greedy replies to N chat coding requests built from the documented "
                         "functions of the corpus's Python files (and of --sample-from)")
     d.add_argument("--sample-from", nargs="+", default=None, metavar="PATH",
                    help="also build oracle requests from the documented functions of these Python files or "
                         "folders (their .py files, tests skipped), e.g. installed packages' source; they are "
                         "not added to the plain-text corpus")
-    d.add_argument("--sample-tokens", type=_int_at_least(1), default=160, metavar="N", help="reply length cap")
-    d.add_argument("--sample-repeat", type=_int_at_least(1), default=1, metavar="R",
+    d.add_argument("--sample-tokens", type=int_at_least(1), default=160, metavar="N", help="reply length cap")
+    d.add_argument("--sample-repeat", type=int_at_least(1), default=1, metavar="R",
                    help="copies of each oracle sample in the training mix")
-    d.add_argument("--sample-batch", type=_int_at_least(1), default=None, metavar="B",
+    d.add_argument("--sample-batch", type=int_at_least(1), default=None, metavar="B",
                    help="oracle replies generated B at a time (greedy, batched; default: "
                         f"{SAMPLE_BATCH['cpu']} on the CPU, {SAMPLE_BATCH['cuda']} on CUDA)")
     d.add_argument("--samples-cache", default=None, metavar="FILE",
@@ -158,9 +146,9 @@ def add_commands(subparsers: Any) -> None:
                    help="continue training a saved draft ('default' or a draft folder) instead of starting from oracle layers; "
                         "with --kind feature, an independent draft becomes a feature draft that computes what it "
                         "did until training teaches it to use the oracle's features")
-    d.add_argument("--teacher-top-k", type=_int_at_least(1), default=64, metavar="K")
-    d.add_argument("--eval-every", type=_int_at_least(1), default=50, metavar="S", help="held-out evaluation period (steps)")
-    d.add_argument("--checkpoint-every", type=_int_at_least(1), default=100, metavar="S")
+    d.add_argument("--teacher-top-k", type=int_at_least(1), default=64, metavar="K")
+    d.add_argument("--eval-every", type=int_at_least(1), default=50, metavar="S", help="held-out evaluation period (steps)")
+    d.add_argument("--checkpoint-every", type=int_at_least(1), default=100, metavar="S")
     d.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"],
                    help="oracle (teacher) dtype; the draft trains in fp32 either way")
     d.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype of the saved draft")
@@ -180,17 +168,17 @@ def add_commands(subparsers: Any) -> None:
                         "list to compare drafts side by side (one column each)")
     e.add_argument("--prompts", default="humaneval", metavar="SOURCE",
                    help="'humaneval' (default; never trained on) or a prompt file (.jsonl or blank-line separated)")
-    e.add_argument("--n-prompts", type=_int_at_least(1), default=20, metavar="N", help="prompts for agreement")
-    e.add_argument("--offset", type=_int_at_least(0), default=0, metavar="I", help="first prompt")
-    e.add_argument("--tokens", type=_int_at_least(1), default=128, metavar="N", help="oracle continuation length")
-    e.add_argument("--accept-prompts", type=_int_at_least(0), default=4, metavar="N",
+    e.add_argument("--n-prompts", type=int_at_least(1), default=20, metavar="N", help="prompts for agreement")
+    e.add_argument("--offset", type=int_at_least(0), default=0, metavar="I", help="first prompt")
+    e.add_argument("--tokens", type=int_at_least(1), default=128, metavar="N", help="oracle continuation length")
+    e.add_argument("--accept-prompts", type=int_at_least(0), default=4, metavar="N",
                    help="prompts decoded with chain and tree speculation for the mean accepted length")
-    e.add_argument("--accept-tokens", type=_int_at_least(1), default=128, metavar="N")
-    e.add_argument("--chain-length", type=_int_at_least(1), default=4, metavar="K",
+    e.add_argument("--accept-tokens", type=int_at_least(1), default=128, metavar="N")
+    e.add_argument("--chain-length", type=int_at_least(1), default=4, metavar="K",
                    help="draft tokens per step for chain speculation")
-    e.add_argument("--tree-budget", type=_int_at_least(1), default=16, metavar="N")
-    e.add_argument("--tree-depth", type=_int_at_least(1), default=6, metavar="D")
-    e.add_argument("--branching", type=_int_at_least(1), default=4, metavar="B")
+    e.add_argument("--tree-budget", type=int_at_least(1), default=16, metavar="N")
+    e.add_argument("--tree-depth", type=int_at_least(1), default=6, metavar="D")
+    e.add_argument("--branching", type=int_at_least(1), default=4, metavar="B")
     from stagedspec.drafters.model import GROWTHS
 
     e.add_argument("--tree-growth", choices=GROWTHS, default="auto",
@@ -208,7 +196,7 @@ def add_commands(subparsers: Any) -> None:
     from stagedspec.cli import _add_draft_weights_arg
 
     _add_draft_weights_arg(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
-    e.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N")
+    e.add_argument("--threads", type=int_at_least(1), default=None, metavar="N")
     e.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda (default: cpu)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_eval_draft)

@@ -9,17 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from stagedspec.cli_args import positive_int
 from stagedspec.export import FORMATS
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def add_commands(subparsers: Any) -> None:
@@ -42,7 +33,7 @@ def add_commands(subparsers: Any) -> None:
                         "what the feature draft computes (the engine's output stays exact; acceptance differs)")
     e.add_argument("--verifier", default=None, metavar="NAME",
                    help="speculators: the verifier's hub id or path to record (default: the oracle's HF folder)")
-    e.add_argument("--speculative-tokens", type=_at_least_one, default=4, metavar="K",
+    e.add_argument("--speculative-tokens", type=positive_int, default=4, metavar="K",
                    help="speculators: draft tokens per step to record (default 4)")
     e.set_defaults(func=cmd_export)
 

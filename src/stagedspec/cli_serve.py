@@ -17,7 +17,8 @@ from stagedspec.errors import StagedSpecError
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argparse's own type
-    from stagedspec.cli import _add_model_args, _add_speculation_args, _positive_int
+    from stagedspec.cli import _add_model_args, _add_speculation_args
+    from stagedspec.cli_args import positive_int
 
     def _positive_float(text: str) -> float:
         try:
@@ -35,8 +36,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
     add_threads_arg(serve)
     _add_speculation_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=_positive_int, default=8000)
-    serve.add_argument("--max-batch", type=_positive_int, default=8, metavar="N",
+    serve.add_argument("--port", type=positive_int, default=8000)
+    serve.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                        help="requests decoding at once; more wait in a queue (default 8)")
     serve.add_argument("--max-memory", default=None, metavar="SIZE",
                        help="memory budget, e.g. 2G: requests whose KV cache would not fit wait (default: the "
@@ -66,9 +67,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
                        help="prompt files: one prompt per file, or .jsonl with a 'prompt' per line "
                             "(default: HumanEval prompts)")
     bench.add_argument("--concurrency", default="1,2,4,8", help="comma-separated concurrencies")
-    bench.add_argument("--requests", type=_positive_int, default=None, metavar="N",
+    bench.add_argument("--requests", type=positive_int, default=None, metavar="N",
                        help="requests per concurrency level (default: 2 x concurrency)")
-    bench.add_argument("--max-tokens", type=_positive_int, default=128)
+    bench.add_argument("--max-tokens", type=positive_int, default=128)
     bench.add_argument("--methods", default=None,
                        help="comma-separated speculation methods to compare (default: the server's own, then ar)")
     bench.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
