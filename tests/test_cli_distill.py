@@ -158,8 +158,8 @@ def test_time_box_saves_partial_draft_and_resume_finishes(oracle_dir: Path, corp
 def test_bad_inputs_are_one_line_errors(oracle_dir: Path, corpus: list[str], tmp_path: Path, extra: list[str],
                                         message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(distill_args(oracle_dir, corpus, tmp_path / "d", *extra)) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("stagedspec: error:") and message in err
+    err = capsys.readouterr().err.strip().splitlines()  # a first use may say it times the fp32 kernels first
+    assert err[-1].startswith("stagedspec: error:") and message in err[-1]
 
 
 def test_argument_validation(oracle_dir: Path, corpus: list[str], tmp_path: Path,
