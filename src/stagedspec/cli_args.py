@@ -49,6 +49,6 @@ def threads_value(text: str) -> str | int:
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     """`--threads`: how many CPU threads decode."""
     p.add_argument("--threads", type=threads_value, default="auto",
-                   help="CPU threads: auto (default: the CPUs this process may use, fewer while other processes "
-                        "keep some busy, re-read every 0.25 s, for models on the native kernels whose results "
-                        "do not depend on it; every allowed CPU otherwise) or a fixed count")
+                   help="CPU threads: auto (default: PyTorch's count, the CPUs this process may use; for models "
+                        "on the native kernels, whose results do not depend on it, fewer while other processes "
+                        "keep some busy, re-read every 0.25 s) or a fixed count")

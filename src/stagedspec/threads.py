@@ -108,14 +108,13 @@ class ThreadGovernor:
 
 def governor_for(model: torch.nn.Module, setting: str | int = "auto") -> ThreadGovernor | None:
     """The thread policy for a run of `model`: `setting` = N fixes N threads (None comes back); "auto" gives a
-    `ThreadGovernor` where the model's results cannot depend on the count (its layers on the native kernels)
-    and sets every allowed CPU otherwise."""
+    `ThreadGovernor` capped at PyTorch's current count where the model's results cannot depend on the count
+    (its layers on the native kernels), and leaves the count alone otherwise."""
     from stagedspec.models.quant import kernel_name
 
     if setting != "auto":
         torch.set_num_threads(max(1, int(setting)))
         return None
     if not kernel_name(model).startswith("stagedspec-native"):
-        torch.set_num_threads(len(allowed_cpus()))
         return None
-    return ThreadGovernor()
+    return ThreadGovernor(max_threads=torch.get_num_threads())
