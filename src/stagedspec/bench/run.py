@@ -551,8 +551,10 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="draft for chain/tree/staged/hf-assisted: 'default' (bundled distilled draft), a draft "
                         "folder, an HF folder, a .gguf, layers:N, or none")
     from stagedspec.cli import _add_draft_weights_arg
+    from stagedspec.cli_args import add_threads_arg
 
     _add_draft_weights_arg(p)
+    add_threads_arg(p)
     p.add_argument("--ngram", default="default", type=_none_or, metavar="SPEC",
                    help="n-gram for lookup/staged: 'default', a file, or none (prompt lookup only)")
     p.add_argument("--prompts", default="humaneval", metavar="humaneval|FILE",
@@ -607,6 +609,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from stagedspec.bench import report
 
     cfg = config_from_args(args)
+    if getattr(args, "threads", "auto") != "auto":  # ours and llama.cpp's runs take PyTorch's count
+        torch.set_num_threads(args.threads)
     results = run_bench(cfg)  # --cuda-graphs/--compile/--static-passes were applied by `cli.main`
     print(report.console_summary(results))
     print(f"\nwrote {Path(cfg.out) / 'report.md'}, {Path(cfg.out) / 'results.json'}"
