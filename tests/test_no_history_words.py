@@ -1,4 +1,4 @@
-"""The tracked texts speak of the product, not of how it was built: no "session 12", "issue 13", "round 4".
+"""The tracked texts speak of the product, not of how it was built: no session, issue or round numbers.
 
 What was measured is named by its machine, date and commit instead (docs/benchmarks.md).
 """
