@@ -72,15 +72,7 @@ def _weight(case: str, k: int = 256, seed: int = 0) -> tuple[torch.Tensor, list[
     g = torch.Generator().manual_seed(seed)
     if case == "segments":
         packed, formats, outs = packing.random_segments(("q4_k", "q6_k", "int8", "q5_0", "int4"), k, g)
-        names = {v: n for n, v in packing.FORMATS.items()}
-        unpack = {"int4": packing.unpack_int4, "int8": packing.unpack_int8, "q4_k": packing.unpack_q4k,
-                  "q6_k": packing.unpack_q6k, "q5_0": packing.unpack_q5}
-        pieces, at = [], 0
-        for f, n in zip(formats, outs):
-            size = int(-(-n // 8) * 8 * k * packing.BITS_PER_WEIGHT[names[f]] / 8)
-            pieces.append(unpack[names[f]](packed[at:at + size], n, k))
-            at += size
-        return packed, formats, outs, torch.cat(pieces)
+        return packed, formats, outs, packing.unpack_segments(packed, formats, outs, k)
     packed, w = packing.random_format(case, 20, k, g)
     return packed, [packing.FORMATS[case]], [20], w
 

@@ -157,9 +157,7 @@ def unpack_int4(packed: Tensor, n: int, k: int) -> Tensor:
     """The fp32 weight [n, k] that `pack_int4`'s output multiplies by (tests and dequantised copies)."""
     tiles, groups = -(-n // TILE), k // GROUP
     p = packed.reshape(tiles, groups, 160)
-    nib = p[..., :128].reshape(tiles, groups, 4, TILE, 4)
-    codes = torch.stack([nib & 0x0F, nib >> 4], dim=-1)  # [tile, g, v, o, i, half]
-    codes = codes.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE, k)[:n]
+    codes = _int4_codes_from_vectors(p[..., :128], n, k)
     return dequantize_int4(codes, _scales_from_tiles(p[..., 128:144], n), _scales_from_tiles(p[..., 144:], n))
 
 
@@ -340,3 +338,16 @@ def random_segments(fmts: tuple[str, ...], k: int, g: torch.Generator) -> tuple[
     """One random weight with a segment per format (output counts 20, 12, ... not all multiples of 8)."""
     parts = [random_format(f, 20 - 4 * (i % 3), k, g)[0] for i, f in enumerate(fmts)]
     return torch.cat(parts), [FORMATS[f] for f in fmts], [20 - 4 * (i % 3) for i in range(len(fmts))]
+
+
+def unpack_segments(packed: Tensor, formats: list[int], outs: list[int], k: int) -> Tensor:
+    """The fp32 weight [sum(outs), k] of a weight stored as segments (`qlinear`'s layout: one after another)."""
+    names = {v: name for name, v in FORMATS.items()}
+    unpack = {"int4": unpack_int4, "int8": unpack_int8, "q4_k": unpack_q4k, "q6_k": unpack_q6k, "q5_0": unpack_q5}
+    pieces, at = [], 0
+    for fmt, n in zip(formats, outs):
+        name = names[fmt]
+        size = int(-(-n // TILE) * TILE * k * BITS_PER_WEIGHT[name] / 8)
+        pieces.append(unpack[name](packed[at:at + size], n, k))
+        at += size
+    return torch.cat(pieces)

@@ -209,14 +209,7 @@ class SegmentLinear(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The weight [out, in] this layer multiplies by, in fp32 (for tests and diagnostics)."""
-        unpack = {"int4": packing.unpack_int4, "int8": packing.unpack_int8, "q4_k": packing.unpack_q4k,
-                  "q6_k": packing.unpack_q6k, "q5_0": packing.unpack_q5}
-        pieces, at = [], 0
-        for fmt, n in zip(self.format_names, self.outs):
-            size = -(-n // packing.TILE) * packing.TILE * self.in_features * packing.BITS_PER_WEIGHT[fmt] / 8
-            pieces.append(unpack[fmt](self.packed[at:at + int(size)], n, self.in_features))
-            at += int(size)
-        return torch.cat(pieces)
+        return packing.unpack_segments(self.packed, self.formats, self.outs, self.in_features)
 
 
 class NativeDecoderLayer:
