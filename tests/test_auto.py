@@ -31,7 +31,7 @@ from stagedspec.auto import (
     verify_rows,
 )
 from stagedspec.sampling import SamplingParams
-from stagedspec.costs import CostProfile, interpolate, load_or_measure, monotone, profile_path
+from stagedspec.costs import PROFILE_VERSION, CostProfile, interpolate, load_or_measure, monotone, profile_path
 from stagedspec.tree import TokenTree
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cost_cache")
@@ -338,10 +338,10 @@ def test_profiles_are_measured_once_and_cached(tmp_path, monkeypatch, capsys) ->
     path.write_text("{not json")
     assert load_or_measure(oracle, [draft], "cpu").oracle  # a corrupt entry is measured again
     stored = json.loads(path.read_text())
-    assert stored["version"] == 4 and "draft_overhead" in stored and len(stored["segment_seconds"]) == 2
+    assert stored["version"] == PROFILE_VERSION and "draft_overhead" in stored and len(stored["segment_seconds"]) == 2
     assert set(stored["verify_overhead"]) == {"greedy", "sampled"}
     assert all(len(v) == 2 and min(v) >= 0 for v in stored["verify_overhead"].values())
-    assert path.name == f"{first.key}.v4.json"  # beside, not over, what older versions cached
+    assert path.name == f"{first.key}.v{PROFILE_VERSION}.json"  # beside, not over, what older versions cached
 
 
 def test_requests_arriving_together_share_one_measured_profile(tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -651,3 +651,23 @@ def test_an_exploration_runs_its_arm_twice_and_learns_its_time_from_the_warm_ste
     assert runs[first + 1] == runs[first]  # the exploration ran twice
     learned = dict((i + 1, d) for i, (_, d) in enumerate(observed))  # observation i is of step i + 1
     assert learned[first] is None and learned[first + 1] is not None  # cold step skipped, warm step learned
+
+
+def test_a_seeded_request_starts_from_the_saved_state_not_from_what_was_learned_since() -> None:
+    """`reproducible_copy`: the step times and acceptance an earlier process saved price a seeded request's
+    arms (so it is not priced by the profile alone), and nothing this process measured afterwards does (so
+    the seed reproduces whatever ran in between)."""
+    from stagedspec.auto import AutoPolicy
+
+    saved = AutoPolicy(ARMS, FLAT)
+    saved.costs.observe(Arm("staged", 3), 0.02, 0.03, 0.01, 0.005)
+    state = json.loads(json.dumps(saved.state()))
+    shared = AutoPolicy(ARMS, FLAT)
+    shared.restore(state)
+    before = shared.reproducible_copy()
+    shared.costs.observe(Arm("staged", 3), 0.001, 0.01, 0.01, 0.005)  # this process learns more
+    after = shared.reproducible_copy()
+    assert not before.learn_times and not after.learn_times
+    assert before.costs.draft_seconds == after.costs.draft_seconds == saved.costs.draft_seconds
+    assert after.costs.verify_scales == saved.costs.verify_scales != shared.costs.verify_scales
+    assert AutoPolicy(ARMS, FLAT).reproducible_copy().costs == StepCosts()  # nothing saved: the profile alone

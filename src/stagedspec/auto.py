@@ -585,18 +585,21 @@ class AutoPolicy:
 
     Statistics are kept apart for greedy and sampled decoding (acceptance
     differs), the measured times are shared.  A seeded sampled request gets
-    a policy of its own that ignores measured times (`Pipeline.drafter`):
-    its tree shapes then depend only on its own history and the machine's
-    cached cost profile, so the seed reproduces its output on this machine.
+    a policy of its own (`reproducible_copy`) that learns no times and starts
+    from what an earlier process saved: its tree shapes then depend only on
+    its own history and the machine's cached measurements (the cost profile
+    and the saved state), so the seed reproduces its output on this machine
+    until those are measured again.
     """
 
     def __init__(self, arms: Sequence[Arm], profile: CostProfile, learn_times: bool = True) -> None:
-        """`learn_times=False`: price arms by the cost profile alone, never by measured step times, so
-        the choices (and with them a seeded sampled run's random draws) are reproducible."""
+        """`learn_times=False`: price arms by the cost profile and any restored state, never by step times
+        measured here, so the choices (and with them a seeded sampled run's random draws) are reproducible."""
         self.arms, self.profile, self.learn_times = list(arms), profile, learn_times
         self.greedy_stats, self.sampled_stats = AcceptanceStats(), AcceptanceStats()
         self.costs = StepCosts()
         self.choices: dict[str, int] = {}
+        self.loaded_state: Mapping[str, Any] | None = None  # what `restore` read from an earlier process
         # The server's batched scheduler runs requests' steps on threads of their own, all learning into
         # one policy: reads and updates of the statistics take this lock (uncontended: ~0.1 us).
         self.lock = threading.RLock()
@@ -629,6 +632,7 @@ class AutoPolicy:
         """Start from what an earlier process learned on this machine (see `state`); unknown arms are ignored."""
         if state.get("version") != 1:
             return
+        self.loaded_state = state
         by_name = {a.name: a for a in self.arms}
         for key, stats in (("greedy", self.greedy_stats), ("sampled", self.sampled_stats)):
             part = state.get(key, {})
@@ -646,6 +650,18 @@ class AutoPolicy:
         self.costs.verify_scale = float(state.get("verify_scale", 1.0))
         self.costs.verify_scales = {str(k): float(v) for k, v in state.get("verify_scales", {}).items()}
         self.costs.draft_scale = {str(k): float(v) for k, v in state.get("draft_scale", {}).items()}
+
+    def reproducible_copy(self) -> "AutoPolicy":
+        """A policy for one seeded sampled request: priced by the cost profile and by what an earlier process
+        saved (`loaded_state`: measured step times and acceptance), never by what this process measured
+        since, and learning no times of its own.  Its choices, and with them the seed's random draws, then
+        depend only on the request and this machine's cached measurements.  Why not the profile alone: it
+        prices a step's pass and the host work it can time in isolation, and on an AVX2 EPYC (SmolLM2, T=1,
+        2026-11-25) real staged drafting cost 1.5-2x its prediction, so seeded `auto` ran at 0.89x `ar`."""
+        policy = AutoPolicy(self.arms, self.profile, learn_times=False)
+        if self.loaded_state is not None:
+            policy.restore(self.loaded_state)
+        return policy
 
     def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
         return self.greedy_stats if sampling.greedy else self.sampled_stats

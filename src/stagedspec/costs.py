@@ -41,7 +41,8 @@ CPU_ORACLE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 CUDA_ORACLE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 RAGGED_SEGMENTS = 8  # segments of the ragged pass timed for the per-segment cost
-PROFILE_VERSION = 4  # 2: draft_overhead; 3: shared-pass row counts and segment_seconds; 4: verify_overhead
+PROFILE_VERSION = 5  # 2: draft_overhead; 3: shared-pass row counts and segment_seconds; 4: verify_overhead;
+# 5: verify_overhead timed after the pass (it came out 0 on a CPU before)
 MIN_REPEATS, SECONDS_PER_SHAPE = 2, 0.5  # a shape is timed `repeats` times, or as often as fits in this
 VERIFY_ROWS = (1, 8)  # verification overhead is measured on a root-only tree (`ar`) and an 8-node chain
 
@@ -364,15 +365,21 @@ def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: 
 
 
 def verify_step_overhead(oracle: Transformer, curve: Mapping[int, float], repeats: int = 5) -> dict[str, list[float]]:
-    """Host seconds of a step's scoring and verification beyond the oracle's pass, at `VERIFY_ROWS` rows.
+    """Host seconds of a step's verification beyond the oracle's pass, at `VERIFY_ROWS` rows.
 
-    Runs the loop's own calls (`ModelOracle.score`, `verify`, `commit`) on
-    chains of random tokens, greedy and sampled (T=1, top-k 50), and
-    subtracts the pass's cost from `curve`; the fastest of `repeats`.  Why:
-    `auto` priced a step as its pass alone, so on a GPU at T=1 a tree whose
-    verification cost more than `ar`'s (0.67 ms at 8 rows on an H100) looked
-    as cheap as `ar`.
+    Runs the loop's own calls (`ModelOracle.score`, then `verify` and
+    `commit`) on chains of random tokens, greedy and sampled (T=1, top-k 50),
+    over the curve's 256-token context, and times what follows the pass:
+    reading the decisions back and, at T > 0, each row's softmax, top-k and
+    draws.  The fastest of `repeats`.  Why: `auto` priced a step as its pass
+    alone, so on a GPU at T=1 a tree whose verification cost more than `ar`'s
+    (0.67 ms at 8 rows on an H100) looked as cheap as `ar`.  An earlier form
+    subtracted the curve from a whole step timed over a shorter context; on a
+    CPU that came out below zero and priced a sampled row's host work at
+    nothing (AMD EPYC AVX2, SmolLM2, 2026-11-25).  `curve` is not needed any
+    more and kept for callers.
     """
+    del curve
     from stagedspec.runner import ModelOracle
     from stagedspec.sampling import SamplingParams
     from stagedspec.tree import TokenTree
@@ -380,24 +387,30 @@ def verify_step_overhead(oracle: Transformer, curve: Mapping[int, float], repeat
 
     g = torch.Generator().manual_seed(2)
     vocab = oracle.config.vocab_size
+    steps = repeats + 1
+    context = max(2, min(256, oracle.config.max_position - steps * max(VERIFY_ROWS) - 2))
+    on_gpu = oracle.embed.weight.device.type == "cuda"
     out: dict[str, list[float]] = {}
     with torch.inference_mode():
         for key, sampling in (("greedy", SamplingParams()), ("sampled", SamplingParams(temperature=1.0, top_k=50))):
             points = []
             for rows in VERIFY_ROWS:
-                runner = ModelOracle(oracle, 256)
-                runner.prefill(torch.randint(0, vocab, (32,), generator=g).tolist())
+                runner = ModelOracle(oracle, context + steps * rows + 2)
+                runner.prefill(torch.randint(0, vocab, (context,), generator=g).tolist())
                 root = int(torch.randint(0, vocab, (), generator=g))
                 best = math.inf
-                for i in range(repeats + 1):  # the first step warms this shape up (a graph capture on CUDA)
+                for i in range(steps):  # the first step runs the context and warms this shape up
                     tree = TokenTree.chain(root, torch.randint(0, vocab, (rows - 1,), generator=g).tolist())
+                    scores = runner.score(tree)
+                    if on_gpu:
+                        torch.cuda.synchronize()
                     t = time.perf_counter()
-                    result = verify(tree, runner.score(tree), sampling, g)
+                    result = verify(tree, scores, sampling, g)
                     runner.commit(result.accepted)
                     seconds = time.perf_counter() - t
                     root = result.next_token
                     if i:
-                        best = min(best, max(0.0, seconds - interpolate(curve, rows)))
+                        best = min(best, seconds)
                 points.append(best)
             out[key] = points
     return out
@@ -419,8 +432,12 @@ def draft_pass_overhead(draft: Transformer, curve: Mapping[int, float], repeats:
     out = {}
     with torch.inference_mode():
         for key, sampling in (("greedy", SamplingParams()), ("sampled", SamplingParams(temperature=1.0, top_k=50))):
-            drafter = ModelDrafter(draft, method="tree", budget=8, max_depth=4, branching=2, max_len=256)
-            context = torch.randint(0, vocab, (32,), generator=g).tolist()
+            # over the curve's 256-token context: a shorter one made the passes cheaper than the curve says,
+            # and the host work came out too small
+            length = max(2, min(256, draft.config.max_position - repeats - 16))
+            drafter = ModelDrafter(draft, method="tree", budget=8, max_depth=4, branching=2,
+                                   max_len=length + repeats + 16)
+            context = torch.randint(0, vocab, (length,), generator=g).tolist()
             drafter.begin(context)
             drafter.propose(context, sampling, g, 8)  # the context's own catch-up pass, not timed
             best = math.inf

@@ -68,7 +68,7 @@ class BenchConfig:
     top_k: int = 50
     top_p: float = 1.0
     device: str = "cpu"
-    dtype: str = "bf16"
+    dtype: str = "auto"  # what `stagedspec generate` runs: bf16 where the CPU computes it natively, else fp32
     chat: str = "auto"  # auto (when the model has a chat template), on, off
     seed: int = 0
     warmup_tokens: int = 8
@@ -577,7 +577,8 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="CUDA: replay static-shape passes as CUDA graphs (default on)")
     p.add_argument("--compile", action="store_true", help="static passes through torch.compile (see generate --help)")
     p.add_argument("--static-passes", action="store_true", help="CPU: the static-shape pass path, as on CUDA")
-    p.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="auto (default): what generate runs, bf16 where the CPU computes it natively, else fp32")
     p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
                    help="wrap prompts in the chat template (auto: when the oracle has one)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompt i is SEED + i")
