@@ -653,21 +653,25 @@ def test_an_exploration_runs_its_arm_twice_and_learns_its_time_from_the_warm_ste
     assert learned[first] is None and learned[first + 1] is not None  # cold step skipped, warm step learned
 
 
-def test_a_seeded_request_starts_from_the_saved_state_not_from_what_was_learned_since() -> None:
-    """`reproducible_copy`: the step times and acceptance an earlier process saved price a seeded request's
-    arms (so it is not priced by the profile alone), and nothing this process measured afterwards does (so
-    the seed reproduces whatever ran in between)."""
-    from stagedspec.auto import AutoPolicy
+def test_whole_steps_that_cost_more_than_their_parts_say_turn_the_choice_to_ar() -> None:
+    """A speculative step whose wall time exceeds its calibrated price (a draft catching up after a run of
+    `ar` steps, an exploration's loss) raises the speculative arms' whole-step scale, and `ar` is chosen;
+    `ar`'s own scale is learned apart, and the scales are saved with the state."""
+    from stagedspec.auto import AutoPolicy, solo_step_seconds
 
-    saved = AutoPolicy(ARMS, FLAT)
-    saved.costs.observe(Arm("staged", 3), 0.02, 0.03, 0.01, 0.005)
-    state = json.loads(json.dumps(saved.state()))
-    shared = AutoPolicy(ARMS, FLAT)
-    shared.restore(state)
-    before = shared.reproducible_copy()
-    shared.costs.observe(Arm("staged", 3), 0.001, 0.01, 0.01, 0.005)  # this process learns more
-    after = shared.reproducible_copy()
-    assert not before.learn_times and not after.learn_times
-    assert before.costs.draft_seconds == after.costs.draft_seconds == saved.costs.draft_seconds
-    assert after.costs.verify_scales == saved.costs.verify_scales != shared.costs.verify_scales
-    assert AutoPolicy(ARMS, FLAT).reproducible_copy().costs == StepCosts()  # nothing saved: the profile alone
+    stats = trained_stats(draft=0.6)
+    costs = StepCosts()
+    best = choose_arm(ARMS, FLAT, stats, costs, NO_LOOKUP_NOW)
+    assert best.kind != "ar"
+    price = solo_step_seconds(best, FLAT, costs, NO_LOOKUP_NOW, whole=False)
+    for _ in range(40):
+        costs.observe_step(best, 3.5 * price, price, sampled=False)
+        costs.observe_step(Arm("ar"), 0.01, 0.01, sampled=False)
+    assert costs.step_scale_for(best.kind, False) > 3.0 and costs.step_scale_for("ar", False) == pytest.approx(1.0)
+    assert costs.step_scale_for(best.kind, True) == 1.0  # sampled steps are learned apart
+    assert choose_arm([a for a in ARMS if a.kind in ("ar", best.kind)], FLAT, stats, costs, NO_LOOKUP_NOW) == Arm("ar")
+    policy = AutoPolicy(ARMS, FLAT)
+    policy.costs = costs
+    again = AutoPolicy(ARMS, FLAT)
+    again.restore(json.loads(json.dumps(policy.state())))
+    assert again.costs.step_scales == costs.step_scales

@@ -19,7 +19,9 @@ by expected tokens / expected seconds, where
   around it (the measured cost curve and verification overhead of this
   machine, `stagedspec.costs`, scaled by how long that arm kind's steps
   actually took) + the arm's drafting time (predicted from the drafts' cost
-  curves, then measured);
+  curves, then measured), all scaled by how the arm kind's whole steps
+  compared with that price (from one `propose` to the next: a draft
+  catching up on the tokens it missed is charged to its kind);
 - tokens = 1 + sum over depths j of P(accepted length >= j), from
   per-proposer, per-depth acceptance statistics (`ChainStats`: context,
   n-gram, draft) that start from priors and are updated after every
@@ -310,6 +312,27 @@ class StepCosts:
     # by what its siblings taught (a GPU draft pass costs far more than its graph replay once the tree
     # building around it is counted), so every size need not be tried to learn that.
     draft_scale: dict[str, float] = field(default_factory=dict)
+    # What whole steps cost against their calibrated price, per arm kind and decoding mode ("staged/sampled"):
+    # the wall time from one `propose` to the next, so a step whose draft first runs over
+    # every token it missed (after a run of `ar` steps; the whole prompt the first time), an exploration's
+    # loss and the bookkeeping around a tree are all charged to what caused them.  The parts above leave
+    # those out (a cold draft's time is not its arm's price); without this `auto` ran at 0.89-0.96x `ar`
+    # on an AVX2 EPYC (SmolLM2, 2026-11-25) while each part's estimate was close.
+    step_scales: dict[str, float] = field(default_factory=dict)
+
+    def step_scale_for(self, kind: str, sampled: bool) -> float:
+        """Measured / calibrated seconds of whole steps of this arm kind (1 until seen): a draft's catch-up
+        falls on the kind whose drafter it is (tree arms share one, staged arms another)."""
+        return self.step_scales.get(_step_key(kind, sampled), 1.0)
+
+    def observe_step(self, arm: Arm, wall_seconds: float, predicted: float, sampled: bool) -> None:
+        """Fold in one whole step: `wall_seconds` from its `propose` to the next, against `predicted` (the
+        calibrated price without this scale).  Clipped like the others, so one stall does not rule."""
+        if predicted > 0 and wall_seconds > 0:
+            ratio = min(4.0, max(0.25, wall_seconds / predicted))
+            key = _step_key(arm.kind, sampled)
+            scale = self.step_scales.get(key)
+            self.step_scales[key] = ratio if scale is None else 0.9 * scale + 0.1 * ratio
 
     def verify_scale_for(self, kind: str, sampled: bool) -> float:
         """Measured / predicted verification time of a step of this arm kind (all steps' scale until seen)."""
@@ -351,6 +374,21 @@ class StepCosts:
 
 def _verify_key(kind: str, sampled: bool) -> str:
     return f"{kind}/{'sampled' if sampled else 'greedy'}"
+
+
+def _step_key(kind: str, sampled: bool) -> str:
+    return _verify_key(kind, sampled)
+
+
+def solo_step_seconds(arm: Arm, profile: CostProfile, costs: StepCosts, lookup_lengths: Mapping[str, int],
+                      sampled: bool = False, whole: bool = True) -> float:
+    """Expected seconds of a step of `arm` priced alone: its verification (the cost curve with the host work
+    around it, scaled as that arm kind's steps measured) and its drafting (measured, else predicted);
+    `whole`: times the whole-step scale (`StepCosts.step_scales`), which the steps teach against the rest."""
+    seconds = costs.verify_scale_for(arm.kind, sampled) * profile.step_seconds(verify_rows(arm, lookup_lengths),
+                                                                            sampled)
+    seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile, sampled))
+    return seconds * costs.step_scale_for(arm.kind, sampled) if whole else seconds
 
 
 def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[str, int],
@@ -553,10 +591,7 @@ def expected_rates(
             seconds = shared_step_seconds(arm, profile, load, lookup_lengths, sampled)
             rates[arm] = (load.tokens + tokens) / (load.seconds + seconds)
             continue
-        seconds = costs.verify_scale_for(arm.kind, sampled) * profile.step_seconds(verify_rows(arm, lookup_lengths),
-                                                                               sampled)
-        seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile, sampled))
-        rates[arm] = tokens / seconds
+        rates[arm] = tokens / solo_step_seconds(arm, profile, costs, lookup_lengths, sampled)
     return rates
 
 
@@ -585,21 +620,22 @@ class AutoPolicy:
 
     Statistics are kept apart for greedy and sampled decoding (acceptance
     differs), the measured times are shared.  A seeded sampled request gets
-    a policy of its own (`reproducible_copy`) that learns no times and starts
-    from what an earlier process saved: its tree shapes then depend only on
-    its own history and the machine's cached measurements (the cost profile
-    and the saved state), so the seed reproduces its output on this machine
-    until those are measured again.
+    a policy of its own that ignores measured times (`Pipeline.drafter`):
+    its tree shapes then depend only on its own history and the machine's
+    cached cost profile, so the seed reproduces its output on this machine.
+    (Starting it from the state an earlier process saved priced it better,
+    but then a seeded request's tokens changed whenever an unseeded one saved
+    a new state: a seeded stream under load differed from the same request
+    alone.)
     """
 
     def __init__(self, arms: Sequence[Arm], profile: CostProfile, learn_times: bool = True) -> None:
-        """`learn_times=False`: price arms by the cost profile and any restored state, never by step times
-        measured here, so the choices (and with them a seeded sampled run's random draws) are reproducible."""
+        """`learn_times=False`: price arms by the cost profile alone, never by measured step times, so
+        the choices (and with them a seeded sampled run's random draws) are reproducible."""
         self.arms, self.profile, self.learn_times = list(arms), profile, learn_times
         self.greedy_stats, self.sampled_stats = AcceptanceStats(), AcceptanceStats()
         self.costs = StepCosts()
         self.choices: dict[str, int] = {}
-        self.loaded_state: Mapping[str, Any] | None = None  # what `restore` read from an earlier process
         # The server's batched scheduler runs requests' steps on threads of their own, all learning into
         # one policy: reads and updates of the statistics take this lock (uncontended: ~0.1 us).
         self.lock = threading.RLock()
@@ -626,13 +662,12 @@ class AutoPolicy:
                     "sampled": {"chains": chains(self.sampled_stats), "arms": arms(self.sampled_stats)},
                     "draft_seconds": {a.name: v for a, v in self.costs.draft_seconds.items()},
                     "verify_scale": self.costs.verify_scale, "verify_scales": dict(self.costs.verify_scales),
-                    "draft_scale": dict(self.costs.draft_scale)}
+                    "draft_scale": dict(self.costs.draft_scale), "step_scales": dict(self.costs.step_scales)}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Start from what an earlier process learned on this machine (see `state`); unknown arms are ignored."""
         if state.get("version") != 1:
             return
-        self.loaded_state = state
         by_name = {a.name: a for a in self.arms}
         for key, stats in (("greedy", self.greedy_stats), ("sampled", self.sampled_stats)):
             part = state.get(key, {})
@@ -650,18 +685,7 @@ class AutoPolicy:
         self.costs.verify_scale = float(state.get("verify_scale", 1.0))
         self.costs.verify_scales = {str(k): float(v) for k, v in state.get("verify_scales", {}).items()}
         self.costs.draft_scale = {str(k): float(v) for k, v in state.get("draft_scale", {}).items()}
-
-    def reproducible_copy(self) -> "AutoPolicy":
-        """A policy for one seeded sampled request: priced by the cost profile and by what an earlier process
-        saved (`loaded_state`: measured step times and acceptance), never by what this process measured
-        since, and learning no times of its own.  Its choices, and with them the seed's random draws, then
-        depend only on the request and this machine's cached measurements.  Why not the profile alone: it
-        prices a step's pass and the host work it can time in isolation, and on an AVX2 EPYC (SmolLM2, T=1,
-        2026-11-25) real staged drafting cost 1.5-2x its prediction, so seeded `auto` ran at 0.89x `ar`."""
-        policy = AutoPolicy(self.arms, self.profile, learn_times=False)
-        if self.loaded_state is not None:
-            policy.restore(self.loaded_state)
-        return policy
+        self.costs.step_scales = {str(k): float(v) for k, v in state.get("step_scales", {}).items()}
 
     def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
         return self.greedy_stats if sampling.greedy else self.sampled_stats
@@ -720,6 +744,8 @@ class _Step:
     warm: bool = True  # its drafter also ran the step before (else its time includes catching up)
     ended: float = 0.0  # when `propose` returned (perf_counter): verification started then
     alone: bool = True  # priced alone (no batched round shared): the time until the next step is its own
+    started: float = 0.0  # when `propose` began (perf_counter): the whole step runs from here to the next
+    lookup_lengths: Mapping[str, int] = field(default_factory=dict)  # the chains it was priced with
 
 
 def spine(tree: TokenTree) -> list[int]:
@@ -842,7 +868,7 @@ class AutoDrafter:
         ended = time.perf_counter()
         self._last = _Step(len(context), arm, tree, predicted, len(tree), ended - t0,
                            sampled=not sampling.greedy, warm=drafter is self._last_drafter, ended=ended,
-                           alone=self.shared_load is None)
+                           alone=self.shared_load is None, started=t0, lookup_lengths=lengths)
         self._last_drafter = drafter
         return tree
 
@@ -899,9 +925,14 @@ class AutoDrafter:
         # at 1.5x the report, so a caller that paused between steps does not teach a price.  In a batched
         # round (the server) the time until the next step is the round's, so there the report alone counts.
         verify_seconds = last.verify_seconds
+        costs = self.policy.costs
         if last.alone:
             verify_seconds = min(max(verify_seconds, now - last.ended), 1.5 * verify_seconds)
-        self.policy.costs.observe(last.arm, last.draft_seconds if last.warm else None, verify_seconds,
-                                  predicted_verify,
-                                  predicted_draft_seconds(last.arm, self.policy.profile, last.sampled),
-                                  sampled=last.sampled)
+            # the whole step against its price before this step's lesson; a batched round's wall time is the
+            # round's, not this step's
+            wall = min(now - last.started, last.draft_seconds + 1.5 * last.verify_seconds)  # not a caller's pause
+            costs.observe_step(last.arm, wall,
+                               solo_step_seconds(last.arm, self.policy.profile, costs, last.lookup_lengths,
+                                                 last.sampled, whole=False), last.sampled)
+        costs.observe(last.arm, last.draft_seconds if last.warm else None, verify_seconds, predicted_verify,
+                      predicted_draft_seconds(last.arm, self.policy.profile, last.sampled), sampled=last.sampled)

@@ -608,17 +608,16 @@ class Pipeline:
         """Every arm's drafter for `--method auto` or a measured method, sized per step by the policy (see
         `stagedspec.auto`).
 
-        `reproducible` (a seeded sampled request): a policy of its own that learns no times and starts from
-        what the pipeline loaded from disk (`AutoPolicy.reproducible_copy`), so the seed reproduces the
-        output; otherwise the pipeline's policy, which learns across requests."""
-        from stagedspec.auto import (STAGE_SIZES, AutoDrafter, lookup_horizon, staged_lookup_length,
+        `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
+        seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
+        from stagedspec.auto import (STAGE_SIZES, AutoDrafter, AutoPolicy, lookup_horizon, staged_lookup_length,
                                      tree_depth_for)
         from stagedspec.drafters.lookup import LookupDrafter
 
         s = self.speculation
         policy = self.sized_policy(s.method)
         if reproducible:
-            policy = policy.reproducible_copy()
+            policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
         has_lookup = self.ngram is not None or s.context
         lookup = (LookupDrafter(self.ngram, s.context, chain_length=lookup_horizon(policy.arms), processor=processor)
                   if has_lookup else None)
