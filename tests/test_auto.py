@@ -124,7 +124,10 @@ def test_a_step_is_priced_with_its_verification_overhead() -> None:
 
 def test_ar_is_probed_when_its_price_could_change_the_choice() -> None:
     """After `AR_PROBE_EVERY` steps without `ar`, a step runs it when the best arm's lead is small (its
-    measured time keeps `ar`'s price honest), never when the lead is large."""
+    measured time keeps `ar`'s price honest), or when `ar` ran too few steps to be priced, never when the
+    lead is large and `ar`'s price measured."""
+    from stagedspec.auto import AR_PROBE_MIN_STEPS
+
     close = AutoPolicy(ARMS, FLAT)
     close.sampled_stats = trained_stats(draft=0.0, context=0.3, ngram=0.0)
     t1 = SamplingParams(temperature=1.0)
@@ -133,6 +136,10 @@ def test_ar_is_probed_when_its_price_could_change_the_choice() -> None:
     assert close.choose(t1, lookup_now, probe_plain=True) == Arm("ar")
     far = AutoPolicy(ARMS, FLAT)
     far.greedy_stats = trained_stats(draft=0.8)
+    # `ar` timed on too few steps is probed whatever the lead: its price is not measured enough to trust
+    assert far.choose(SamplingParams(), NO_LOOKUP_NOW, probe_plain=True) == Arm("ar")
+    for _ in range(AR_PROBE_MIN_STEPS):
+        far.greedy_stats.observe_arm(Arm("ar"), 1.0, 1)
     assert far.choose(SamplingParams(), NO_LOOKUP_NOW, probe_plain=True).kind in ("tree", "staged")
 
 

@@ -101,7 +101,8 @@ STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself
 PLAIN_STREAK = 8  # after this many `ar` steps in a row, lookup chains are computed only ...
 LOOKUP_PROBE_EVERY = 4  # ... every this many steps
 AR_PROBE_EVERY = 32  # a step runs `ar` when its time was last measured this many steps ago ...
-AR_PROBE_BELOW = 1.5  # ... and the best arm promises less than this many times `ar`'s rate
+AR_PROBE_BELOW = 1.5  # ... and the best arm promises less than this many times `ar`'s rate, or `ar` ran ...
+AR_PROBE_MIN_STEPS = 8  # ... fewer steps than this (its price is then too little measured to trust)
 STATE_CAP = 200.0  # observations per series kept when the learned state is saved for the next process
 
 
@@ -319,6 +320,7 @@ class StepCosts:
     # those out (a cold draft's time is not its arm's price); without this `auto` ran at 0.89-0.96x `ar`
     # on an AVX2 EPYC (SmolLM2, 2026-11-25) while each part's estimate was close.
     step_scales: dict[str, float] = field(default_factory=dict)
+    verify_counts: dict[str, int] = field(default_factory=dict)  # steps behind each of `verify_scales` (this run)
 
     def step_scale_for(self, kind: str, sampled: bool) -> float:
         """Measured / calibrated seconds of whole steps of this arm kind (1 until seen): a draft's catch-up
@@ -330,9 +332,8 @@ class StepCosts:
         calibrated price without this scale).  Clipped like the others, so one stall does not rule."""
         if predicted > 0 and wall_seconds > 0:
             ratio = min(4.0, max(0.25, wall_seconds / predicted))
-            key = _step_key(arm.kind, sampled)
-            scale = self.step_scales.get(key)
-            self.step_scales[key] = ratio if scale is None else 0.9 * scale + 0.1 * ratio
+            key = _step_key(arm.kind, sampled)  # from 1: the parts' scales already took the first lesson
+            self.step_scales[key] = 0.9 * self.step_scales.get(key, 1.0) + 0.1 * ratio
 
     def verify_scale_for(self, kind: str, sampled: bool) -> float:
         """Measured / predicted verification time of a step of this arm kind (all steps' scale until seen)."""
@@ -357,8 +358,12 @@ class StepCosts:
             ratio = min(4.0, max(0.25, verify_seconds / predicted_verify))
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * ratio
             key = _verify_key(arm.kind, sampled)
-            scale = self.verify_scales.get(key)
-            self.verify_scales[key] = ratio if scale is None else 0.9 * scale + 0.1 * ratio
+            # a mean of the first steps, then a moving average: one cold first step does not set the price
+            n = self.verify_counts.get(key, 0)
+            scale = self.verify_scales.get(key, ratio)
+            w = max(0.1, 1.0 / (n + 1))
+            self.verify_scales[key] = (1 - w) * scale + w * ratio
+            self.verify_counts[key] = n + 1
 
     def _observe_draft(self, arm: Arm, draft_seconds: float, predicted_draft: float) -> None:
         if predicted_draft > 0 and draft_seconds > 0:
@@ -684,6 +689,7 @@ class AutoPolicy:
                 self.costs.draft_seconds[by_name[name]] = float(seconds)
         self.costs.verify_scale = float(state.get("verify_scale", 1.0))
         self.costs.verify_scales = {str(k): float(v) for k, v in state.get("verify_scales", {}).items()}
+        self.costs.verify_counts = {k: 10 for k in self.costs.verify_scales}  # restored: a moving average
         self.costs.draft_scale = {str(k): float(v) for k, v in state.get("draft_scale", {}).items()}
         self.costs.step_scales = {str(k): float(v) for k, v in state.get("step_scales", {}).items()}
 
@@ -708,9 +714,12 @@ class AutoPolicy:
             arm = choose_arm(arms or [plain], self.profile, self.stats_for(sampling), self.costs,
                              lookup_lengths, not sampling.greedy, load, explore)
             if probe_plain and not explore and arm != plain and plain in arms:
-                rates = expected_rates([arm, plain], self.profile, self.stats_for(sampling), self.costs,
-                                       lookup_lengths, not sampling.greedy, load)
-                if rates[arm] < AR_PROBE_BELOW * rates[plain]:
+                stats = self.stats_for(sampling)
+                rates = expected_rates([arm, plain], self.profile, stats, self.costs, lookup_lengths,
+                                       not sampling.greedy, load)
+                # `ar` timed on too few steps is probed whatever its price says: one slow early step (a cold
+                # kernel) can price it far above its time, and it would never run again to show otherwise
+                if rates[arm] < AR_PROBE_BELOW * rates[plain] or stats.arm_steps.get(plain, 0) < AR_PROBE_MIN_STEPS:
                     arm = plain
             self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
         return arm
@@ -839,8 +848,12 @@ class AutoDrafter:
                 if proposer not in lengths:  # the proposer's best chain only
                     lengths[proposer] = len(chain)
                     self._pending.append((len(context), proposer, chain))
+        with self.policy.lock:
+            few = self.policy.stats_for(sampling).arm_steps.get(Arm("ar"), 0) < AR_PROBE_MIN_STEPS
+        # `ar` too little measured (`AR_PROBE_MIN_STEPS`) is probed every `EXPLORE_EVERY` steps, else every
+        # `AR_PROBE_EVERY`: a wrong first price is then corrected within tens of steps, not hundreds
         probe = (self.policy.learn_times and self.shared_load is None and not self._first_step
-                 and self._since_plain >= AR_PROBE_EVERY)
+                 and self._since_plain >= (EXPLORE_EVERY if few else AR_PROBE_EVERY))
         again, self._exploring = self._exploring, None
         if again is not None and (self.node_cap is None or again.max_nodes <= self.node_cap):
             arm = self.policy.choose_again(again)  # an exploration's second step: its time is measured warm
@@ -928,11 +941,12 @@ class AutoDrafter:
         costs = self.policy.costs
         if last.alone:
             verify_seconds = min(max(verify_seconds, now - last.ended), 1.5 * verify_seconds)
-            # the whole step against its price before this step's lesson; a batched round's wall time is the
-            # round's, not this step's
+        costs.observe(last.arm, last.draft_seconds if last.warm else None, verify_seconds, predicted_verify,
+                      predicted_draft_seconds(last.arm, self.policy.profile, last.sampled), sampled=last.sampled)
+        if last.alone:  # a batched round's wall time is the round's, not this step's
+            # the whole step against its parts' price after their lesson, so what they explain is not counted
+            # twice (a slow first `ar` step once priced `ar` at 2.7x its time and locked it out)
             wall = min(now - last.started, last.draft_seconds + 1.5 * last.verify_seconds)  # not a caller's pause
             costs.observe_step(last.arm, wall,
                                solo_step_seconds(last.arm, self.policy.profile, costs, last.lookup_lengths,
                                                  last.sampled, whole=False), last.sampled)
-        costs.observe(last.arm, last.draft_seconds if last.warm else None, verify_seconds, predicted_verify,
-                      predicted_draft_seconds(last.arm, self.policy.profile, last.sampled), sampled=last.sampled)
