@@ -682,3 +682,19 @@ def test_whole_steps_that_cost_more_than_their_parts_say_turn_the_choice_to_ar()
     again = AutoPolicy(ARMS, FLAT)
     again.restore(json.loads(json.dumps(policy.state())))
     assert again.costs.step_scales == costs.step_scales
+
+
+def test_a_draft_far_behind_is_not_explored_but_an_ordinary_step_shares_its_catch_up() -> None:
+    """An exploring step pays its draft's whole catch-up (two steps' worth), so after a long run of `ar` a
+    close arm is not explored; an ordinary step charges only its share of the remaining tokens, so the
+    prompt's catch-up does not keep a paying draft from ever starting."""
+    from stagedspec.auto import AutoPolicy, catch_up_seconds
+
+    steep_draft = CostProfile(oracle={r: 0.010 for r in ROWS}, drafts=[{1: 0.0005, 2: 0.0005, 64: 0.2}])
+    assert catch_up_seconds(Arm("tree", 4), steep_draft, 64) == pytest.approx(0.1995)
+    assert catch_up_seconds(Arm("lookup", 4), steep_draft, 64) == 0.0 == catch_up_seconds(Arm("tree", 4), steep_draft, 2)
+    policy = AutoPolicy(ARMS, steep_draft)
+    policy.greedy_stats = trained_stats(draft=0.7)
+    far = {"tree": 64, "staged": 64}
+    assert policy.choose(SamplingParams(), NO_LOOKUP_NOW, explore=True, backlog=far, remaining=100) == Arm("ar")
+    assert policy.choose(SamplingParams(), NO_LOOKUP_NOW, backlog=far, remaining=1000).kind in ("tree", "staged")

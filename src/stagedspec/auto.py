@@ -578,39 +578,49 @@ def _shared_draft_seconds(arm: Arm, profile: CostProfile, load: SharedLoad, samp
     return seconds
 
 
+def catch_up_seconds(arm: Arm, profile: CostProfile, backlog: int) -> float:
+    """Seconds a model-drafting arm's draft spends on the `backlog` context tokens it has not run yet beyond
+    the two a step normally brings (after a run of `ar` steps; the whole prompt before its first step)."""
+    if arm.kind not in ("tree", "staged") or not profile.drafts or backlog <= 2:
+        return 0.0
+    return max(0.0, profile.draft_seconds(0, backlog) - profile.draft_seconds(0, 2))
+
+
 def expected_rates(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
     lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
-    optimism: float = 0.0,
+    optimism: float = 0.0, catch_up: Mapping[str, float] | None = None,
 ) -> dict[Arm, float]:
     """Expected tokens per second of each arm: a pure function of the costs, the statistics and the load.
 
     With a `load` of other requests (the batched server), an arm's rate is the round's: (the others'
     tokens + the arm's) / (the others' seconds + what the arm adds to the round), the others' measured.
     `optimism`: upper confidence bounds instead (`expected_tokens`), for an exploring step.
+    `catch_up`: seconds each arm kind's draft must first spend catching up, charged to this step.
     """
     rates = {}
     for arm in arms:
         tokens = expected_tokens(arm, stats, lookup_lengths, optimism=optimism)
+        extra = (catch_up or {}).get(arm.kind, 0.0)
         if load is not None and load.others and load.seconds > 0:
-            seconds = shared_step_seconds(arm, profile, load, lookup_lengths, sampled)
+            seconds = shared_step_seconds(arm, profile, load, lookup_lengths, sampled) + extra
             rates[arm] = (load.tokens + tokens) / (load.seconds + seconds)
             continue
-        rates[arm] = tokens / solo_step_seconds(arm, profile, costs, lookup_lengths, sampled)
+        rates[arm] = tokens / (solo_step_seconds(arm, profile, costs, lookup_lengths, sampled) + extra)
     return rates
 
 
 def choose_arm(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
     lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
-    explore: bool = False,
+    explore: bool = False, catch_up: Mapping[str, float] | None = None,
 ) -> Arm:
     """The arm with the highest expected tokens per second; `ar` unless another beats it by `MARGIN`.
 
     `load`: the batched round this step shares (`SharedLoad`); None or no others: priced alone.
     `explore`: rank by upper confidence bounds (`EXPLORE_WIDTH`), which favour arms that ran little."""
     rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled, load,
-                           EXPLORE_WIDTH if explore else 0.0)
+                           EXPLORE_WIDTH if explore else 0.0, catch_up)
     best = max(rates, key=lambda a: rates[a])
     plain = Arm("ar")
     # A shared round's rate moves by about 1/requests of what this request's own rate would: so does the margin.
@@ -698,10 +708,16 @@ class AutoPolicy:
 
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
                max_nodes: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False,
-               explore: bool = False) -> Arm:
+               explore: bool = False, backlog: Mapping[str, int] | None = None, remaining: int = 0) -> Arm:
         """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does);
         `load`: the batched round the step shares (priced alone when None); `explore`: an exploring step
         (`choose_arm`).
+
+        `backlog`: context tokens each arm kind's draft has not run yet (`AutoDrafter`), `remaining`: tokens
+        left to generate.  Catching up is charged whole to an exploring step, which runs twice and then
+        likely hands back to `ar` (a run of `ar` steps with explorations every 32 cost SmolLM2 about 4%
+        on an AVX2 EPYC, 2026-11-25), and to any other step as its share of the remaining tokens, about
+        two a step, since an arm that pays keeps its draft warm from then on.
 
         `probe_plain`: `ar`'s step time has not been measured for a while (`AutoDrafter`): run `ar` now
         if the best arm's promise over it is small enough that `ar`'s true price could change the choice
@@ -710,9 +726,11 @@ class AutoPolicy:
         """
         arms = self.arms if max_nodes is None else [a for a in self.arms if a.max_nodes <= max_nodes]
         plain = Arm("ar")
+        share = 0.5 if explore else min(1.0, 2.0 / max(1, remaining))
+        catch_up = {kind: share * catch_up_seconds(Arm(kind), self.profile, n) for kind, n in (backlog or {}).items()}
         with self.lock:
             arm = choose_arm(arms or [plain], self.profile, self.stats_for(sampling), self.costs,
-                             lookup_lengths, not sampling.greedy, load, explore)
+                             lookup_lengths, not sampling.greedy, load, explore, catch_up)
             if probe_plain and not explore and arm != plain and plain in arms:
                 stats = self.stats_for(sampling)
                 rates = expected_rates([arm, plain], self.profile, stats, self.costs, lookup_lengths,
@@ -804,6 +822,7 @@ class AutoDrafter:
         self._priced = 0  # steps whose arm was priced (every `EXPLORE_EVERY`-th explores)
         self._exploring: Arm | None = None  # the arm an exploration runs again next step
         self._last_drafter: Any = None  # the drafter of the last step
+        self._synced: dict[int, int] = {}  # id(drafter) -> context length when it last proposed
         self.request_choices: dict[str, int] = {}
         self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
         self._sampling = SamplingParams()
@@ -832,6 +851,7 @@ class AutoDrafter:
             self.lookup.begin(prompt_ids)
         self._last, self._pending, self._first_step = None, [], True
         self._exploring, self._last_drafter = None, None
+        self._synced = {}
         self.request_choices = {}
 
     def propose(
@@ -865,8 +885,10 @@ class AutoDrafter:
         else:
             self._priced += 1
             explore = self._priced % EXPLORE_EVERY == 0
+            backlog = {a.kind: len(context) - self._synced.get(id(self.arms[a][0]), 0)
+                       for a in self.policy.arms if a.kind in ("tree", "staged")}
             arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe,
-                                     explore=explore)
+                                     explore=explore, backlog=backlog, remaining=max_tokens)
             if explore and arm.kind != "ar":
                 self._exploring = arm
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
@@ -876,6 +898,7 @@ class AutoDrafter:
         for obj, attr, value in settings:
             setattr(obj, attr, value)
         tree = drafter.propose(context, sampling, generator, max_tokens)
+        self._synced[id(drafter)] = len(context)
         with self.policy.lock:
             predicted = expected_tokens(arm, self.policy.stats_for(sampling), lengths, calibrated=False)
         ended = time.perf_counter()
