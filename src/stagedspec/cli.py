@@ -11,7 +11,8 @@ import json
 import sys
 from typing import NoReturn, Sequence
 
-from stagedspec.cli_args import add_quant_arg, add_threads_arg, non_negative_int, positive_int
+from stagedspec.cli_args import (add_draft_weights_arg, add_model_args, add_quant_arg, add_speculation_args,
+                                 add_threads_arg, non_negative_int, positive_int, speculation_from)
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.quant import resolve_quant
 
@@ -21,102 +22,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--oracle", default="default", metavar="SPEC",
-                   help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma-3-270m, Q4_K_M), an HF-format folder, "
-                        "or a .gguf file")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="weights/activations dtype; auto (default): bf16 where the hardware computes it natively "
-                        "(AVX-512 BF16 or AMX CPUs, CUDA GPUs with bf16), else fp32")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA: replay each static-shape pass as a CUDA graph (default on; --no-cuda-graphs "
-                        "launches the same passes eagerly)")
-    p.add_argument("--compile", action="store_true",
-                   help="static-shape passes (CUDA, or --static-passes on a CPU) through torch.compile: fewer, fused "
-                        "kernels; tens of seconds of compiling per pass shape the first time (cached on disk)")
-    _add_static_passes_arg(p)
-
-
-def _add_static_passes_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--static-passes", action="store_true",
-                   help="CPU: run the static-shape pass path (fixed row buckets, the whole cache as keys), as on CUDA")
-
-
-def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
-    from stagedspec.draft_weights import DRAFT_WEIGHTS
-
-    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
-                   help="draft model weights: native (the --dtype), int8 (CPU, bf16), or auto (default): int8 with "
-                        "--quant, and with a bf16 oracle on a CPU whichever this machine runs faster, timed once and "
-                        "cached (serve: native, since its batched passes run many rows); the output never "
-                        "depends on it")
-
-
-def _add_speculation_args(p: argparse.ArgumentParser) -> None:
-    from stagedspec.drafters.model import GROWTHS
-    from stagedspec.pipeline import QUANTISED_DEFAULTS as q
-    from stagedspec.pipeline import SIZINGS, SpeculationConfig
-
-    d = SpeculationConfig()  # one source of defaults for the CLI, the bench and the library
-    p.add_argument("--draft", default=None, metavar="SPEC",
-                   help="draft model: a distilled draft folder, an HF folder, a .gguf, or layers:N "
-                        "(the oracle's first N layers)")
-    _add_draft_weights_arg(p)
-    p.add_argument("--method", default=None, choices=["auto", "ar", "chain", "tree", "lookup", "staged"],
-                   help="auto (each step, whichever of the others this machine's measured costs and the "
-                        "acceptance so far make fastest; never knowingly slower than ar), ar (plain decoding), "
-                        "chain (k draft tokens), tree (best-first token tree), lookup (prompt lookup / n-gram "
-                        "drafts, no draft model), staged (oracle <- draft <- lookup); tree, lookup and staged pick "
-                        "their sizes each step unless one is given (--sizing); default: staged with "
-                        "--stages, else auto (with the shipped draft for the default oracle)")
-    p.add_argument("--ngram", default=None, metavar="SPEC",
-                   help="n-gram for lookup/staged/auto: 'default' (built once from the Python stdlib; what "
-                        "staged and auto use) or a file")
-    p.add_argument("--stages", default=None, metavar="LIST",
-                   help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
-                        "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
-    p.add_argument("--no-context", action="store_true", help="no prompt lookup at the bottom stage")
-    p.add_argument("--lookup-chain-length", type=positive_int, default=None, metavar="K",
-                   help=f"tokens per lookup chain (default {d.lookup_chain_length}; "
-                        f"{q['lookup_chain_length']} with --quant, 1 for lookup)")
-    p.add_argument("--stage-chain-length", type=positive_int, default=None, metavar="K",
-                   help=f"tokens each model stage decodes per proposal, staged (default {d.stage_chain_length}; "
-                        f"{q['stage_chain_length']} with --quant)")
-    p.add_argument("--stage-branching", type=positive_int, default=None, metavar="B",
-                   help=f"alternatives per position in a stage's proposal, spine included (staged; default "
-                        f"{d.stage_branching})")
-    p.add_argument("--oracle-lookup-length", type=positive_int, default=None, metavar="K",
-                   help="staged: tokens of the prompt-lookup chain merged into the oracle's tree (default: "
-                        "--lookup-chain-length; 8 in bf16 on a CPU with native bf16, where rows are nearly free)")
-    p.add_argument("--no-oracle-lookup", action="store_true",
-                   help="staged: do not merge the prompt-lookup chain into the oracle's tree (the paper's pure chain)")
-    p.add_argument("--bit-exact", action="store_true",
-                   help="greedy output bit-identical to plain decoding with the same flag, for every method, in bf16 "
-                        "and with --quant: attention one token at a time, and only tokens verified on slot-aligned "
-                        "rows are kept; costs speed")
-    p.add_argument("--adaptive-budget", action="store_true",
-                   help="tree: each step verify only the best nodes that pay for themselves, priced by a "
-                        "measured cost curve of this machine (--tree-budget is then the most)")
-    p.add_argument("--tree-growth", choices=GROWTHS, default=d.tree_growth,
-                   help="tree: grow best-first on the host, or level by level on the device with one copy back "
-                        "(needs static passes); auto: levels on CUDA, best-first on a CPU")
-    p.add_argument("--tree-budget", type=positive_int, default=None, metavar="N",
-                   help=f"tree nodes per step (default {d.tree_budget}; {q['tree_budget']} with --quant)")
-    p.add_argument("--tree-depth", type=positive_int, default=None, metavar="D",
-                   help=f"maximum tree depth (default {d.tree_depth}; {q['tree_depth']} with --quant)")
-    p.add_argument("--branching", type=positive_int, default=None, metavar="B",
-                   help=f"children considered per node (tree; default {d.branching})")
-    p.add_argument("--sizing", choices=SIZINGS, default=None,
-                   help="tree, lookup, staged: 'measured' (the default when no size flag of the method is given) "
-                        "chooses each step plain decoding or one of the method's sizes by this machine's measured "
-                        "costs and the acceptance so far, so the method is never knowingly slower than ar; "
-                        "'fixed' runs the sizes the flags give (their defaults if none), every step")
-    p.add_argument("--chain-length", type=positive_int, default=None, metavar="K",
-                   help=f"draft tokens per step for --method chain (default {d.chain_length}; "
-                        f"{q['chain_length']} with --quant)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -133,10 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt", help="prompt text ('-' reads stdin)")
-    _add_model_args(gen)
+    add_model_args(gen)
     add_quant_arg(gen)
     add_threads_arg(gen)
-    _add_speculation_args(gen)
+    add_speculation_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
@@ -165,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.set_defaults(func=cmd_ngram_build)
 
     bench = sub.add_parser("bench-engine", help="autoregressive speed vs transformers and the bandwidth roofline")
-    _add_model_args(bench)
+    add_model_args(bench)
     bench.add_argument("--dtypes", default="bf16,fp32,int4", help="comma-separated weight formats to measure: bf16, "
                        "fp32, int8, int4 (quantised weights with bf16 compute; transformers runs bf16 for those)")
     bench.add_argument("--n-prompts", type=positive_int, default=3)
@@ -177,13 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = sub.add_parser("tune", help="measure this machine's pass costs for --method auto (cached; "
                                        "measured anyway at first use)")
-    _add_model_args(tune)
+    add_model_args(tune)
     tune.add_argument("--draft", default="default", metavar="SPEC",
                       help="draft model(s) to measure too, comma-separated ('none' for none; default: the shipped "
                            "draft, for the default oracle)")
     add_quant_arg(tune)
     add_threads_arg(tune)
-    _add_draft_weights_arg(tune)
+    add_draft_weights_arg(tune)
     tune.set_defaults(func=cmd_tune)
 
     from stagedspec.bench.run import add_bench_command
@@ -204,34 +109,6 @@ def _sampling_from(args: argparse.Namespace):  # noqa: ANN202
     from stagedspec.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-
-
-def speculation_from(args: argparse.Namespace):  # noqa: ANN201
-    """(oracle spec, draft specs, SpeculationConfig) from the shared speculation flags."""
-    from stagedspec.pipeline import SpeculationConfig, choose_sizing, parse_stages
-
-    oracle, drafts, ngram, context = args.oracle, [args.draft] if args.draft else [], args.ngram, not args.no_context
-    if args.stages:
-        oracle, drafts, stage_ngram, stage_context = parse_stages(args.stages.split(","))
-        ngram, context = stage_ngram or ngram, stage_context and context
-        method = args.method or "staged"
-    else:
-        method = args.method or "auto"
-        if method in ("staged", "auto") and ngram is None and not args.no_context:
-            ngram = "default"
-    sizes = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
-                 chain_length=args.chain_length, lookup_chain_length=args.lookup_chain_length,
-                 stage_chain_length=args.stage_chain_length, stage_branching=args.stage_branching,
-                 oracle_lookup_length=args.oracle_lookup_length,
-                 # flags that are off unless given: None when not given, so they name no size
-                 oracle_lookup=False if args.no_oracle_lookup else None,
-                 adaptive_budget=True if args.adaptive_budget else None)
-    sizing = choose_sizing(method, args.sizing, sizes)
-    args.quant = resolve_quant(args.quant, oracle, getattr(args, "device", "cpu"))
-    spec = SpeculationConfig.tuned(method, args.quant, getattr(args, "device", "cpu"), ngram=ngram, context=context,
-                                   dtype=getattr(args, "dtype", None), tree_growth=args.tree_growth, sizing=sizing,
-                                   **sizes)
-    return oracle, drafts, spec
 
 
 ORIGIN_COLOURS = {"oracle": "", "draft": "\033[32m", "draft1": "\033[32m", "draft2": "\033[36m",

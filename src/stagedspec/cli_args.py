@@ -1,11 +1,14 @@
-"""Command-line arguments shared by several commands, declared once (generate, tune, serve, check, bench)."""
+"""Command-line arguments shared by several commands, declared once (generate, tune, serve, check, bench).
+
+Here rather than in `cli.py`, so that the commands kept in modules of their own (`cli_serve`, `cli_distill`,
+`bench.run`) take them without importing `cli`, which imports those modules to build its parser."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Callable
 
-from stagedspec.models.quant import QUANT_CHOICES
+from stagedspec.models.quant import QUANT_CHOICES, resolve_quant
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:
@@ -52,3 +55,127 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
                    help="CPU threads: auto (default: PyTorch's count, the CPUs this process may use; for models "
                         "on the native kernels, whose results do not depend on it, fewer while other processes "
                         "keep some busy, re-read every 0.25 s) or a fixed count")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--oracle", default="default", metavar="SPEC",
+                   help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma-3-270m, Q4_K_M), an HF-format folder, "
+                        "or a .gguf file")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="weights/activations dtype; auto (default): bf16 where the hardware computes it natively "
+                        "(AVX-512 BF16 or AMX CPUs, CUDA GPUs with bf16), else fp32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: replay each static-shape pass as a CUDA graph (default on; --no-cuda-graphs "
+                        "launches the same passes eagerly)")
+    p.add_argument("--compile", action="store_true",
+                   help="static-shape passes (CUDA, or --static-passes on a CPU) through torch.compile: fewer, fused "
+                        "kernels; tens of seconds of compiling per pass shape the first time (cached on disk)")
+    add_static_passes_arg(p)
+
+
+def add_static_passes_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--static-passes", action="store_true",
+                   help="CPU: run the static-shape pass path (fixed row buckets, the whole cache as keys), as on CUDA")
+
+
+def add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
+    from stagedspec.draft_weights import DRAFT_WEIGHTS
+
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
+                   help="draft model weights: native (the --dtype), int8 (CPU, bf16), or auto (default): int8 with "
+                        "--quant, and with a bf16 oracle on a CPU whichever this machine runs faster, timed once and "
+                        "cached (serve: native, since its batched passes run many rows); the output never "
+                        "depends on it")
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    from stagedspec.drafters.model import GROWTHS
+    from stagedspec.pipeline import QUANTISED_DEFAULTS as q
+    from stagedspec.pipeline import SIZINGS, SpeculationConfig
+
+    d = SpeculationConfig()  # one source of defaults for the CLI, the bench and the library
+    p.add_argument("--draft", default=None, metavar="SPEC",
+                   help="draft model: a distilled draft folder, an HF folder, a .gguf, or layers:N "
+                        "(the oracle's first N layers)")
+    add_draft_weights_arg(p)
+    p.add_argument("--method", default=None, choices=["auto", "ar", "chain", "tree", "lookup", "staged"],
+                   help="auto (each step, whichever of the others this machine's measured costs and the "
+                        "acceptance so far make fastest; never knowingly slower than ar), ar (plain decoding), "
+                        "chain (k draft tokens), tree (best-first token tree), lookup (prompt lookup / n-gram "
+                        "drafts, no draft model), staged (oracle <- draft <- lookup); tree, lookup and staged pick "
+                        "their sizes each step unless one is given (--sizing); default: staged with "
+                        "--stages, else auto (with the shipped draft for the default oracle)")
+    p.add_argument("--ngram", default=None, metavar="SPEC",
+                   help="n-gram for lookup/staged/auto: 'default' (built once from the Python stdlib; what "
+                        "staged and auto use) or a file")
+    p.add_argument("--stages", default=None, metavar="LIST",
+                   help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
+                        "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
+    p.add_argument("--no-context", action="store_true", help="no prompt lookup at the bottom stage")
+    p.add_argument("--lookup-chain-length", type=positive_int, default=None, metavar="K",
+                   help=f"tokens per lookup chain (default {d.lookup_chain_length}; "
+                        f"{q['lookup_chain_length']} with --quant, 1 for lookup)")
+    p.add_argument("--stage-chain-length", type=positive_int, default=None, metavar="K",
+                   help=f"tokens each model stage decodes per proposal, staged (default {d.stage_chain_length}; "
+                        f"{q['stage_chain_length']} with --quant)")
+    p.add_argument("--stage-branching", type=positive_int, default=None, metavar="B",
+                   help=f"alternatives per position in a stage's proposal, spine included (staged; default "
+                        f"{d.stage_branching})")
+    p.add_argument("--oracle-lookup-length", type=positive_int, default=None, metavar="K",
+                   help="staged: tokens of the prompt-lookup chain merged into the oracle's tree (default: "
+                        "--lookup-chain-length; 8 in bf16 on a CPU with native bf16, where rows are nearly free)")
+    p.add_argument("--no-oracle-lookup", action="store_true",
+                   help="staged: do not merge the prompt-lookup chain into the oracle's tree (the paper's pure chain)")
+    p.add_argument("--bit-exact", action="store_true",
+                   help="greedy output bit-identical to plain decoding with the same flag, for every method, in bf16 "
+                        "and with --quant: attention one token at a time, and only tokens verified on slot-aligned "
+                        "rows are kept; costs speed")
+    p.add_argument("--adaptive-budget", action="store_true",
+                   help="tree: each step verify only the best nodes that pay for themselves, priced by a "
+                        "measured cost curve of this machine (--tree-budget is then the most)")
+    p.add_argument("--tree-growth", choices=GROWTHS, default=d.tree_growth,
+                   help="tree: grow best-first on the host, or level by level on the device with one copy back "
+                        "(needs static passes); auto: levels on CUDA, best-first on a CPU")
+    p.add_argument("--tree-budget", type=positive_int, default=None, metavar="N",
+                   help=f"tree nodes per step (default {d.tree_budget}; {q['tree_budget']} with --quant)")
+    p.add_argument("--tree-depth", type=positive_int, default=None, metavar="D",
+                   help=f"maximum tree depth (default {d.tree_depth}; {q['tree_depth']} with --quant)")
+    p.add_argument("--branching", type=positive_int, default=None, metavar="B",
+                   help=f"children considered per node (tree; default {d.branching})")
+    p.add_argument("--sizing", choices=SIZINGS, default=None,
+                   help="tree, lookup, staged: 'measured' (the default when no size flag of the method is given) "
+                        "chooses each step plain decoding or one of the method's sizes by this machine's measured "
+                        "costs and the acceptance so far, so the method is never knowingly slower than ar; "
+                        "'fixed' runs the sizes the flags give (their defaults if none), every step")
+    p.add_argument("--chain-length", type=positive_int, default=None, metavar="K",
+                   help=f"draft tokens per step for --method chain (default {d.chain_length}; "
+                        f"{q['chain_length']} with --quant)")
+
+
+def speculation_from(args: argparse.Namespace):  # noqa: ANN201
+    """(oracle spec, draft specs, SpeculationConfig) from the shared speculation flags."""
+    from stagedspec.pipeline import SpeculationConfig, choose_sizing, parse_stages
+
+    oracle, drafts, ngram, context = args.oracle, [args.draft] if args.draft else [], args.ngram, not args.no_context
+    if args.stages:
+        oracle, drafts, stage_ngram, stage_context = parse_stages(args.stages.split(","))
+        ngram, context = stage_ngram or ngram, stage_context and context
+        method = args.method or "staged"
+    else:
+        method = args.method or "auto"
+        if method in ("staged", "auto") and ngram is None and not args.no_context:
+            ngram = "default"
+    sizes = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
+                 chain_length=args.chain_length, lookup_chain_length=args.lookup_chain_length,
+                 stage_chain_length=args.stage_chain_length, stage_branching=args.stage_branching,
+                 oracle_lookup_length=args.oracle_lookup_length,
+                 # flags that are off unless given: None when not given, so they name no size
+                 oracle_lookup=False if args.no_oracle_lookup else None,
+                 adaptive_budget=True if args.adaptive_budget else None)
+    sizing = choose_sizing(method, args.sizing, sizes)
+    args.quant = resolve_quant(args.quant, oracle, getattr(args, "device", "cpu"))
+    spec = SpeculationConfig.tuned(method, args.quant, getattr(args, "device", "cpu"), ngram=ngram, context=context,
+                                   dtype=getattr(args, "dtype", None), tree_growth=args.tree_growth, sizing=sizing,
+                                   **sizes)
+    return oracle, drafts, spec

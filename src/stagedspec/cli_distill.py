@@ -185,17 +185,17 @@ def add_commands(subparsers: Any) -> None:
                    help="how the draft grows its trees, as in decoding: best-first on the host, or level by level "
                         "(EAGLE-2's, one draft pass per level; needs static passes: CUDA, or --static-passes); "
                         "auto (default): what `tree` decodes with on this device (levels on CUDA)")
-    from stagedspec.cli import _add_static_passes_arg
+    from stagedspec.cli_args import add_static_passes_arg
 
-    _add_static_passes_arg(e)  # needed for --tree-growth levels on a CPU
+    add_static_passes_arg(e)  # needed for --tree-growth levels on a CPU
     e.add_argument("--every-position", action=argparse.BooleanOptionalAction, default=True,
                    help="also grow the draft's tree after every prefix of the oracle's replies and report its "
                         "mean accepted length there: the same positions for every draft, far more trees "
                         "(default: on)")
     e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
-    from stagedspec.cli import _add_draft_weights_arg
+    from stagedspec.cli_args import add_draft_weights_arg
 
-    _add_draft_weights_arg(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
+    add_draft_weights_arg(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
     e.add_argument("--threads", type=int_at_least(1), default=None, metavar="N")
     e.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda (default: cpu)")
     e.add_argument("--json", action="store_true", help="print one JSON object")

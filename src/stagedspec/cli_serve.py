@@ -17,7 +17,7 @@ from stagedspec.errors import StagedSpecError
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argparse's own type
-    from stagedspec.cli import _add_model_args, _add_speculation_args
+    from stagedspec.cli_args import add_model_args, add_speculation_args
     from stagedspec.cli_args import positive_int
 
     def _positive_float(text: str) -> float:
@@ -31,10 +31,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, exact "
                                          "speculation per request; needs the 'serve' extra)")
-    _add_model_args(serve)
+    add_model_args(serve)
     add_quant_arg(serve)
     add_threads_arg(serve)
-    _add_speculation_args(serve)
+    add_speculation_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=positive_int, default=8000)
     serve.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'stagedspec[serve]'") from None
-    from stagedspec.cli import speculation_from
+    from stagedspec.cli_args import speculation_from
     from stagedspec.server.engine import Engine, parse_size
 
     oracle, drafts, spec = speculation_from(args)

@@ -33,6 +33,7 @@ from stagedspec import hardware
 from stagedspec.threads import SPARE_CPU
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capacity, wants_fixed_width
+from stagedspec.paths import cache_root
 
 # Row counts measured on each kind of device (a GPU's curve stays flat much longer).  The larger ones are
 # the loads of the batched server's shared passes, where `auto` prices a request's rows by the curve's slope
@@ -317,8 +318,6 @@ def profile_key(oracle: Transformer, drafts: Sequence[Transformer], device: str)
 
 
 def profile_path(key: str) -> Path:
-    from stagedspec.models.default import cache_root
-
     # The version is in the name (from version 3): processes running an older stagedspec keep reading (and
     # rewriting) their own files rather than re-measuring over each other's.
     return cache_root() / "costs" / f"{key}.v{PROFILE_VERSION}.json"

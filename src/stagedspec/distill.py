@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from stagedspec.distill_losses import LOSS_CHUNK_ELEMENTS, autocast_bf16, bucket_kl, head_kl_backward
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.draft import DraftModel, save_draft
 from stagedspec.models.transformer import Transformer
@@ -48,11 +49,6 @@ from stagedspec.sampling import SamplingParams, probs_from_logits, sample
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.json"
 CHECKPOINT_VERSION = 1
-# A tiny floor on the student's "everything else" mass: keeps the loss finite
-# when the student cannot put mass there (its support is inside the teacher's top-k).
-_OTHER_FLOOR = 1e-8
-# Logits rows processed at once when the head is large (bounds the [rows, V] temporaries).
-_LOSS_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -221,7 +217,7 @@ def teacher_topk(oracle: Transformer, tokens: Tensor, k: int,
     V = oracle.config.vocab_size
     k = min(k, V)
     device = oracle.embed.weight.device
-    rows = max(1, _LOSS_CHUNK_ELEMENTS // (T * V))
+    rows = max(1, LOSS_CHUNK_ELEMENTS // (T * V))
     logps, ids, hidden = [], [], []
     with torch.inference_mode():
         for r in range(0, B, rows):
@@ -246,33 +242,6 @@ def support_index(support: Tensor, vocab_size: int) -> Tensor:
     return index
 
 
-def bucket_kl(student_logits: Tensor, teacher_logp: Tensor, teacher_cols: Tensor) -> Tensor:
-    """KL(teacher || student) per row over buckets: each teacher top-k token, and "everything else".
-
-    `student_logits` [N, S] over the student's support; `teacher_logp` [N, k]
-    the teacher's top-k log-probs; `teacher_cols` [N, k] their columns in the
-    student's support (-1 when the student cannot propose the token: that
-    mass joins "everything else").  Merging the tail into one bucket is the
-    exact KL of the coarsened distributions: zero iff the student matches
-    the teacher on the top-k, and never larger than the full KL.
-    """
-    lq = student_logits.float().log_softmax(-1)
-    valid = teacher_cols >= 0
-    cols = teacher_cols.clamp(min=0)
-    p = teacher_logp.exp() * valid
-    kl_top = (p * (teacher_logp - lq.gather(-1, cols))).sum(-1)
-    p_other = (1.0 - p.sum(-1)).clamp(min=0.0)
-    in_top = torch.zeros_like(lq).scatter_add_(-1, cols, valid.to(lq.dtype)) > 0
-    lq_other = torch.logsumexp(lq.masked_fill(in_top, float("-inf")), dim=-1)
-    lq_other = torch.logaddexp(lq_other, torch.full_like(lq_other, math.log(_OTHER_FLOOR)))
-    return kl_top + torch.xlogy(p_other, p_other) - p_other * lq_other
-
-
-def _autocast(device: torch.device, enabled: bool) -> Any:
-    """bf16 autocast of the student's passes on `device` (a no-op context when not enabled)."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
 def _train_loss_backward(student: DraftModel, tokens: Tensor, t_logp: Tensor, t_cols: Tensor,
                          autocast: bool = False) -> float:
     """Mean bucket KL of a batch, with its gradients accumulated into the student.
@@ -286,32 +255,11 @@ def _train_loss_backward(student: DraftModel, tokens: Tensor, t_logp: Tensor, t_
     training); the weights, their gradients and the optimizer state stay
     fp32, and the loss is computed in fp32 (`bucket_kl` upcasts the logits).
     """
-    with _autocast(tokens.device, autocast):
+    with autocast_bf16(tokens.device, autocast):
         h = student.hidden_train(tokens).flatten(0, 1)
     hd = h.detach().requires_grad_(True)
     total = head_kl_backward(student, hd, t_logp, t_cols, None, autocast)
     h.backward(hd.grad)
-    return total
-
-
-def head_kl_backward(student: DraftModel, hidden: Tensor, t_logp: Tensor, t_cols: Tensor,
-                     row_weight: Tensor | None, autocast: bool = False) -> float:
-    """The student's head and the bucket KL over `hidden` [N, H] in chunks of rows, gradients accumulated into
-    `hidden` (a detached leaf); returns the loss.
-
-    Each row's KL is weighted by `row_weight` [N], or averaged over the N rows when None.  Chunking bounds the
-    [rows, V] temporaries, which for a full 49k-token head would otherwise dominate memory.
-    """
-    n = hidden.shape[0]
-    rows = max(1, _LOSS_CHUNK_ELEMENTS // student.head_weight.shape[0])
-    total = 0.0
-    for r in range(0, n, rows):
-        with _autocast(hidden.device, autocast):
-            logits = student.support_logits(hidden[r : r + rows])
-        kl = bucket_kl(logits, t_logp[r : r + rows], t_cols[r : r + rows])
-        loss = kl.sum() / n if row_weight is None else (kl * row_weight[r : r + rows]).sum()
-        loss.backward()
-        total += float(loss.item())
     return total
 
 

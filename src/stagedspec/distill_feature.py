@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stagedspec.distill import _autocast, bucket_kl, head_kl_backward
+from stagedspec.distill_losses import autocast_bf16, bucket_kl, head_kl_backward
 
 
 def shift_features(features: Tensor) -> Tensor:
@@ -48,7 +48,7 @@ def feature_loss_backward(student: Any, tokens: Tensor, oracle_features: Tensor,
     """
     B, T = tokens.shape
     steps = cfg.ttt_steps
-    with _autocast(tokens.device, autocast):
+    with autocast_bf16(tokens.device, autocast):
         outs = student.unrolled_hidden(tokens, shift_features(oracle_features), steps)
     h = torch.stack(outs)  # [steps, B, T, H]
     hd = h.detach().requires_grad_(True)

@@ -31,6 +31,7 @@ from torch import nn
 from stagedspec import hardware, measured_cache
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
+from stagedspec.paths import cache_root
 
 DRAFT_WEIGHTS = ("auto", "native", "int8")
 MEASURED_ROWS = (1, 2, 4, 8, 16)  # a draft decodes one token, or checks a chain / tree level of a few
@@ -156,8 +157,6 @@ def _default_measure(model: Transformer) -> dict[int, float]:
 
 
 def _cache_file() -> Path:
-    from stagedspec.models.default import cache_root
-
     return cache_root() / "costs" / "draft-weights.json"
 
 

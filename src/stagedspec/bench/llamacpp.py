@@ -33,6 +33,7 @@ import torch
 
 from stagedspec.bench.methods import BenchModels, Method, MethodSkipped, Outcome, gguf_for, gguf_weight_bytes
 from stagedspec.sampling import SamplingParams
+from stagedspec.paths import cache_root
 
 LLAMACPP = ("llamacpp", "llamacpp-spec", "llamacpp-ngram")
 LLAMACPP_PY_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp the build script compiles
@@ -42,7 +43,6 @@ START_TIMEOUT_S = 300.0
 
 def bin_dir() -> Path | None:
     """Where llama-server is: $STAGEDSPEC_LLAMACPP_BIN, else the build script's cached build, else None."""
-    from stagedspec.models.default import cache_root
 
     env = os.environ.get("STAGEDSPEC_LLAMACPP_BIN")
     folder = Path(env) if env else cache_root() / f"llama.cpp-{LLAMACPP_PY_VERSION}" / "build" / "bin"

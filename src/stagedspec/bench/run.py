@@ -550,10 +550,10 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", default="default", type=_none_or, metavar="SPEC",
                    help="draft for chain/tree/staged/hf-assisted: 'default' (bundled distilled draft), a draft "
                         "folder, an HF folder, a .gguf, layers:N, or none")
-    from stagedspec.cli import _add_draft_weights_arg
+    from stagedspec.cli_args import add_draft_weights_arg
     from stagedspec.cli_args import add_threads_arg
 
-    _add_draft_weights_arg(p)
+    add_draft_weights_arg(p)
     add_threads_arg(p)
     p.add_argument("--ngram", default="default", type=_none_or, metavar="SPEC",
                    help="n-gram for lookup/staged: 'default', a file, or none (prompt lookup only)")

