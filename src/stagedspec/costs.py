@@ -358,12 +358,12 @@ def measure_profile(oracle: Transformer, drafts: Sequence[Transformer], device: 
     segment = [min(ragged_segment_cost(oracle, repeats=repeats), oracle_curve[min(oracle_curve)])]
     segment += [min(ragged_segment_cost(d, repeats=repeats, fixed_width=False), c[min(c)])
                 for d, c in zip(drafts, draft_curves)]
-    verify = verify_step_overhead(oracle, oracle_curve, repeats=repeats)
+    verify = verify_step_overhead(oracle, repeats=repeats)
     return CostProfile(oracle_curve, draft_curves, hardware.describe(device), profile_key(oracle, drafts, device),
                        time.perf_counter() - t0, overhead, segment, verify, load.since_start())
 
 
-def verify_step_overhead(oracle: Transformer, curve: Mapping[int, float], repeats: int = 5) -> dict[str, list[float]]:
+def verify_step_overhead(oracle: Transformer, repeats: int = 5) -> dict[str, list[float]]:
     """Host seconds of a step's verification beyond the oracle's pass, at `VERIFY_ROWS` rows.
 
     Runs the loop's own calls (`ModelOracle.score`, then `verify` and
@@ -375,10 +375,8 @@ def verify_step_overhead(oracle: Transformer, curve: Mapping[int, float], repeat
     (0.67 ms at 8 rows on an H100) looked as cheap as `ar`.  An earlier form
     subtracted the curve from a whole step timed over a shorter context; on a
     CPU that came out below zero and priced a sampled row's host work at
-    nothing (AMD EPYC AVX2, SmolLM2, 2026-11-25).  `curve` is not needed any
-    more and kept for callers.
+    nothing (AMD EPYC AVX2, SmolLM2, 2026-11-25).
     """
-    del curve
     from stagedspec.runner import ModelOracle
     from stagedspec.sampling import SamplingParams
     from stagedspec.tree import TokenTree
