@@ -46,12 +46,12 @@ def test_the_command_line_measures_sizes_unless_one_is_named() -> None:
 
 
 def test_cli_flags_set_the_sizing() -> None:
-    from stagedspec.cli import _add_speculation_args, speculation_from
+    from stagedspec.cli_args import add_speculation_args, speculation_from
 
     p = argparse.ArgumentParser()
     p.add_argument("--oracle", default="default")
     p.add_argument("--quant", default="none")
-    _add_speculation_args(p)
+    add_speculation_args(p)
 
     def spec(*argv: str) -> SpeculationConfig:
         return speculation_from(p.parse_args(list(argv)))[2]
