@@ -325,14 +325,14 @@ class StepCosts:
     def step_scale_for(self, kind: str, sampled: bool) -> float:
         """Measured / calibrated seconds of whole steps of this arm kind (1 until seen): a draft's catch-up
         falls on the kind whose drafter it is (tree arms share one, staged arms another)."""
-        return self.step_scales.get(_step_key(kind, sampled), 1.0)
+        return self.step_scales.get(_verify_key(kind, sampled), 1.0)
 
     def observe_step(self, arm: Arm, wall_seconds: float, predicted: float, sampled: bool) -> None:
         """Fold in one whole step: `wall_seconds` from its `propose` to the next, against `predicted` (the
         calibrated price without this scale).  Clipped like the others, so one stall does not rule."""
         if predicted > 0 and wall_seconds > 0:
             ratio = min(4.0, max(0.25, wall_seconds / predicted))
-            key = _step_key(arm.kind, sampled)  # from 1: the parts' scales already took the first lesson
+            key = _verify_key(arm.kind, sampled)  # from 1: the parts' scales already took the first lesson
             self.step_scales[key] = 0.9 * self.step_scales.get(key, 1.0) + 0.1 * ratio
 
     def verify_scale_for(self, kind: str, sampled: bool) -> float:
@@ -379,10 +379,6 @@ class StepCosts:
 
 def _verify_key(kind: str, sampled: bool) -> str:
     return f"{kind}/{'sampled' if sampled else 'greedy'}"
-
-
-def _step_key(kind: str, sampled: bool) -> str:
-    return _verify_key(kind, sampled)
 
 
 def solo_step_seconds(arm: Arm, profile: CostProfile, costs: StepCosts, lookup_lengths: Mapping[str, int],
@@ -868,12 +864,13 @@ class AutoDrafter:
                 if proposer not in lengths:  # the proposer's best chain only
                     lengths[proposer] = len(chain)
                     self._pending.append((len(context), proposer, chain))
-        with self.policy.lock:
-            few = self.policy.stats_for(sampling).arm_steps.get(Arm("ar"), 0) < AR_PROBE_MIN_STEPS
         # `ar` too little measured (`AR_PROBE_MIN_STEPS`) is probed every `EXPLORE_EVERY` steps, else every
         # `AR_PROBE_EVERY`: a wrong first price is then corrected within tens of steps, not hundreds
         probe = (self.policy.learn_times and self.shared_load is None and not self._first_step
-                 and self._since_plain >= (EXPLORE_EVERY if few else AR_PROBE_EVERY))
+                 and self._since_plain >= EXPLORE_EVERY)
+        if probe and self._since_plain < AR_PROBE_EVERY:  # the statistics are read only when it matters
+            with self.policy.lock:
+                probe = self.policy.stats_for(sampling).arm_steps.get(Arm("ar"), 0) < AR_PROBE_MIN_STEPS
         again, self._exploring = self._exploring, None
         if again is not None and (self.node_cap is None or again.max_nodes <= self.node_cap):
             arm = self.policy.choose_again(again)  # an exploration's second step: its time is measured warm
