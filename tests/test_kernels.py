@@ -190,6 +190,29 @@ def test_native_attention_matches_sdpa_with_gqa_and_a_tree_mask(dtype: torch.dty
     assert torch.allclose(got.float(), ref, atol=tol, rtol=tol)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 24])
+def test_native_attention_is_the_same_bits_on_every_instruction_set_and_ignores_masked_slots(
+        dtype: torch.dtype, D: int) -> None:
+    """The AVX2 path (8 keys at a time) gives the portable path's bits, and a row's result depends only on
+    its visible keys in order: moving them to other slots (as a tree pass does) changes nothing."""
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, T, S = 4, 2, 3, 37
+    q = torch.randn(1, H, T, D, generator=g).to(dtype)
+    keys = (torch.randn(1, Hkv, S, D, generator=g) * 3).to(dtype)
+    values = torch.randn(1, Hkv, S, D, generator=g).to(dtype)
+    visible = torch.rand(T, S, generator=g) < 0.6
+    visible[:, 0] = True
+    bias = torch.zeros(T, S, dtype=dtype).masked_fill_(~visible, float("-inf")).repeat(H // Hkv, 1)
+    got = kernels.attention(q, keys, values, bias, D ** -0.5)
+    assert torch.equal(got, kernels.with_isa(0).attention(q, keys, values, bias, D ** -0.5))
+    for t in range(T):  # the row alone, its visible keys packed into the first slots
+        idx = visible[t].nonzero().flatten()
+        alone = kernels.attention(q[:, :, t:t + 1], keys[:, :, idx], values[:, :, idx], None, D ** -0.5)
+        assert torch.equal(alone, got[:, :, t:t + 1])
+
+
 def _tiny_quantised_llama():  # noqa: ANN202
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.quant import quantize_model

@@ -26,7 +26,7 @@ struct Ops {
       qlinear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const std::optional<at::Tensor>&, double)>
+                                      const std::optional<at::Tensor>&, double, int64_t)>
       attention;
 };
 
@@ -41,7 +41,7 @@ const Ops& ops() {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("stagedspec_qlinear::attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            double)>(),
+                            double, int64_t)>(),
   };
   return o;
 }
@@ -86,7 +86,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& pac
   k_cache.narrow(2, start, T).copy_(q_k[1]);
   v_cache.narrow(2, start, T).copy_(qk_v[1]);
   const int64_t width = mask.has_value() ? mask->size(-1) : start + T;
-  const at::Tensor a = ops().attention.call(q_k[0], k_cache.narrow(2, 0, width), v_cache.narrow(2, 0, width), mask, scale);
+  const at::Tensor a = ops().attention.call(q_k[0], k_cache.narrow(2, 0, width), v_cache.narrow(2, 0, width), mask, scale, isa);
   const at::Tensor x1 = x + linear(1, a.reshape({B, H, T, D}).transpose(1, 2).reshape({B, T, H * D}));
   const std::vector<at::Tensor> gate_up = linear(2, ops().rms_norm.call(x1, mlp_norm, eps)).chunk(2, -1);
   return x1 + linear(3, at::silu(gate_up[0]) * gate_up[1]);

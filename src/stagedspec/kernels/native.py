@@ -83,7 +83,7 @@ class NativeKernels:
                   scale: float) -> torch.Tensor:
         """q [B, H, T, D] over keys/values [B, Hkv, S, D] (GQA when H > Hkv) with an additive bias [T', S] or
         [B, 1, T', S] (0 / -inf; its first T rows are used) -> [B, H, T, D], each row alone (`attention.cpp`)."""
-        return torch.ops.stagedspec_qlinear.attention(q, keys, values, bias, scale)
+        return torch.ops.stagedspec_qlinear.attention(q, keys, values, bias, scale, self.isa)
 
     def decoder_layer(self, x: torch.Tensor, packed: list[torch.Tensor], formats: list[int], outs: list[int],
                       splits: list[int], biases: list[torch.Tensor | None], attn_norm: torch.Tensor,
@@ -157,7 +157,7 @@ def _register_fakes() -> None:
     torch.library.register_fake(f"{lib}::q8_linear", linear)
     torch.library.register_fake(f"{lib}::qlinear", lambda x, packed, formats, outs, isa: x.new_empty(x.shape[0], sum(outs)))
     torch.library.register_fake(f"{lib}::rms_norm", lambda x, w, eps: torch.empty_like(x))
-    torch.library.register_fake(f"{lib}::attention", lambda q, k, v, bias, scale: torch.empty_like(q))
+    torch.library.register_fake(f"{lib}::attention", lambda q, k, v, bias, scale, isa=-1: torch.empty_like(q))
     torch.library.register_fake(f"{lib}::decoder_layer", lambda x, *args: torch.empty_like(x))
 
 
@@ -188,7 +188,7 @@ def _build(quiet: bool) -> None:
 
 
 def _agrees_with_portable(isa: int) -> bool:
-    """The instruction set's results equal the portable path's, bit for bit, on random weights and rows."""
+    """The instruction set's results (linear layers and attention) equal the portable path's, bit for bit, on random data."""
     from stagedspec.kernels.packing import random_segments
 
     g = torch.Generator().manual_seed(0)
@@ -199,5 +199,12 @@ def _agrees_with_portable(isa: int) -> bool:
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         if not torch.equal(fast.qlinear(xd, packed, formats, outs), ref.qlinear(xd, packed, formats, outs)):
+            return False
+    q, keys, values = (torch.randn(1, 4, 3, 64, generator=g), torch.randn(1, 2, 21, 64, generator=g),
+                       torch.randn(1, 2, 21, 64, generator=g))
+    bias = torch.zeros(3, 21).masked_fill_(torch.rand(3, 21, generator=g) < 0.3, float("-inf"))
+    for dtype in (torch.float32, torch.bfloat16):
+        args = (q.to(dtype), keys.to(dtype), values.to(dtype), bias.to(dtype).repeat(2, 1), 0.125)
+        if not torch.equal(fast.attention(*args), ref.attention(*args)):
             return False
     return True
