@@ -778,12 +778,34 @@ TileKernels kernels_for(int64_t format, int64_t isa) {
   }
 }
 
+// The first kPrefetchBytes of a thread's share of the weights, requested at once: the tile kernels prefetch
+// kPrefetchBytes ahead of what they read, so without this the start of every call waits on one memory latency
+// per group, one after another.  Measured on the AVX2 EPYC (2 threads): a 47 MB int4 matrix read as 96 calls
+// of 492 KB ran at 9.4 GB/s against 14.4 GB/s as one call.
+struct Segment;
+void prefetch_start(const std::vector<Segment>& segments, int64_t t0, int64_t t1);
+
 // A run of output features stored in one format: tiles [first_tile, first_tile + tiles) of the pass.
 struct Segment {
   TileKernels table;
   int64_t first_tile, tiles, out_offset, N, bytes_per_tile;
   const uint8_t* w;
 };
+
+void prefetch_start(const std::vector<Segment>& segments, int64_t t0, int64_t t1) {
+#ifdef STAGEDSPEC_X86
+  int64_t left = kPrefetchBytes;
+  for (const Segment& seg : segments) {
+    const int64_t first = std::max(t0, seg.first_tile), last = std::min(t1, seg.first_tile + seg.tiles);
+    if (first >= last) continue;
+    const uint8_t* w = seg.w + (first - seg.first_tile) * seg.bytes_per_tile;
+    const int64_t bytes = std::min(left, (last - first) * seg.bytes_per_tile);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + b), _MM_HINT_T0);
+    left -= bytes;
+    if (left <= 0) break;
+  }
+#endif
+}
 
 // y = x W^T for a weight stored as segments along its outputs (one segment for most layers).  The
 // activations are quantised once; threads split the tiles of all segments; each tile serves every row.
@@ -821,6 +843,7 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       float tmp[kRowBlock * kTile];
       size_t s = 0;
+      if (r0 == 0) prefetch_start(segments, t0, t1);
       for (int64_t t = t0; t < t1; ++t) {
         while (t >= segments[s].first_tile + segments[s].tiles) ++s;
         const Segment& seg = segments[s];
