@@ -88,6 +88,8 @@ def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple[Tensor,
     """cos and signed sin tables [max_position, head_dim] in the rotate-half layout used by HF checkpoints.
 
     The sin table's first half is negated (see `apply_rope`, which relies on it)."""
+    if torch.empty(()).is_meta:  # a model built on the meta device gets its tables later (`loading.build_model`)
+        return torch.empty(max_position, head_dim), torch.empty(max_position, head_dim)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
     sin = angles.sin()
