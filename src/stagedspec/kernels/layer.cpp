@@ -132,16 +132,20 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& pac
                          const std::optional<at::Tensor>& mask, double scale, int64_t n_heads, int64_t n_kv_heads,
                          int64_t isa) {
   TORCH_CHECK(packed.size() == 4 && splits.size() == 4 && biases.size() == 4, "decoder_layer: four linear layers");
-  TORCH_CHECK(x.is_contiguous() && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "decoder_layer: x and the caches' head axis must be contiguous");
+  TORCH_CHECK(x.dim() == 3 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "decoder_layer: x must be [B, T, hidden] and the caches' head axis contiguous");
   TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4 && cos.stride(3) == 1 && sin.stride(3) == 1 &&
-                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+                  cos.size(2) == x.size(1) && sin.size(2) == x.size(1) && cos.size(3) == k_cache.size(-1) &&
+                  sin.size(3) == k_cache.size(-1) && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
               "decoder_layer: cos/sin must be [1 or B, 1, T, D] in x's dtype");
   const Linears linear{packed, formats, outs, splits, biases, isa};
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_heads, Hkv = n_kv_heads, D = k_cache.size(-1);
   TORCH_CHECK(D % 2 == 0 && k_cache.size(2) >= start + T && v_cache.size(2) >= start + T,
               "decoder_layer: the caches must hold slots [start, start + T)");
-  const at::Tensor x2 = x.view({B * T, C});
+  TORCH_CHECK((cos.size(0) == 1 || cos.size(0) == B) && (sin.size(0) == 1 || sin.size(0) == B),
+              "decoder_layer: cos/sin must have 1 or B rows of positions");
+  const at::Tensor x2 = x.contiguous().view({B * T, C});
   const at::Tensor qkv = linear(0, ops().rms_norm.call(x2, attn_norm, eps));
   at::Tensor q = at::empty({B, H, T, D}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decoder_layer_rope", [&] {
