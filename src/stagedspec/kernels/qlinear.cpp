@@ -778,13 +778,6 @@ TileKernels kernels_for(int64_t format, int64_t isa) {
   }
 }
 
-// The first kPrefetchBytes of a thread's share of the weights, requested at once: the tile kernels prefetch
-// kPrefetchBytes ahead of what they read, so without this the start of every call waits on one memory latency
-// per group, one after another.  Measured on the AVX2 EPYC (2 threads): a 47 MB int4 matrix read as 96 calls
-// of 492 KB ran at 9.4 GB/s against 14.4 GB/s as one call.
-struct Segment;
-void prefetch_start(const std::vector<Segment>& segments, int64_t t0, int64_t t1);
-
 // A run of output features stored in one format: tiles [first_tile, first_tile + tiles) of the pass.
 struct Segment {
   TileKernels table;
@@ -792,6 +785,10 @@ struct Segment {
   const uint8_t* w;
 };
 
+// The first kPrefetchBytes of a thread's share of the weights, requested at once: the tile kernels prefetch
+// kPrefetchBytes ahead of what they read, so without this the start of every call waits on one memory latency
+// per group, one after another.  Measured on the AVX2 EPYC (2 threads): a 47 MB int4 matrix read as 96 calls
+// of 492 KB ran at 9.4 GB/s against 14.4 GB/s as one call.
 void prefetch_start(const std::vector<Segment>& segments, int64_t t0, int64_t t1) {
 #ifdef STAGEDSPEC_X86
   int64_t left = kPrefetchBytes;
