@@ -128,7 +128,7 @@ def save_tiny_gguf(model: Any, path: Path, quantize_first_mlp: bool = False) -> 
     """
     import gguf
 
-    from stagedspec.models.loading import permute_qk
+    from stagedspec.models.gguf_read import permute_qk
 
     cfg = model.config
     arch = {"llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}[cfg.model_type]

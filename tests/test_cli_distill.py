@@ -12,7 +12,8 @@ import torch
 from _tiny_models import save_tiny_hf
 from stagedspec import cli
 from stagedspec.cli_distill import add_commands, documented_functions, order_streams, sample_requests
-from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, load_draft
+from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME
+from stagedspec.models.draft_loading import load_draft
 from stagedspec.models.loading import load_model
 
 CODE = '''

@@ -37,9 +37,9 @@ from stagedspec.models.draft import (
     DraftModel,
     grow_draft,
     grown_layers,
-    load_draft,
     save_draft,
 )
+from stagedspec.models.draft_loading import load_draft
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.sampling import SamplingParams
 

@@ -33,7 +33,8 @@ from stagedspec.drafters.merged import MergedDrafter
 from stagedspec.errors import StagedSpecError
 from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
 from stagedspec.models import ModelConfig, Transformer
-from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, load_draft, save_draft
+from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, save_draft
+from stagedspec.models.draft_loading import load_draft
 from stagedspec.models.feature_draft import FeatureDraftModel, is_feature_draft
 from stagedspec.models.transformer import init_random
 from stagedspec.runner import set_pass_mode

@@ -87,7 +87,7 @@ def test_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -> None:
 def test_gguf_converts_to_a_folder_transformers_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM
 
-    from stagedspec.models.loading import hf_folder_for
+    from stagedspec.models.specs import hf_folder_for
 
     monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path / "cache"))
     hf = make_hf_model("gemma3_6")

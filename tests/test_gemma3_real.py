@@ -26,7 +26,8 @@ ROWS = 8  # logits compared on the last rows only: the 262k-wide head dominates 
 
 @pytest.fixture(scope="module")
 def gemma():
-    from stagedspec.models.loading import load_model, resolve_model_path
+    from stagedspec.models.loading import load_model
+    from stagedspec.models.specs import resolve_model_path
 
     folder = resolve_model_path("gemma3-270m")
     model, tok = load_model("gemma3-270m", dtype=torch.float32)
@@ -150,7 +151,8 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(gemma) -> None:
 def test_bundled_draft_is_found_by_the_oracles_tokenizer_and_keeps_greedy_exact(gemma) -> None:
     """`--draft default` with `--oracle gemma3-270m` is the bundled Gemma draft (matched by tokenizer
     fingerprint), and in fp32 `tree` and `staged` with it emit exactly `ar`'s tokens."""
-    from stagedspec.models.draft import default_draft_dir, load_draft
+    from stagedspec.models.draft import default_draft_dir
+    from stagedspec.models.draft_loading import load_draft
     from stagedspec.pipeline import Pipeline, SpeculationConfig, tokenizer_fingerprint
 
     _, model, tok = gemma

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagedspec.kernels import native, packing
+from stagedspec.kernels import grid, native, packing
 
 kernels = native.native_kernels()
 needs_native = pytest.mark.skipif(kernels is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
@@ -22,8 +22,8 @@ def _layers(n: int = 40, k: int = 96, seed: int = 0) -> tuple[torch.Tensor, torc
     """A random weight packed both ways: (packed int4, its fp32 weight, packed int8, its fp32 weight)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
-    codes, scale, low = packing.int4_groups_from_float(w)
-    c8, s8 = packing.int8_groups_from_float(w)
+    codes, scale, low = grid.int4_groups_from_float(w)
+    c8, s8 = grid.int8_groups_from_float(w)
     return (packing.pack_int4(codes, scale, low), packing.dequantize_int4(codes, scale, low),
             packing.pack_int8(c8, s8), packing.dequantize_int8(c8, s8))
 
@@ -42,7 +42,7 @@ def test_q4_1_groups_come_back_exactly() -> None:
     scale = (torch.rand(16, 4, 1, generator=g) * 0.02 + 0.001).half().float()
     low = ((-7.5 + torch.randn(16, 4, 1, generator=g)) * scale).half().float()
     w = (codes * scale + low).reshape(16, 128)
-    c, s, lo = packing.int4_groups_from_float(w)
+    c, s, lo = grid.int4_groups_from_float(w)
     assert torch.equal(packing.dequantize_int4(c, s, lo), w)
 
 
@@ -136,14 +136,14 @@ def _q4_k_like(n: int = 64, k: int = 256, seed: int = 2) -> tuple[torch.Tensor, 
 
 def test_grid_detection_keeps_4_bit_codes_and_finds_other_groups_off_grid() -> None:
     w, codes, scale = _q4_k_like()
-    c, s, low = packing.int4_groups_from_float(w)
+    c, s, low = grid.int4_groups_from_float(w)
     shift = codes.reshape(64, -1, 32).amin(-1, keepdim=True)
     assert torch.equal(c.reshape(64, -1, 32).long(), codes.reshape(64, -1, 32) - shift)  # the same codes, from 0
     rel = (s.float() - scale).abs() / scale
     assert rel.max() <= 2 ** -11  # the scale only rounded to fp16
-    assert packing.four_bit_share(w) == 1.0
-    assert packing.four_bit_share(torch.randn(16, 64)) == 0.0
-    lo, step, levels = packing.grid_steps_reference(w)
+    assert grid.four_bit_share(w) == 1.0
+    assert grid.four_bit_share(torch.randn(16, 64)) == 0.0
+    lo, step, levels = grid.grid_steps_reference(w)
     assert ((levels >= 2) & (levels <= 16)).all()
 
 
@@ -151,7 +151,7 @@ def test_grid_detection_keeps_4_bit_codes_and_finds_other_groups_off_grid() -> N
 def test_native_grid_scan_agrees_with_the_reference() -> None:
     w, _, _ = _q4_k_like(seed=5)
     w = torch.cat([w, torch.randn(8, 256), torch.zeros(2, 256)])
-    ref = packing.grid_steps_reference(w)
+    ref = grid.grid_steps_reference(w)
     got = kernels.grid_groups(w)
     assert torch.equal(got[2], ref[2]) and torch.equal(got[0], ref[0])
     assert torch.allclose(got[1], ref[1], rtol=1e-6)
@@ -164,7 +164,7 @@ def test_q5_0_and_q8_0_groups_keep_their_codes_in_int8() -> None:
         codes = torch.randint(lo, hi, (32, 4, 32), generator=g)
         codes[..., 0], codes[..., 1] = lo, hi - 1
         w = (codes * d).reshape(32, 128)
-        c, s = packing.int8_groups_from_float(w)
+        c, s = grid.int8_groups_from_float(w)
         assert torch.equal(packing.dequantize_int8(c, s), w)
 
 

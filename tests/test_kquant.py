@@ -120,7 +120,7 @@ def save_kquant_gguf(path: Path) -> None:
     import transformers as tf
 
     from _tiny_models import VOCAB, _llama_gguf_meta, _llama_gguf_tensors, _tokenizer_gguf_meta
-    from stagedspec.models.loading import permute_qk
+    from stagedspec.models.gguf_read import permute_qk
 
     cfg = tf.Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

@@ -17,13 +17,8 @@ from _tiny_models import VOCAB, make_hf_model, save_tiny_gguf, save_tiny_hf, tin
 from stagedspec.errors import StagedSpecError
 from stagedspec.models import default as default_mod
 from stagedspec.models.config import ModelConfig
-from stagedspec.models.loading import (
-    config_from_hf,
-    load_model,
-    load_model_from_state,
-    permute_qk,
-    unpermute_qk,
-)
+from stagedspec.models.gguf_read import permute_qk, unpermute_qk
+from stagedspec.models.loading import config_from_hf, load_model, load_model_from_state
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -105,7 +100,7 @@ def test_gguf_with_quantized_tensors_loads(tmp_path: Path) -> None:
 def test_gguf_converts_to_hf_folder_transformers_can_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM
 
-    from stagedspec.models.loading import hf_folder_for
+    from stagedspec.models.specs import hf_folder_for
 
     monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path / "cache"))
     hf = make_hf_model("llama_gqa")

@@ -40,7 +40,8 @@ def setup():  # noqa: ANN201
 
 def _drafts(model, spec: str):  # noqa: ANN001, ANN202
     if spec == "default":
-        from stagedspec.models.draft import default_draft_dir, load_draft
+        from stagedspec.models.draft import default_draft_dir
+        from stagedspec.models.draft_loading import load_draft
 
         return [load_draft(default_draft_dir(), model)]  # shipped with the package: an error here is a failure
     from stagedspec.models.draft import DraftModel

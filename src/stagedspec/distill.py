@@ -472,7 +472,8 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
     a larger `--layers`, the saved draft grows new layers that start as
     no-ops (`grow_draft`), so the extra capacity costs nothing it had learned.
     """
-    from stagedspec.models.draft import CONFIG_NAME, default_draft_dir, grow_draft, load_draft
+    from stagedspec.models.draft import CONFIG_NAME, default_draft_dir, grow_draft
+    from stagedspec.models.draft_loading import load_draft
 
     folder = default_draft_dir() if cfg.init_from == "default" else Path(cfg.init_from).expanduser()
     if not (folder / CONFIG_NAME).is_file():

@@ -366,7 +366,7 @@ def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.d
         spec = str(default_draft_dir(tokenizer_fingerprint(oracle_tokenizer)))
     path = Path(spec)
     if (path / "draft_config.json").exists():
-        from stagedspec.models.draft import load_draft
+        from stagedspec.models.draft_loading import load_draft
 
         from stagedspec.models.matmul_plan import plan_matmuls
 

@@ -72,7 +72,7 @@ def run_engine_bench(
         ids_list = [tok.encode(tok.apply_chat_template(p)) for p in prompts]
         hf = None
         if with_transformers:
-            from stagedspec.models.loading import hf_folder_for
+            from stagedspec.models.specs import hf_folder_for
 
             hf = _transformers_generate(str(hf_folder_for(oracle)), dtype)  # unquantised bf16 for int4/int8
         ours, theirs = [], []

@@ -130,7 +130,7 @@ class BenchModels:
         self._hf_drafts: dict[str, tuple[nn.Module, str]] = {}
 
     def same_oracle(self, spec: str) -> bool:
-        from stagedspec.models.loading import resolve_model_path
+        from stagedspec.models.specs import resolve_model_path
 
         return spec == self.oracle_spec or resolve_model_path(spec) == resolve_model_path(self.oracle_spec)
 
@@ -184,7 +184,7 @@ class BenchModels:
                 from transformers import AutoModelForCausalLM
             except ImportError:
                 raise MethodSkipped("transformers is not installed (pip install 'stagedspec[bench]')") from None
-            from stagedspec.models.loading import hf_folder_for
+            from stagedspec.models.specs import hf_folder_for
 
             transformers.logging.set_verbosity_error()
             transformers.utils.logging.disable_progress_bar()

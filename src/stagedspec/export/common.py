@@ -41,7 +41,8 @@ def load_for_export(draft_spec: str, oracle_spec: str) -> tuple[Transformer, Any
     the native reference a test compares against is not rounded twice.  No kernel planning or
     weight-format timing: nothing is decoded here.
     """
-    from stagedspec.models.draft import CONFIG_NAME, default_draft_dir, load_draft
+    from stagedspec.models.draft import CONFIG_NAME, default_draft_dir
+    from stagedspec.models.draft_loading import load_draft
     from stagedspec.models.loading import load_model
     from stagedspec.pipeline import tokenizer_fingerprint
 
@@ -166,10 +167,10 @@ def write_safetensors(tensors: Mapping[str, Tensor], path: Path, dtype: torch.dt
 def copy_tokenizer_files(oracle_spec: str, out: Path) -> list[str]:
     """Copy the oracle's tokenizer (and generation defaults) next to the exported weights.
 
-    A GGUF oracle has none on disk: its converted HF folder (`models.loading.hf_folder_for`, made once
+    A GGUF oracle has none on disk: its converted HF folder (`models.specs.hf_folder_for`, made once
     and cached) has them.
     """
-    from stagedspec.models.loading import hf_folder_for
+    from stagedspec.models.specs import hf_folder_for
 
     try:
         source = hf_folder_for(oracle_spec)

@@ -111,7 +111,7 @@ def verifier_architectures(oracle_spec: str) -> list[str]:
     """The oracle's `architectures` from its (converted) HF config, as the speculators config records them."""
     import json
 
-    from stagedspec.models.loading import hf_folder_for
+    from stagedspec.models.specs import hf_folder_for
 
     try:
         cfg = json.loads((hf_folder_for(oracle_spec) / "config.json").read_text(encoding="utf-8"))
@@ -155,7 +155,7 @@ def export_feature(draft: DraftModel, fmt: str, oracle_spec: str, out: Path, dty
         config = llama_config(draft.config, draft.config.n_layers, name,
                               stagedspec_export={"source": f"vllm-project/vllm@{VLLM_COMMIT}", "approximate": diffs})
     else:
-        from stagedspec.models.loading import hf_folder_for
+        from stagedspec.models.specs import hf_folder_for
 
         write_safetensors(speculators_tensors(draft), out / "model.safetensors", DTYPES[dtype])
         config = speculators_config(draft, name, verifier or str(hf_folder_for(oracle_spec)),

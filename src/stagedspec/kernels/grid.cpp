@@ -1,7 +1,7 @@
 // Finding the 4-bit grid a group of 32 weights already sits on (a Q4_0 / Q4_1 / Q4_K source, dequantised).
 //
 // Why native: a 1.5B model has 40 million groups; sorting each in PyTorch took minutes on 2 cores, while
-// this scan takes a few seconds.  Semantics match `stagedspec.kernels.packing.grid_steps_reference`.
+// this scan takes a few seconds.  Semantics match `stagedspec.kernels.grid.grid_steps_reference`.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -72,7 +72,7 @@ class NativeKernels:
         return torch.ops.stagedspec_qlinear.qlinear(x, packed, formats, outs, self.isa)
 
     def grid_groups(self, w: torch.Tensor, max_levels: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per group of 32 of w [N, K]: (low, step, levels) as `packing.grid_steps_reference` defines them."""
+        """Per group of 32 of w [N, K]: (low, step, levels) as `grid.grid_steps_reference` defines them."""
         return torch.ops.stagedspec_qlinear.grid_groups(w, max_levels)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

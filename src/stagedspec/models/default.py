@@ -129,7 +129,7 @@ def write_hf_folder_from_gguf(gguf_path: Path, folder: Path, desc: str = "Conver
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from stagedspec.models.loading import read_gguf
+    from stagedspec.models.gguf_read import read_gguf
     from stagedspec.tokenizer import Tokenizer
 
     ckpt = read_gguf(gguf_path)

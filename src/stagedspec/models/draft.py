@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stagedspec.cache import KVCache
-from stagedspec.errors import StagedSpecError, first_line
-from stagedspec.models.config import ModelConfig
+from stagedspec.errors import StagedSpecError
 from stagedspec.models.quant import dequantized_copy
 from stagedspec.models.transformer import Attention, Transformer, apply_rope
 
@@ -404,7 +403,7 @@ def _check_head_tokens(ids: Tensor, vocab_size: int) -> Tensor:
     return ids
 
 
-# ---------------------------------------------------------------------- save / load
+# ---------------------------------------------------------------------- save (loading: `draft_loading.load_draft`)
 def save_draft(
     model: DraftModel,
     folder: str | Path,
@@ -477,85 +476,3 @@ def read_draft_config(folder: str | Path) -> dict[str, Any]:
         if key not in cfg:
             raise StagedSpecError(f"corrupt draft config {path}: no {key!r}")
     return cfg
-
-
-def load_draft(
-    folder: str | Path,
-    oracle: Transformer,
-    expected_fingerprint: str | None = None,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-) -> DraftModel:
-    """Rebuild a saved draft on top of `oracle` (whose embedding it shares).
-
-    `dtype`/`device` default to the oracle's.  Every way a draft can be
-    unusable for this oracle is a StagedSpecError with the reason.
-    """
-    folder = Path(folder)
-    cfg = read_draft_config(folder)
-    if expected_fingerprint is not None and cfg["fingerprint"] != expected_fingerprint:
-        raise StagedSpecError(
-            f"draft {folder} was trained for another oracle/tokenizer "
-            f"(fingerprint {cfg['fingerprint']!r}, this oracle has {expected_fingerprint!r})"
-        )
-    ocfg = oracle.config
-    if cfg["vocab_size"] != ocfg.vocab_size:
-        raise StagedSpecError(
-            f"draft {folder} has a vocabulary of {cfg['vocab_size']} tokens, the oracle {ocfg.vocab_size}"
-        )
-    if cfg["hidden_size"] != ocfg.hidden_size:
-        raise StagedSpecError(
-            f"draft {folder} has width {cfg['hidden_size']}, the oracle {ocfg.hidden_size}: "
-            "a draft shares the oracle's embedding, so the widths must match"
-        )
-    try:
-        dcfg = ModelConfig.from_dict(cfg["model_config"])
-    except (TypeError, ValueError) as exc:
-        raise StagedSpecError(f"corrupt draft config in {folder}: {exc}") from None
-    for field in ("arch", "n_heads", "n_kv_heads", "head_dim", "intermediate_size"):
-        if getattr(dcfg, field) != getattr(ocfg, field):
-            raise StagedSpecError(
-                f"draft {folder} does not match the oracle's architecture "
-                f"({field}: draft {getattr(dcfg, field)}, oracle {getattr(ocfg, field)})"
-            )
-    layers = cfg["oracle_layers"]
-    if not isinstance(layers, list) or len(layers) != dcfg.n_layers or any(
-        not isinstance(i, int) or not 0 <= i < ocfg.n_layers for i in layers
-    ):
-        raise StagedSpecError(f"draft {folder} was initialised from layers {layers}, which this oracle lacks")
-
-    tensors = _read_weights(folder / WEIGHTS_NAME)
-    head_tokens = tensors.get("head_tokens")
-    if cfg["kind"] == INDEPENDENT:
-        cls = DraftModel
-    else:
-        from stagedspec.models.feature_draft import FeatureDraftModel as cls
-    try:
-        model = cls(oracle, layers, head_tokens, dtype=dtype, device=device)
-    except StagedSpecError as exc:
-        raise StagedSpecError(f"corrupt draft {folder}: {exc}") from None
-    own = model.own_state_dict()
-    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-    bad_shape = [k for k in own if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or bad_shape:
-        raise StagedSpecError(
-            f"corrupt draft {folder / WEIGHTS_NAME}: missing {missing[:3]}, unexpected {unexpected[:3]}, "
-            f"wrong shape {bad_shape[:3]}"
-        )
-    p = model.embed.weight
-    model.load_state_dict({k: v.to(device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype)
-                           for k, v in tensors.items()}, strict=False)
-    model.training_meta = cfg.get("training", {})
-    model.fingerprint = cfg["fingerprint"]
-    return model.eval()
-
-
-def _read_weights(path: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise StagedSpecError(f"draft weights {path} are missing")
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # safetensors raises its own (Rust) error types for malformed files
-        raise StagedSpecError(f"corrupt draft weights {path}: {first_line(exc)}") from None

@@ -25,6 +25,11 @@ from torch import Tensor
 
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.config import ModelConfig
+from stagedspec.models.gguf_checkpoint import (
+    GGUFCheckpoint, gguf_layer_name, gguf_required, gguf_tensor_loader, gguf_value, tidy_float,
+)
+from stagedspec.models.hf_layout import req_int, rope_params
+from stagedspec.models.sources import FunctionSource, compose
 from stagedspec.tokenizer import first_id, id_list
 
 _GELU_TANH = {"gelu_pytorch_tanh", "gelu_new"}
@@ -36,8 +41,6 @@ _LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 def gemma3_config(c: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig for an HF Gemma3TextConfig dict, rejecting options our model does not compute."""
-    from stagedspec.models.loading import req_int
-
     hidden, n_heads = req_int(c, "hidden_size"), req_int(c, "num_attention_heads")
     layers = req_int(c, "num_hidden_layers")
     act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
@@ -92,8 +95,6 @@ def layer_pattern(c: Mapping[str, Any], layers: int) -> list[bool]:
 
 def _rope_bases(c: Mapping[str, Any]) -> tuple[float, float]:
     """(global, local) RoPE bases from transformers 5's per-layer-type `rope_parameters` or the legacy keys."""
-    from stagedspec.models.loading import rope_params
-
     params = c.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
         full = dict(params.get("full_attention") or {})
@@ -121,13 +122,8 @@ _RENAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weigh
             "output.weight": "lm_head.weight"}
 
 
-def gguf_gemma3(reader: Any):  # noqa: ANN201 - GGUFCheckpoint, imported lazily to avoid an import cycle
+def gguf_gemma3(reader: Any) -> GGUFCheckpoint:
     """A Gemma-3 GGUF as an HF Gemma3ForCausalLM checkpoint: config dict + lazy HF-layout tensors."""
-    from stagedspec.models.loading import (
-        FunctionSource, GGUFCheckpoint, compose, gguf_layer_name, gguf_required, gguf_tensor_loader,
-        gguf_value, tidy_float,
-    )
-
     key = lambda k: f"gemma3.{k}"  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:

@@ -1,30 +1,35 @@
 """Load checkpoints (HF folders, GGUF files, the embedded default) into our `Transformer`.
 
 Every source is first seen as *HF-layout tensors*: a name -> tensor lookup
-using transformers' parameter names and layouts (separate q/k/v, rotate-half
-RoPE rows, Conv1D [in, out] for GPT-2).  One mapping (`convert_hf_state`)
-then renames, fuses (q|k|v, gate|up) and casts them into our parameter names,
-so HF folders and GGUF files share a single, tested path.  GGUF files are
-turned into HF-layout tensors by dequantising and by undoing llama.cpp's
-reordering of the Q/K rows.
+(`sources`) using transformers' parameter names and layouts (separate q/k/v,
+rotate-half RoPE rows, Conv1D [in, out] for GPT-2).  One mapping
+(`convert_hf_state`) then renames, fuses (q|k|v, gate|up) and casts them into
+our parameter names, so HF folders and GGUF files share a single, tested
+path.  The steps before it live below this module, so that none of them
+imports the loader: a spec becomes files in `specs`, a GGUF becomes
+HF-layout tensors in `gguf_read` (Gemma-3's in `gemma3`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Mapping
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
+from stagedspec.models.gemma3 import gemma3_config
+from stagedspec.models.gguf_checkpoint import GGUFCheckpoint
 from stagedspec.models.gguf_codes import RawTensor
+from stagedspec.models.gguf_read import read_gguf
+from stagedspec.models.hf_layout import GPT2_CONV1D, req_int, rope_params
 from stagedspec.models.quant import check_quant, quantize_model
+from stagedspec.models.sources import DictSource, SafetensorsSource, TensorSource
+from stagedspec.models.specs import resolve_model_path
 from stagedspec.models.transformer import Transformer, rope_tables
 from stagedspec.tokenizer import Tokenizer, first_id, id_list
 
@@ -71,39 +76,6 @@ def load_model(
 
         plan_matmuls(model)  # fp32 on the CPU: each layer's faster kernel per row count, timed here once
     return model, tok
-
-
-def resolve_model_path(spec: str | Path) -> Path:
-    """Turn a user's model spec into an existing folder or .gguf file, or say what is wrong."""
-    if str(spec) == "default":
-        from stagedspec.models.default import default_model_dir
-
-        return default_model_dir()
-    from stagedspec.models.named import NAMED, named_model_dir
-
-    if str(spec) in NAMED:
-        return named_model_dir(str(spec))
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise StagedSpecError(f"model path does not exist: {path}")
-    if path.is_dir():
-        return path
-    if path.suffix.lower() == ".gguf":
-        return path
-    raise StagedSpecError(f"not a model folder or .gguf file: {path}")
-
-
-def hf_folder_for(spec: str | Path) -> Path:
-    """An HF-format folder transformers can load for `spec` (a GGUF is converted once into the cache).
-
-    Used by reference tests and benchmarks that compare against transformers.
-    """
-    path = resolve_model_path(spec)
-    if path.is_dir():
-        return path
-    from stagedspec.models.default import ensure_hf_folder, gguf_cache_dir
-
-    return ensure_hf_folder(path, gguf_cache_dir(path))
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
@@ -189,8 +161,6 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     if arch in GPT2_FAMILY:
         return _gpt2_config(hf_config)
     if arch in GEMMA3_FAMILY:
-        from stagedspec.models.gemma3 import gemma3_config
-
         return gemma3_config(hf_config)
     return _llama_config(hf_config, LLAMA_FAMILY[arch])
 
@@ -232,34 +202,6 @@ def _llama_config(c: Mapping[str, Any], family: str) -> ModelConfig:
     )
 
 
-def req_int(c: Mapping[str, Any], key: str) -> int:
-    """A required positive integer from the config, or an error naming the key."""
-    value = c.get(key)
-    try:
-        n = int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        n = 0
-    if n <= 0 or isinstance(value, bool):
-        raise StagedSpecError(f"model config has no valid {key!r} (got {value!r})")
-    return n
-
-
-def rope_params(c: Mapping[str, Any], params: Mapping[str, Any] | None = None) -> float:
-    """RoPE base, from the legacy `rope_theta`/`rope_scaling` keys or transformers 5's `rope_parameters`.
-
-    `params`: one layer type's entry of a per-layer-type `rope_parameters` (Gemma-3).
-    """
-    params = c.get("rope_parameters") or {} if params is None else params
-    scaling = c.get("rope_scaling") or {}
-    for p in (params, scaling):
-        kind = p.get("rope_type", p.get("type", "default"))
-        if kind not in ("default", None):
-            raise StagedSpecError(f"unsupported RoPE scaling type {kind!r}")
-    if c.get("partial_rotary_factor", 1.0) != 1.0:
-        raise StagedSpecError("unsupported config: partial rotary embeddings")
-    return float(params.get("rope_theta") or c.get("rope_theta") or 10000.0)
-
-
 def _gpt2_config(c: Mapping[str, Any]) -> ModelConfig:
     hidden, n_heads = req_int(c, "n_embd"), req_int(c, "n_head")
     vocab, layers = req_int(c, "vocab_size"), req_int(c, "n_layer")
@@ -282,87 +224,6 @@ def _gpt2_config(c: Mapping[str, Any]) -> ModelConfig:
         bos_token_id=first_id(c.get("bos_token_id")),
         eos_token_ids=id_list(c.get("eos_token_id")),
     )
-
-
-# ====================================================================== tensor sources
-class TensorSource:
-    """Lazy name -> tensor lookup, so a checkpoint is never held twice in memory."""
-
-    def names(self) -> set[str]:
-        raise NotImplementedError
-
-    def get(self, name: str) -> Tensor:
-        raise NotImplementedError
-
-
-@dataclass
-class DictSource(TensorSource):
-    tensors: dict[str, Tensor]
-
-    def names(self) -> set[str]:
-        return set(self.tensors)
-
-    def get(self, name: str) -> Tensor:
-        return self.tensors[name]
-
-
-class SafetensorsSource(TensorSource):
-    """One or more .safetensors files, opened lazily (memory-mapped by safetensors)."""
-
-    def __init__(self, files: list[Path]) -> None:
-        from safetensors import safe_open
-
-        self._where: dict[str, Any] = {}
-        self._handles = []
-        for f in files:
-            if not f.is_file():
-                raise StagedSpecError(f"missing weights file {f}")
-            try:
-                handle = safe_open(str(f), framework="pt")
-                keys = list(handle.keys())
-            except Exception as exc:
-                raise StagedSpecError(
-                    f"cannot read {f}: not a valid safetensors file, corrupt or truncated ({first_line(exc)})"
-                ) from None
-            self._handles.append(handle)
-            self._where.update({k: (handle, f) for k in keys})
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> "SafetensorsSource":
-        single = folder / "model.safetensors"
-        index = folder / "model.safetensors.index.json"
-        if single.is_file():
-            return cls([single])
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise StagedSpecError(f"cannot read {index}: {first_line(exc)}") from None
-            return cls([folder / name for name in sorted(set(weight_map.values()))])
-        raise StagedSpecError(f"no model.safetensors or model.safetensors.index.json in {folder}")
-
-    def names(self) -> set[str]:
-        return set(self._where)
-
-    def get(self, name: str) -> Tensor:
-        handle, f = self._where[name]
-        try:
-            return handle.get_tensor(name)
-        except Exception as exc:
-            raise StagedSpecError(f"cannot read tensor {name!r} from {f}: {first_line(exc)}") from None
-
-
-class FunctionSource(TensorSource):
-    """Tensors produced on demand by callables (used for GGUF dequantisation)."""
-
-    def __init__(self, makers: dict[str, Callable[[], Tensor]]) -> None:
-        self._makers = makers
-
-    def names(self) -> set[str]:
-        return set(self._makers)
-
-    def get(self, name: str) -> Tensor:
-        return self._makers[name]()
 
 
 # ====================================================================== HF -> ours
@@ -409,9 +270,6 @@ def hf_to_ours_names(cfg: ModelConfig) -> dict[str, list[str]]:
     return out
 
 
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
 def convert_hf_state(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype) -> dict[str, Tensor]:
     """Our state dict from HF-layout tensors: renamed, fused, GPT-2 Conv1D transposed, cast to `dtype`."""
     names = hf_to_ours_names(cfg)
@@ -427,7 +285,7 @@ def convert_hf_state(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype)
         tensors = []
         for part in parts:
             t = source.get(_hf_key(part, prefix))
-            if cfg.arch == "gpt2" and part.endswith(_CONV1D):
+            if cfg.arch == "gpt2" and part.endswith(GPT2_CONV1D):
                 t = t.t()  # Conv1D stores [in, out]; nn.Linear wants [out, in]
             tensors.append(t.to(dtype))
         state[ours] = tensors[0].contiguous() if len(tensors) == 1 else torch.cat(tensors, dim=0)
@@ -501,169 +359,6 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], device: str = "cpu")
 
 
 # ====================================================================== GGUF
-@dataclass
-class GGUFCheckpoint:
-    """A GGUF file seen as an HF checkpoint: config dict + lazy HF-layout tensors."""
-
-    reader: Any
-    hf_config: dict[str, Any]
-    source: TensorSource
-    tensor_names: list[str] = field(default_factory=list)
-    raw: dict[str, RawTensor] = field(default_factory=dict)  # HF name -> stored blocks, for 2-D weights
-
-
-def open_gguf(path: Path) -> Any:
-    """The GGUF file at `path` (`gguf_file.GGUFFile`: metadata decoded, tensors mapped), or a one-line error."""
-    from stagedspec.models.gguf_file import open_gguf_file
-
-    return open_gguf_file(path)
-
-
-def read_gguf(path: Path) -> GGUFCheckpoint:
-    reader = open_gguf(path)
-    arch = gguf_value(reader, "general.architecture")
-    if arch in ("llama", "qwen2"):
-        return _gguf_llama(reader, arch)
-    if arch == "gpt2":
-        return _gguf_gpt2(reader)
-    if arch == "gemma3":
-        from stagedspec.models.gemma3 import gguf_gemma3
-
-        return gguf_gemma3(reader)
-    raise StagedSpecError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, gemma3, gpt2)")
-
-
-def gguf_value(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception as exc:
-        raise StagedSpecError(f"corrupt GGUF metadata {key!r}: {first_line(exc)}") from None
-
-
-def gguf_required(reader: Any, key: str) -> Any:
-    value = gguf_value(reader, key)
-    if value is None:
-        raise StagedSpecError(f"GGUF file has no {key!r} metadata")
-    return value
-
-
-def tidy_float(x: float) -> float:
-    """GGUF stores floats as float32 (1e-5 reads back as 9.9999997e-06); restore the intended decimal."""
-    return float(f"{float(x):.7g}")
-
-
-def gguf_tensor_loader(t: Any) -> Callable[[], Tensor]:
-    """Dequantise one GGUF tensor to fp32, shaped [rows, cols] in PyTorch order."""
-    from gguf.quants import dequantize
-
-    def load() -> Tensor:
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except Exception as exc:
-            raise StagedSpecError(f"cannot dequantise GGUF tensor {t.name} ({t.tensor_type.name}): {first_line(exc)}") from None
-        # GGUF lists dimensions fastest-first (ne order); PyTorch wants them reversed.
-        shape = tuple(int(d) for d in reversed(list(t.shape)))
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
-        return torch.from_numpy(arr.copy())
-
-    return load
-
-
-def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
-    """Undo llama.cpp's Q/K row order (interleaved RoPE pairs) back to HF's rotate-half order.
-
-    llama.cpp's converter reorders each head's rows from [first half | second
-    half] to interleaved (x0, x_{D/2}, x1, x_{D/2+1}, ...), because its RoPE
-    rotates adjacent pairs.  Our RoPE (like HF's) rotates halves, so the rows
-    of each head are put back: view rows as [head, D/2, 2] and swap the last
-    two axes.  Works for weights [rows, in] and biases [rows].
-    """
-    rows = w.shape[0]
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def permute_qk(w: Tensor, n_heads: int) -> Tensor:
-    """llama.cpp's Q/K row order from HF's (inverse of `unpermute_qk`; used to write test GGUFs)."""
-    rows = w.shape[0]
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _gguf_llama(reader: Any, arch: str) -> GGUFCheckpoint:
-    key = lambda k: f"{arch}.{k}"  # noqa: E731 - metadata keys are namespaced by arch
-    tensors = {t.name: t for t in reader.tensors}
-    n_heads = int(gguf_required(reader, key("attention.head_count")))
-    n_kv = int(gguf_value(reader, key("attention.head_count_kv"), n_heads))
-    hidden = int(gguf_required(reader, key("embedding_length")))
-    head_dim = int(gguf_value(reader, key("attention.key_length"), hidden // n_heads))
-    rope_dim = int(gguf_value(reader, key("rope.dimension_count"), head_dim))
-    if rope_dim != head_dim:
-        raise StagedSpecError(f"unsupported GGUF: RoPE on {rope_dim} of {head_dim} head dimensions")
-    scaling = gguf_value(reader, key("rope.scaling.type"), "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensors:
-        raise StagedSpecError(f"unsupported GGUF RoPE scaling {scaling!r}")
-    if "token_embd.weight" not in tensors:
-        raise StagedSpecError("GGUF file is missing tensor token_embd.weight")
-    vocab = gguf_value(reader, key("vocab_size")) or int(tensors["token_embd.weight"].shape[-1])
-    n_layers = int(gguf_required(reader, key("block_count")))
-    hf_arch = "LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"
-    hf_config: dict[str, Any] = {
-        "architectures": [hf_arch],
-        "model_type": arch,
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(gguf_required(reader, key("feed_forward_length"))),
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "max_position_embeddings": int(gguf_value(reader, key("context_length"), 4096)),
-        "rms_norm_eps": tidy_float(gguf_value(reader, key("attention.layer_norm_rms_epsilon"), 1e-6)),
-        "rope_theta": tidy_float(gguf_value(reader, key("rope.freq_base"), 10000.0)),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_value(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    renames = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
-    per_layer = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down": "mlp.down_proj"}
-    makers: dict[str, Callable[[], Tensor]] = {}
-    raws: dict[str, RawTensor] = {}
-    for name, t in tensors.items():
-        hf_name = renames.get(name) or gguf_layer_name(name, per_layer)
-        if hf_name is None:
-            continue
-        load = gguf_tensor_loader(t)
-        raw = raw_tensor(t)
-        # Only the llama converter reorders Q/K rows; qwen2 files keep HF order.
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            heads = n_heads if ".attn_q." in name else n_kv
-            load = compose(load, lambda w, h=heads: unpermute_qk(w, h))
-            raw = raw and raw.rows_permuted(unpermute_qk(torch.arange(raw.blocks.shape[0]), heads))
-        makers[hf_name] = load
-        if raw is not None:
-            raws[hf_name] = raw
-    return GGUFCheckpoint(reader, hf_config, FunctionSource(makers), list(tensors), raws)
-
-
-def raw_tensor(t: Any) -> RawTensor | None:
-    """A 2-D GGUF tensor's stored blocks (a view of the mapped file, nothing read), else None."""
-    if len(t.shape) != 2:
-        return None
-    return RawTensor(t.tensor_type.name, t.data, int(t.shape[0]))
-
-
 def gguf_sources(ckpt: GGUFCheckpoint, cfg: ModelConfig) -> dict[str, list[RawTensor]]:
     """Our linear layers' names ("layers.0.attn.wqkv", "head") -> the stored GGUF parts stacked along their rows.
 
@@ -686,57 +381,3 @@ def gguf_sources(ckpt: GGUFCheckpoint, cfg: ModelConfig) -> dict[str, list[RawTe
     return out
 
 
-def _gguf_gpt2(reader: Any) -> GGUFCheckpoint:
-    tensors = {t.name: t for t in reader.tensors}
-    hidden = int(gguf_required(reader, "gpt2.embedding_length"))
-    if "token_embd.weight" not in tensors:
-        raise StagedSpecError("GGUF file is missing tensor token_embd.weight")
-    hf_config: dict[str, Any] = {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
-        "n_embd": hidden,
-        "n_layer": int(gguf_required(reader, "gpt2.block_count")),
-        "n_head": int(gguf_required(reader, "gpt2.attention.head_count")),
-        "n_inner": int(gguf_value(reader, "gpt2.feed_forward_length", 4 * hidden)),
-        "n_positions": int(gguf_value(reader, "gpt2.context_length", 1024)),
-        "layer_norm_epsilon": tidy_float(gguf_value(reader, "gpt2.attention.layer_norm_epsilon", 1e-5)),
-        "activation_function": "gelu_new",
-        # llama.cpp writes the embedding again as `output`; an identical copy is a tied head.
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_value(reader, "tokenizer.ggml.eos_token_id"),
-    }
-    renames = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
-               "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
-               "output.weight": "lm_head.weight"}
-    per_layer = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
-                 "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
-    makers: dict[str, Callable[[], Tensor]] = {}
-    for name, t in tensors.items():
-        hf_name = renames.get(name) or gguf_layer_name(name, per_layer, layer_prefix="transformer.h.")
-        if hf_name is None:
-            continue
-        load = gguf_tensor_loader(t)
-        if hf_name.endswith(_CONV1D):  # GGUF stores Linear layout; HF GPT-2 uses Conv1D [in, out]
-            load = compose(load, lambda w: w.t().contiguous())
-        makers[hf_name] = load
-    return GGUFCheckpoint(reader, hf_config, FunctionSource(makers), list(tensors))
-
-
-def gguf_layer_name(name: str, per_layer: Mapping[str, str], layer_prefix: str = "model.layers.") -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None for unknown tensors)."""
-    parts = name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in per_layer:
-        return None
-    return f"{layer_prefix}{parts[1]}.{per_layer[parts[2]]}.{parts[3]}"
-
-
-def compose(load: Callable[[], Tensor], fn: Callable[[Tensor], Tensor]) -> Callable[[], Tensor]:
-    return lambda: fn(load())
-
-
-def gguf_to_hf_state(ckpt: GGUFCheckpoint, names: Iterable[str] | None = None) -> dict[str, Tensor]:
-    """Materialise HF-layout fp32 tensors from a GGUF checkpoint (used to write the cached HF folder)."""
-    wanted = sorted(ckpt.source.names()) if names is None else list(names)
-    return {n: ckpt.source.get(n) for n in wanted}

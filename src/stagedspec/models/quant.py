@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from stagedspec.errors import StagedSpecError
-from stagedspec.kernels import packing
+from stagedspec.kernels import grid, packing
 from stagedspec.kernels.native import NativeKernels, native_kernels
 from stagedspec.models.gguf_codes import KEPT_TYPES, RawTensor, q4k_codes, q5_0_codes, q6k_codes
 
@@ -116,7 +116,7 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.kernels = resolve_kernels(kernels)
         if self.kernels is not None:
-            codes, scale, low = packing.int4_groups_from_float(weight)
+            codes, scale, low = grid.int4_groups_from_float(weight)
             self.register_buffer("packed", packing.pack_int4(codes, scale, low))
         else:
             codes, scale, zero = quantize_int4(weight.float())
@@ -154,7 +154,7 @@ class Int8Linear(nn.Module):
             self.kernels = None  # the native layout needs whole groups of 32
         w = weight.float()
         if self.kernels is not None:
-            codes, scale = packing.int8_groups_from_float(w)
+            codes, scale = grid.int8_groups_from_float(w)
             self.register_buffer("packed", packing.pack_int8(codes, scale))
         else:
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
@@ -273,8 +273,8 @@ def source_segment(weight: Tensor, raw: RawTensor | None) -> tuple[str, Tensor, 
     if raw is not None and raw.kind == "Q5_0":
         return "q5_0", packing.pack_q5(*q5_0_codes(raw)), n
     if layer_format(weight) == "int4":
-        return "int4", packing.pack_int4(*packing.int4_groups_from_float(weight)), n
-    return "int8", packing.pack_int8(*packing.int8_groups_from_float(weight)), n
+        return "int4", packing.pack_int4(*grid.int4_groups_from_float(weight)), n
+    return "int8", packing.pack_int8(*grid.int8_groups_from_float(weight)), n
 
 
 def from_source(weight: Tensor, bias: Tensor | None, raws: list[RawTensor], kernels: NativeKernels) -> nn.Module:
@@ -397,7 +397,7 @@ def layer_format(weight: Tensor) -> str:
     """"int4" where most of the weight's groups of 32 sit on a 4-bit grid (a 4-bit source), else "int8"."""
     if weight.shape[1] % INT4_GROUP:
         return "int8"
-    return "int4" if packing.four_bit_share(weight) >= MIXED_INT4_SHARE else "int8"
+    return "int4" if grid.four_bit_share(weight) >= MIXED_INT4_SHARE else "int8"
 
 
 def resolve_quant(choice: str, spec: object, device: str) -> str:
@@ -419,7 +419,7 @@ def source_is_quantised(spec: object) -> bool:
     import json
 
     from stagedspec.models.gguf_file import read_tensor_table
-    from stagedspec.models.loading import resolve_model_path
+    from stagedspec.models.specs import resolve_model_path
 
     path = resolve_model_path(str(spec))
     if path.is_dir():
