@@ -250,9 +250,10 @@ def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row() -> None:
                                                     ("int8", torch.bfloat16, True)])
 def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: torch.dtype, qkv_bias: bool) -> None:
     """`layer.cpp` runs a block's operations in the Python path's order: prompt, tree and batched passes agree
-    bit for bit with the layers run op by op (Qwen2's q|k|v bias included)."""
+    bit for bit with the layers run op by op (Qwen2's q|k|v bias included), one call per block or one call for
+    all of them."""
     from stagedspec.models.config import ModelConfig
-    from stagedspec.models.quant import NativeDecoderLayer, quantize_model
+    from stagedspec.models.quant import NativeDecoderLayer, NativeLayerStack, quantize_model
     from stagedspec.models.transformer import Transformer, init_random
 
     cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -272,6 +273,9 @@ def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: t
             batch = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.arange(3), batch_cache)
         return [prompt, nodes, batch]
 
+    assert isinstance(model.native_stack, NativeLayerStack)
+    stacked = passes()
+    stack, model.native_stack = model.native_stack, None
     fused = passes()
     saved = [b.native_layer for b in model.layers]
     for b in model.layers:
@@ -279,5 +283,6 @@ def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: t
     op_by_op = passes()
     for b, layer in zip(model.layers, saved):
         b.native_layer = layer
-    for a, b in zip(fused, op_by_op):
-        assert torch.equal(a, b)
+    model.native_stack = stack
+    for s, a, b in zip(stacked, fused, op_by_op):
+        assert torch.equal(s, b) and torch.equal(a, b)

@@ -95,7 +95,7 @@ def test_every_row_count_position_thread_count_and_isa_gives_the_row_alone(case:
     run = lambda x, k=kernels: k.qlinear(x, packed, formats, outs)  # noqa: E731
     x = torch.randn(64, 256, dtype=torch.bfloat16) * torch.rand(64, 1).bfloat16() * 3
     alone = torch.cat([run(x[i:i + 1]) for i in range(64)])
-    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 33, 64):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 16, 31, 33, 64):
         assert torch.equal(run(x[:rows]), alone[:rows]), rows
     perm = torch.randperm(64)
     assert torch.equal(run(x[perm]), alone[perm])

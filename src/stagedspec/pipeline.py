@@ -322,6 +322,7 @@ def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
     if hasattr(oracle, "matmul_plan_signature"):
         draft.matmul_plan_signature = oracle.matmul_plan_signature
     draft.layers = torch.nn.ModuleList(list(oracle.layers)[:n_layers])
+    draft.native_stack = None if oracle.native_stack is None else type(oracle.native_stack).of(list(draft.layers))
     draft.local, draft.embed_scale = list(oracle.local[:n_layers]), oracle.embed_scale
     for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):
         if hasattr(oracle, name):

@@ -56,19 +56,21 @@ const Ops& ops() {
 template <typename T> inline T add(T a, T b) { return static_cast<T>(static_cast<float>(a) + static_cast<float>(b)); }
 template <typename T> inline T mul(T a, T b) { return static_cast<T>(static_cast<float>(a) * static_cast<float>(b)); }
 
-// Linear layer i of the four (qkv, o, up, down) on rows [R, K]: its segments are formats/outs[first .. first +
-// count); the bias, where there is one, is added in place (y + bias, as the Python layer does).
+// The four linear layers (qkv, o, up, down) of one decoder layer, on rows [R, K]: layer i's segments are
+// formats/outs[first .. first + splits[i]); its bias, where there is one, is added in place (y + bias, as the
+// Python layer does).
 struct Linears {
-  const std::vector<at::Tensor>& packed;
-  at::IntArrayRef formats, outs, splits;
-  const c10::List<std::optional<at::Tensor>>& biases;
+  const at::Tensor* packed;  // 4
+  at::IntArrayRef formats, outs;
+  const int64_t* splits;     // 4
+  const std::optional<at::Tensor>* biases;  // 4
   int64_t isa;
 
   at::Tensor operator()(int i, const at::Tensor& x) const {
     int64_t first = 0;
     for (int j = 0; j < i; ++j) first += splits[j];
     at::Tensor y = ops().qlinear.call(x, packed[i], formats.slice(first, splits[i]), outs.slice(first, splits[i]), isa);
-    const std::optional<at::Tensor> bias = biases.get(i);
+    const std::optional<at::Tensor>& bias = biases[i];
     if (bias.has_value()) {
       const at::Tensor b = bias->to(y.scalar_type()).contiguous();
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "decoder_layer_bias", [&] {
@@ -125,6 +127,66 @@ void residual(const at::Tensor& x, const at::Tensor& y, at::Tensor& out) {
   for (int64_t i = 0, n = out.numel(); i < n; ++i) op[i] = add(xp[i], yp[i]);
 }
 
+// What every layer of a pass shares.
+struct PassArgs {
+  double eps;
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  int64_t start;
+  const std::optional<at::Tensor>& mask;
+  double scale;
+  int64_t n_heads, n_kv_heads, isa;
+};
+
+void check_pass(const at::Tensor& x, const PassArgs& p, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(x.dim() == 3 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "decoder_layer: x must be [B, T, hidden] and the caches' head axis contiguous");
+  TORCH_CHECK(p.cos.dim() == 4 && p.sin.dim() == 4 && p.cos.stride(3) == 1 && p.sin.stride(3) == 1 &&
+                  p.cos.size(2) == x.size(1) && p.sin.size(2) == x.size(1) && p.cos.size(3) == k_cache.size(-1) &&
+                  p.sin.size(3) == k_cache.size(-1) && p.cos.scalar_type() == x.scalar_type() &&
+                  p.sin.scalar_type() == x.scalar_type(),
+              "decoder_layer: cos/sin must be [1 or B, 1, T, D] in x's dtype");
+  const int64_t B = x.size(0), T = x.size(1), D = k_cache.size(-1);
+  TORCH_CHECK(D % 2 == 0 && k_cache.size(2) >= p.start + T && v_cache.size(2) >= p.start + T,
+              "decoder_layer: the caches must hold slots [start, start + T)");
+  TORCH_CHECK((p.cos.size(0) == 1 || p.cos.size(0) == B) && (p.sin.size(0) == 1 || p.sin.size(0) == B),
+              "decoder_layer: cos/sin must have 1 or B rows of positions");
+}
+
+// One layer on rows x2 [B T, C]; returns the new rows.
+at::Tensor layer_rows(const at::Tensor& x2, int64_t B, int64_t T, const Linears& linear, const at::Tensor& attn_norm,
+                      const at::Tensor& mlp_norm, at::Tensor& k_cache, at::Tensor& v_cache, const PassArgs& p) {
+  const int64_t H = p.n_heads, Hkv = p.n_kv_heads, D = k_cache.size(-1);
+  const at::Tensor qkv = linear(0, ops().rms_norm.call(x2, attn_norm, p.eps));
+  at::Tensor q = at::empty({B, H, T, D}, x2.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x2.scalar_type(), "decoder_layer_rope", [&] {
+    rope_and_cache<scalar_t>(qkv, p.cos, p.sin, q, k_cache, v_cache, p.start, B, T, H, Hkv, D);
+  });
+  const int64_t width = p.mask.has_value() ? p.mask->size(-1) : p.start + T;
+  const at::Tensor a =
+      ops().attention.call(q, k_cache.narrow(2, 0, width), v_cache.narrow(2, 0, width), p.mask, p.scale, p.isa);
+  const at::Tensor heads = a.transpose(1, 2).reshape({B * T, H * D});  // [B, H, T, D] -> rows of H * D
+  at::Tensor x1 = at::empty_like(x2), out = at::empty_like(x2);
+  const at::Tensor o = linear(1, heads);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x2.scalar_type(), "decoder_layer_residual", [&] {
+    residual<scalar_t>(x2, o, x1);
+  });
+  const at::Tensor gate_up = linear(2, ops().rms_norm.call(x1, mlp_norm, p.eps));
+  const std::vector<at::Tensor> g_u = gate_up.chunk(2, -1);
+  const at::Tensor down = linear(3, at::silu(g_u[0]) * g_u[1]);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x2.scalar_type(), "decoder_layer_residual", [&] {
+    residual<scalar_t>(x1, down, out);
+  });
+  return out;
+}
+
+std::vector<std::optional<at::Tensor>> optional_list(const c10::List<std::optional<at::Tensor>>& list) {
+  std::vector<std::optional<at::Tensor>> out;
+  out.reserve(list.size());
+  for (size_t i = 0; i < list.size(); ++i) out.push_back(list.get(i));
+  return out;
+}
+
 at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& packed, at::IntArrayRef formats,
                          at::IntArrayRef outs, at::IntArrayRef splits, const c10::List<std::optional<at::Tensor>>& biases,
                          const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps, const at::Tensor& cos,
@@ -132,40 +194,53 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& pac
                          const std::optional<at::Tensor>& mask, double scale, int64_t n_heads, int64_t n_kv_heads,
                          int64_t isa) {
   TORCH_CHECK(packed.size() == 4 && splits.size() == 4 && biases.size() == 4, "decoder_layer: four linear layers");
-  TORCH_CHECK(x.dim() == 3 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "decoder_layer: x must be [B, T, hidden] and the caches' head axis contiguous");
-  TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4 && cos.stride(3) == 1 && sin.stride(3) == 1 &&
-                  cos.size(2) == x.size(1) && sin.size(2) == x.size(1) && cos.size(3) == k_cache.size(-1) &&
-                  sin.size(3) == k_cache.size(-1) && cos.scalar_type() == x.scalar_type() &&
-                  sin.scalar_type() == x.scalar_type(),
-              "decoder_layer: cos/sin must be [1 or B, 1, T, D] in x's dtype");
-  const Linears linear{packed, formats, outs, splits, biases, isa};
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_heads, Hkv = n_kv_heads, D = k_cache.size(-1);
-  TORCH_CHECK(D % 2 == 0 && k_cache.size(2) >= start + T && v_cache.size(2) >= start + T,
-              "decoder_layer: the caches must hold slots [start, start + T)");
-  TORCH_CHECK((cos.size(0) == 1 || cos.size(0) == B) && (sin.size(0) == 1 || sin.size(0) == B),
-              "decoder_layer: cos/sin must have 1 or B rows of positions");
-  const at::Tensor x2 = x.contiguous().view({B * T, C});
-  const at::Tensor qkv = linear(0, ops().rms_norm.call(x2, attn_norm, eps));
-  at::Tensor q = at::empty({B, H, T, D}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decoder_layer_rope", [&] {
-    rope_and_cache<scalar_t>(qkv, cos, sin, q, k_cache, v_cache, start, B, T, H, Hkv, D);
-  });
-  const int64_t width = mask.has_value() ? mask->size(-1) : start + T;
-  const at::Tensor a = ops().attention.call(q, k_cache.narrow(2, 0, width), v_cache.narrow(2, 0, width), mask, scale, isa);
-  const at::Tensor heads = a.transpose(1, 2).reshape({B * T, H * D});  // [B, H, T, D] -> rows of H * D
-  at::Tensor x1 = at::empty_like(x2), out = at::empty_like(x2);
-  const at::Tensor o = linear(1, heads);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decoder_layer_residual", [&] {
-    residual<scalar_t>(x2, o, x1);
-  });
-  const at::Tensor gate_up = linear(2, ops().rms_norm.call(x1, mlp_norm, eps));
-  const std::vector<at::Tensor> g_u = gate_up.chunk(2, -1);
-  const at::Tensor down = linear(3, at::silu(g_u[0]) * g_u[1]);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decoder_layer_residual", [&] {
-    residual<scalar_t>(x1, down, out);
-  });
-  return out.view({B, T, C});
+  const PassArgs p{eps, cos, sin, start, mask, scale, n_heads, n_kv_heads, isa};
+  check_pass(x, p, k_cache, v_cache);
+  const std::vector<std::optional<at::Tensor>> bias = optional_list(biases);
+  const Linears linear{packed.data(), formats, outs, splits.data(), bias.data(), isa};
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  return layer_rows(x.contiguous().view({B * T, C}), B, T, linear, attn_norm, mlp_norm, k_cache, v_cache, p)
+      .view({B, T, C});
+}
+
+// Every layer of a pass in one call: layer l's four linear layers are packed[4l .. 4l + 4), their segments the
+// next sum(splits[4l .. 4l + 4)) entries of formats/outs.  Why: one call per layer cost about 50-70 us of Python
+// argument boxing and dispatch (measured on the AVX2 EPYC, SmolLM2-135M's 30 layers at one row).
+at::Tensor decoder_layers(const at::Tensor& x, const std::vector<at::Tensor>& packed, at::IntArrayRef formats,
+                          at::IntArrayRef outs, at::IntArrayRef splits, const c10::List<std::optional<at::Tensor>>& biases,
+                          const std::vector<at::Tensor>& attn_norms, const std::vector<at::Tensor>& mlp_norms, double eps,
+                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_caches, at::Tensor v_caches,
+                          int64_t start, const std::optional<at::Tensor>& mask,
+                          double scale, int64_t n_heads, int64_t n_kv_heads, int64_t isa) {
+  const size_t L = attn_norms.size();
+  TORCH_CHECK(packed.size() == 4 * L && splits.size() == 4 * L && biases.size() == 4 * L && mlp_norms.size() == L &&
+                  k_caches.dim() == 5 && v_caches.dim() == 5 && k_caches.size(0) == static_cast<int64_t>(L) &&
+                  v_caches.size(0) == static_cast<int64_t>(L),
+              "decoder_layers: four linear layers and two norms per layer, caches [layers, B, Hkv, S, D]");
+  std::vector<at::Tensor> keys, values;
+  for (size_t l = 0; l < L; ++l) {
+    keys.push_back(k_caches.select(0, l));
+    values.push_back(v_caches.select(0, l));
+  }
+  const PassArgs p{eps, cos, sin, start, mask, scale, n_heads, n_kv_heads, isa};
+  check_pass(x, p, keys[0], values[0]);
+  int64_t segments = 0;
+  for (int64_t n : splits) segments += n;
+  TORCH_CHECK(segments == static_cast<int64_t>(formats.size()) && formats.size() == outs.size(),
+              "decoder_layers: one format and output count per segment");
+  const std::vector<std::optional<at::Tensor>> bias = optional_list(biases);
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  at::Tensor rows = x.contiguous().view({B * T, C});
+  int64_t first = 0;
+  for (size_t l = 0; l < L; ++l) {
+    const int64_t* sp = splits.data() + 4 * l;
+    const int64_t n = sp[0] + sp[1] + sp[2] + sp[3];
+    const Linears linear{packed.data() + 4 * l, formats.slice(first, n), outs.slice(first, n), sp, bias.data() + 4 * l,
+                         isa};
+    rows = layer_rows(rows, B, T, linear, attn_norms[l], mlp_norms[l], keys[l], values[l], p);
+    first += n;
+  }
+  return rows.view({B, T, C});
 }
 
 }  // namespace
@@ -174,6 +249,12 @@ TORCH_LIBRARY_FRAGMENT(stagedspec_qlinear, m) {
   m.def("decoder_layer(Tensor x, Tensor[] packed, int[] formats, int[] outs, int[] splits, Tensor?[] biases, "
         "Tensor attn_norm, Tensor mlp_norm, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, int start, Tensor? mask, float scale, int n_heads, int n_kv_heads, int isa) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] packed, int[] formats, int[] outs, int[] splits, Tensor?[] biases, "
+        "Tensor[] attn_norms, Tensor[] mlp_norms, float eps, Tensor cos, Tensor sin, Tensor(a!) k_caches, "
+        "Tensor(b!) v_caches, int start, Tensor? mask, float scale, int n_heads, int n_kv_heads, int isa) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(stagedspec_qlinear, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_IMPL(stagedspec_qlinear, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layers", &decoder_layers);
+}

@@ -95,6 +95,17 @@ class NativeKernels:
                                                           eps, cos, sin, k_cache, v_cache, start, mask, scale, n_heads,
                                                           n_kv_heads, self.isa)
 
+    def decoder_layers(self, x: torch.Tensor, packed: list[torch.Tensor], formats: list[int], outs: list[int],
+                       splits: list[int], biases: list[torch.Tensor | None], attn_norms: list[torch.Tensor],
+                       mlp_norms: list[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       k_caches: torch.Tensor, v_caches: torch.Tensor, start: int, mask: torch.Tensor | None,
+                       scale: float, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+        """Every decoder layer of a pass in one call (`layer.cpp`): `decoder_layer` for each, the same bits.
+        Layer l owns packed[4l:4l+4], splits[4l:4l+4], biases[4l:4l+4] and caches [l] ([layers, B, Hkv, S, D])."""
+        return torch.ops.stagedspec_qlinear.decoder_layers(x, packed, formats, outs, splits, biases, attn_norms,
+                                                           mlp_norms, eps, cos, sin, k_caches, v_caches, start, mask,
+                                                           scale, n_heads, n_kv_heads, self.isa)
+
     def with_isa(self, isa: int) -> NativeKernels:
         """The same kernels on another instruction set (tests compare them bit for bit)."""
         return NativeKernels(isa)
@@ -159,6 +170,7 @@ def _register_fakes() -> None:
     torch.library.register_fake(f"{lib}::rms_norm", lambda x, w, eps: torch.empty_like(x))
     torch.library.register_fake(f"{lib}::attention", lambda q, k, v, bias, scale, isa=-1: torch.empty_like(q))
     torch.library.register_fake(f"{lib}::decoder_layer", lambda x, *args: torch.empty_like(x))
+    torch.library.register_fake(f"{lib}::decoder_layers", lambda x, *args: torch.empty_like(x))
 
 
 def _registered() -> bool:

@@ -242,6 +242,46 @@ class NativeDecoderLayer:
                                           mask, self.scale, self.n_heads, self.n_kv_heads)
 
 
+class NativeLayerStack:
+    """Every block of a model run as one native call (`NativeKernels.decoder_layers`), the blocks' arguments
+    gathered once: the same operations and bits as one `NativeDecoderLayer` call per block.
+
+    Why: a call per block cost about 50-70 us of Python argument boxing and dispatch (measured on an AMD EPYC,
+    Zen 3, AVX2, 2 threads: SmolLM2-135M's 30 layers at one row), beside a 12 ms pass.
+    """
+
+    def __init__(self, layers: list[NativeDecoderLayer]) -> None:
+        first = layers[0]
+        self.layers = layers
+        self.kernels = first.kernels
+        self.packed = [p for layer in layers for p in layer.packed]
+        self.formats = [f for layer in layers for f in layer.formats]
+        self.outs = [n for layer in layers for n in layer.outs]
+        self.splits = [n for layer in layers for n in layer.splits]
+        self.biases = [b for layer in layers for b in layer.biases]
+        self.attn_norms = [layer.attn_norm for layer in layers]
+        self.mlp_norms = [layer.mlp_norm for layer in layers]
+        self.eps, self.scale = first.eps, first.scale
+        self.n_heads, self.n_kv_heads = first.n_heads, first.n_kv_heads
+
+    @classmethod
+    def of(cls, blocks: list[nn.Module]) -> NativeLayerStack | None:
+        """The stack of `blocks` where every one runs as a `NativeDecoderLayer` with the same shared settings."""
+        layers = [getattr(b, "native_layer", None) for b in blocks]
+        if not layers or not all(isinstance(layer, NativeDecoderLayer) for layer in layers):
+            return None
+        shared = {(layer.eps, layer.scale, layer.n_heads, layer.n_kv_heads, layer.kernels.isa) for layer in layers}
+        return cls(layers) if len(shared) == 1 else None
+
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], k_caches: Tensor, v_caches: Tensor, start: int,
+                 mask: Tensor | None) -> Tensor:
+        """x [B, T, hidden] through every block; k_caches / v_caches [layers, B, Hkv, S, D]."""
+        cos, sin = rope
+        return self.kernels.decoder_layers(x, self.packed, self.formats, self.outs, self.splits, self.biases,
+                                           self.attn_norms, self.mlp_norms, self.eps, cos, sin, k_caches, v_caches,
+                                           start, mask, self.scale, self.n_heads, self.n_kv_heads)
+
+
 def _segments(layer: nn.Module) -> tuple[list[int], list[int]]:
     if isinstance(layer, SegmentLinear):
         return layer.formats, layer.outs
@@ -467,7 +507,8 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype = torch.bfloa
 
 def run_rest_natively(model: nn.Module, kernels: NativeKernels) -> None:
     """Norms and attention on the native kernels (each row computed alone), and eligible blocks as one native
-    call each (`NativeDecoderLayer`), for a model whose linear layers already run on them.  In place."""
+    call each (`NativeDecoderLayer`), all of them as one call where every block is eligible (`NativeLayerStack`),
+    for a model whose linear layers already run on them.  In place."""
     from stagedspec.models.transformer import Attention, RMSNorm
 
     _swap_layers(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernels))
@@ -476,6 +517,7 @@ def run_rest_natively(model: nn.Module, kernels: NativeKernels) -> None:
             m.native_attention = kernels
     for block in model.layers:
         block.native_layer = NativeDecoderLayer(block, kernels) if fusable(block) else None
+    model.native_stack = NativeLayerStack.of(list(model.layers))
 
 
 def dequantized_copy(module: nn.Module) -> nn.Module:
@@ -489,6 +531,8 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     for m in module.modules():
         if getattr(m, "native_layer", None) is not None:
             m.native_layer = None  # it would still run the quantised copies
+        if getattr(m, "native_stack", None) is not None:
+            m.native_stack = None
     return module
 
 

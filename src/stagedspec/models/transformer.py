@@ -290,6 +290,9 @@ class Transformer(nn.Module):
         self.head_q: nn.Module | None = None
         # Which kernel and padded row count the head runs per row count (`models.matmul_plan`); None: `F.linear`.
         self.head_row_plan: tuple[tuple[bool, int], ...] | None = None
+        # Set by `models.quant.run_rest_natively` where every block runs natively: all blocks as one C++ call
+        # (`quant.NativeLayerStack`, the same bits as a call per block).
+        self.native_stack: Callable[..., Tensor] | None = None
         if cfg.arch != "gpt2":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -387,6 +390,8 @@ class Transformer(nn.Module):
             local = self._local_mask(bool_mask, positions, cache, start + T)
             if local is not None:
                 local_mask = self._attention_bias(local, x.dtype, groups)
+        if self.native_stack is not None and not isinstance(start, Tensor) and cache.k.dim() == 5:
+            return self._head(self.native_stack(x, rope, cache.k, cache.v, start, mask), logits_rows, return_hidden)
         for i, layer in enumerate(self.layers):
             if self.local and self.local[i]:
                 x = layer(x, local_rope, cache.k[i], cache.v[i], start, local_mask, row_independent)
