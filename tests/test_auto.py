@@ -698,3 +698,55 @@ def test_a_draft_far_behind_is_not_explored_but_an_ordinary_step_shares_its_catc
     far = {"tree": 64, "staged": 64}
     assert policy.choose(SamplingParams(), NO_LOOKUP_NOW, explore=True, backlog=far, remaining=100) == Arm("ar")
     assert policy.choose(SamplingParams(), NO_LOOKUP_NOW, backlog=far, remaining=1000).kind in ("tree", "staged")
+
+
+def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_restores_their_pace() -> None:
+    """While `ar` wins the priced step after each exploration, the gap between explorations doubles up to
+    `EXPLORE_MAX_GAP`; a priced step that chooses a speculative arm brings it back to `EXPLORE_EVERY`."""
+    from stagedspec.auto import EXPLORE_EVERY, EXPLORE_MAX_GAP, AutoDrafter
+
+    class Drafter:
+        forward_passes = 0
+
+        def begin(self, prompt):  # noqa: ANN001, ANN201
+            pass
+
+        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+            return TokenTree.chain(context[-1], [5])
+
+    tree, plain = Arm("tree", 2), Arm("ar")
+    policy = AutoPolicy([plain, tree], FLAT)
+    d = Drafter()
+    drafter = AutoDrafter(policy, {plain: (d, []), tree: (d, [])})
+    priced: list[bool] = []
+    speculate_at: set[int] = set()
+
+    def choose(sampling, lengths, max_nodes=None, load=None, probe_plain=False, explore=False, **_):  # noqa: ANN001, ANN202
+        priced.append(explore)
+        return tree if explore or len(priced) in speculate_at else plain
+
+    policy.choose = choose
+    context = [1, 2, 3]
+    drafter.begin(context)
+    for _ in range(1200):
+        drafter.propose(context, SamplingParams(), None, 8)
+        drafter.verified(0.01)
+        context = context + [4]
+    explored = [i for i, e in enumerate(priced) if e]
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert explored[0] == EXPLORE_EVERY - 1
+    assert gaps[:3] == [2 * EXPLORE_EVERY + 1, 4 * EXPLORE_EVERY + 1, 8 * EXPLORE_EVERY + 1]
+    assert max(gaps) == EXPLORE_MAX_GAP + 1 and gaps[-1] == EXPLORE_MAX_GAP + 1
+
+    # a priced step that speculates on its own merits (the one after the third exploration) restores the pace
+    third = explored[2]
+    priced.clear()
+    speculate_at.add(third + 2)  # `len(priced)` counts from 1
+    drafter2 = AutoDrafter(policy, {plain: (d, []), tree: (d, [])})
+    drafter2.begin(context)
+    for _ in range(600):
+        drafter2.propose(context, SamplingParams(), None, 8)
+        drafter2.verified(0.01)
+        context = context + [4]
+    again = [i for i, e in enumerate(priced) if e]
+    assert again[:3] == explored[:3] and again[3] - again[2] == EXPLORE_EVERY + 1

@@ -42,7 +42,13 @@ arm judged on one unlucky step could be written off for good.  Every
 steps it ran), UCB-style), twice in a row so that its drafting time is
 measured on a warm draft cache: a step whose drafter did not run the step
 before pays for catching up on the tokens decoded meanwhile, which is not
-the arm's price and is not learned as such.
+the arm's price and is not learned as such.  An exploration that does not
+convince (the next priced step chooses `ar` again) doubles the gap to the
+next one, up to `EXPLORE_MAX_GAP`; a priced step that chooses a speculative
+arm resets it.  Where plain decoding keeps winning, as for SmolLM2 on an AVX2
+EPYC, each exploration cost about two slow steps (a model draft catching up
+on the context, then a warm repeat) in every eight priced ones: 7-9% of a
+mostly-`ar` request's time there (2026-11-26).
 
 In the batched server (`stagedspec.server`) a request's step is part of a
 round whose passes it shares with the other running requests, so an arm is
@@ -93,6 +99,7 @@ PRIOR_ACCEPTANCE = {"context": 0.5, "ngram": 0.3, "draft": 0.6}
 PRIOR_WEIGHT = 2.0
 ARM_PRIOR_STEPS = 10.0  # how many steps' worth the model's prediction counts against an arm's own record
 EXPLORE_EVERY = 8  # every this many priced steps, run the arm with the highest optimistic rate ...
+EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the priced step after an exploration
 EXPLORE_WIDTH = 0.5  # ... its calibration raised by this / sqrt(1 + steps it ran), twice in a row (the first
 # step may catch its draft up, and its drafting time is then not learned)
 SECOND_CHOICE = 0.5  # P(a node's next child is right | the ones before it were wrong) / the first's P(right)
@@ -815,7 +822,9 @@ class AutoDrafter:
         self._plain_streak = 0  # consecutive steps that ran `ar`
         self._since_plain = 0  # steps since `ar` last ran (its step time last measured)
         self._probe_tick = 0
-        self._priced = 0  # steps whose arm was priced (every `EXPLORE_EVERY`-th explores)
+        self._until_explore = EXPLORE_EVERY  # priced steps until the next exploration
+        self._explore_gap = EXPLORE_EVERY  # priced steps between explorations (doubled while they fail)
+        self._explored = False  # an exploration ran since the last priced step
         self._exploring: Arm | None = None  # the arm an exploration runs again next step
         self._last_drafter: Any = None  # the drafter of the last step
         self._synced: dict[int, int] = {}  # id(drafter) -> context length when it last proposed
@@ -880,12 +889,13 @@ class AutoDrafter:
             # arm.  On a GPU that pricing is a few percent of a 3 ms step.  Decided by the history alone.
             arm = self.policy.choose_plain()
         else:
-            self._priced += 1
-            explore = self._priced % EXPLORE_EVERY == 0
+            self._until_explore -= 1
+            explore = self._until_explore <= 0
             backlog = {a.kind: len(context) - self._synced.get(id(self.arms[a][0]), 0)
                        for a in self.policy.arms if a.kind in ("tree", "staged")}
             arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe,
                                      explore=explore, backlog=backlog, remaining=max_tokens)
+            self._pace_exploration(arm, explore)
             if explore and arm.kind != "ar":
                 self._exploring = arm
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
@@ -904,6 +914,22 @@ class AutoDrafter:
                            alone=self.shared_load is None, started=t0, lookup_lengths=lengths)
         self._last_drafter = drafter
         return tree
+
+    def _pace_exploration(self, arm: Arm, explore: bool) -> None:
+        """Count down to the next exploration: the gap doubles when `ar` wins the first priced step after an
+        exploration of another arm, and returns to `EXPLORE_EVERY` when a priced step chooses to speculate.
+        Decided by the history of choices alone."""
+        if explore:
+            self._until_explore = self._explore_gap
+            self._explored = arm.kind != "ar"
+            return
+        if arm.kind != "ar":
+            self._explore_gap = EXPLORE_EVERY
+            self._until_explore = min(self._until_explore, self._explore_gap)
+        elif self._explored:
+            self._explore_gap = min(EXPLORE_MAX_GAP, 2 * self._explore_gap)
+            self._until_explore = self._explore_gap
+        self._explored = False
 
     def verified(self, seconds: float) -> None:
         """The loop's report of how long the oracle took to score and verify this drafter's last tree."""
