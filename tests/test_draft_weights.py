@@ -67,9 +67,14 @@ def test_spec_suffix_names_a_format() -> None:
     assert split_weights_suffix("@int8") == ("@int8", None)
 
 
-def test_bad_settings_are_named() -> None:
+def test_bad_settings_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stagedspec.draft_weights as draft_weights
+
     with pytest.raises(StagedSpecError, match="unknown --draft-weights 'int3'"):
         check_draft_weights("int3", torch.bfloat16, "cpu")
+    with pytest.raises(StagedSpecError, match="native CPU kernels only"):
+        check_draft_weights("mixed", torch.float32, "cuda")
+    monkeypatch.setattr(draft_weights, "native_kernels", lambda quiet=False: None)
     with pytest.raises(StagedSpecError, match="computes in bf16"):
         check_draft_weights("int8", torch.float32, "cpu")
     with pytest.raises(StagedSpecError, match="CPU kernels only"):
@@ -117,7 +122,10 @@ def test_a_row_switching_layer_is_int8_up_to_its_rows_and_dense_above() -> None:
     assert not any(t is layer.dense_weight for t in layer.buffers())  # not counted as streamed
 
 
-def test_rules_without_measuring(tmp_path: Path) -> None:
+def test_rules_without_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import stagedspec.draft_weights as draft_weights
+
+    monkeypatch.setattr(draft_weights, "native_kernels", lambda quiet=False: None)  # int8 in fp32 needs them
     never = _fake_measure({1: float("nan")}, float("nan"))
     cache = tmp_path / "c.json"
     # fp32 (the reference dtype): no int8 kernel applies
@@ -189,8 +197,11 @@ def test_greedy_output_with_an_int8_draft_is_ar_bit_for_bit(kw: dict, max_rows: 
 
 
 @pytest.mark.real_model
-def test_cli_staged_with_an_int8_draft_on_bf16_is_ar(capsys: pytest.CaptureFixture[str]) -> None:
-    """The main job's command with `--draft-weights int8` on the bf16 oracle: the same tokens as `ar`."""
+def test_cli_staged_with_an_int8_draft_on_bf16_is_ar(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main job's command with `--draft-weights int8` on the bf16 oracle: the same tokens as `ar`; in fp32
+    without the native kernels (PyTorch's int8 kernel computes in bf16), a one-line refusal."""
+    import stagedspec.draft_weights as draft_weights
     from stagedspec.cli import main
 
     common = ["generate", "Write a function that reverses a string.", "--chat", "--dtype", "bf16", "--bit-exact",
@@ -200,6 +211,7 @@ def test_cli_staged_with_an_int8_draft_on_bf16_is_ar(capsys: pytest.CaptureFixtu
     assert main([*common, "--method", "ar"]) == 0
     ar = json.loads(capsys.readouterr().out)
     assert staged["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) > 0
+    monkeypatch.setattr(draft_weights, "native_kernels", lambda quiet=False: None)
     assert main([*common, "--method", "staged", "--draft", "default", "--draft-weights", "int8", "--dtype",
                  "fp32"]) == 2
     assert "--draft-weights int8 computes in bf16" in capsys.readouterr().err
@@ -225,3 +237,50 @@ def test_the_server_keeps_native_draft_weights_unless_the_oracle_is_quantised(mo
     engine.Engine.load("default", ["default"], spec, quant="int4")
     engine.Engine.load("default", ["default"], spec, quant="none", draft_weights="int8")
     assert seen == ["native", "auto", "int8"]
+
+
+def test_a_quantised_gguf_draft_under_a_quantised_oracle_runs_its_own_formats_or_int8_as_measured(
+        tmp_path: Path) -> None:
+    """With a loader of the draft in its GGUF's own formats, auto times those and int8 once (cached) and runs
+    the faster at 1-4 rows; `mixed` asks for them, and is refused where the draft has no such source."""
+    from stagedspec.models.quant import quantize_model
+
+    cfg = _oracle().config
+    oracle = quantize_model(init_random(Transformer(cfg), seed=3).eval().requires_grad_(False), "int4")
+
+    def load() -> Transformer:
+        return init_random(Transformer(cfg), seed=4).eval().requires_grad_(False)
+
+    def load_mixed() -> Transformer:
+        model = quantize_model(load(), "int8")
+        model.from_source = True  # stands for the GGUF's own formats here
+        return model
+
+    def measure(mixed_ms: float, int8_ms: float):  # noqa: ANN202
+        return lambda m: {r: (mixed_ms if getattr(m, "from_source", False) else int8_ms) / 1e3 for r in (1, 2, 4, 8)}
+
+    def no_timing(model: Transformer) -> dict[int, float]:
+        raise AssertionError("a cached choice is not measured again")
+
+    cache = tmp_path / "c.json"
+    draft = choose_draft_weights(load, oracle, "auto", measure=measure(1.0, 2.0), cache_file=cache, quiet=True,
+                                 load_mixed=load_mixed)
+    assert draft.weight_format == "mixed" and draft.from_source and "faster here than int8" in draft.weight_reason
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry["choice"] == "mixed" and entry["int8_ms"]["4"] == 2.0
+    again = choose_draft_weights(load, oracle, "auto", measure=no_timing, cache_file=cache, quiet=True,
+                                 load_mixed=load_mixed)
+    assert again.weight_format == "mixed" and again.from_source
+
+    other = tmp_path / "other.json"
+    slower = choose_draft_weights(load, oracle, "auto", measure=measure(3.0, 2.0), cache_file=other, quiet=True,
+                                  load_mixed=load_mixed)
+    assert slower.weight_format == "int8" and _is_int8(slower) and not getattr(slower, "from_source", False)
+    cached = choose_draft_weights(load, oracle, "auto", measure=no_timing, cache_file=other, quiet=True,
+                                  load_mixed=load_mixed)
+    assert cached.weight_format == "int8" and _is_int8(cached)
+
+    asked = choose_draft_weights(load, oracle, "mixed", measure=no_timing, cache_file=cache, load_mixed=load_mixed)
+    assert asked.weight_format == "mixed" and asked.from_source
+    with pytest.raises(StagedSpecError, match="needs a draft GGUF with quantised weights"):
+        choose_draft_weights(load, oracle, "mixed", measure=no_timing, cache_file=cache)

@@ -83,10 +83,11 @@ def add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
     from stagedspec.draft_weights import DRAFT_WEIGHTS
 
     p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
-                   help="draft model weights: native (the --dtype), int8 (CPU, bf16), or auto (default): int8 with "
-                        "--quant, and with a bf16 oracle on a CPU whichever this machine runs faster, timed once and "
-                        "cached (serve: native, since its batched passes run many rows); the output never "
-                        "depends on it")
+                   help="draft model weights: native (the --dtype), int8 (CPU, bf16), mixed (a quantised GGUF "
+                        "draft's own formats, CPU), or auto (default): with --quant, int8, or for a quantised GGUF "
+                        "draft whichever of mixed and int8 this machine runs faster; with a bf16 oracle on a CPU "
+                        "whichever of native and int8 runs faster; timed once and cached (serve: native, since its "
+                        "batched passes run many rows); the output never depends on it")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:

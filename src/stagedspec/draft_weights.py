@@ -16,7 +16,10 @@ machine (cached next to the cost profiles), and runs int8 for the passes of
 up to as many rows as it was faster at, the dense weights for bigger ones
 (`models.quant.RowSwitchLinear`; a draft's prompt pass is a whole prompt).  A quantised oracle keeps the earlier rule (its draft
 runs on int8, measured then: same acceptance, `staged` 1.29x instead of 1.22x
-int4 `ar`).
+int4 `ar`), unless the draft is itself a quantised GGUF: then its own formats
+(`--quant mixed`: Q5_0, Q4_K, Q6_K and Q8_0 kept exactly) and int8 are timed
+once, and the faster at 1-4 rows runs.  Qwen2.5-Coder-0.5B's file streams
+about 400 MB a pass in its own formats against 525 MB as int8.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from torch import nn
 
 from stagedspec import hardware, measured_cache
 from stagedspec.errors import StagedSpecError
+from stagedspec.kernels.native import native_kernels
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import cache_root
 
-DRAFT_WEIGHTS = ("auto", "native", "int8")
+DRAFT_WEIGHTS = ("auto", "native", "int8", "mixed")
+MIXED_ROWS = (1, 2, 4)  # the passes a draft runs most (a chain's tokens, a tree's levels): mixed vs int8 by these
 MEASURED_ROWS = (1, 2, 4, 8, 16)  # a draft decodes one token, or checks a chain / tree level of a few
 INT8_MARGIN = 0.9  # int8 must be at least 10% faster than the native format at a row count (timing noise)
 
@@ -51,12 +56,14 @@ def check_draft_weights(weights: str, dtype: torch.dtype, device: str) -> None:
     """A clear error for a --draft-weights value the kernels cannot run."""
     if weights not in DRAFT_WEIGHTS:
         raise StagedSpecError(f"unknown --draft-weights {weights!r}: use one of {', '.join(DRAFT_WEIGHTS)}")
+    if weights == "mixed" and not str(device).startswith("cpu"):
+        raise StagedSpecError(f"--draft-weights mixed runs on the native CPU kernels only; on {device} use native")
     if weights != "int8":
         return
     if not str(device).startswith("cpu"):
         raise StagedSpecError(f"--draft-weights int8 runs on PyTorch's CPU kernels only; on {device} use native")
-    if dtype != torch.bfloat16:
-        raise StagedSpecError("--draft-weights int8 computes in bf16; use --dtype bf16 "
+    if dtype != torch.bfloat16 and native_kernels(quiet=True) is None:  # the native kernels take fp32 too
+        raise StagedSpecError("--draft-weights int8 computes in bf16 without the native kernels; use --dtype bf16 "
                               "(fp32 is for reference runs)")
 
 
@@ -110,20 +117,31 @@ def choose_draft_weights(
     measure: Callable[[Transformer], dict[int, float]] | None = None,
     cache_file: Path | None = None,
     quiet: bool = False,
+    load_mixed: Callable[[], Transformer] | None = None,
 ) -> Transformer:
     """The draft from `load()`, on the weights `weights` asks for ("auto": the faster on this machine).
 
-    The chosen format and why are left on the draft as `weight_format`
-    ("native" or "int8") and `weight_reason`.  `measure` times a draft's
+    `load_mixed`: the draft in its quantised GGUF's own formats (None: its
+    source is not a quantised GGUF).  The chosen format and why are left on
+    the draft as `weight_format` ("native", "int8" or "mixed") and `weight_reason`.  `measure` times a draft's
     passes by row count (default: `costs.forward_cost_curve` at
     `MEASURED_ROWS`); `cache_file` keeps auto's measured choices (default:
     under the cost-profile folder).
     """
     from stagedspec.models.feature_draft import is_feature_draft
 
+    if weights == "mixed":
+        if load_mixed is None:
+            raise StagedSpecError("--draft-weights mixed needs a draft GGUF with quantised weights")
+        draft = load_mixed()
+        check_draft_weights(weights, draft.embed.weight.dtype, str(draft.embed.weight.device))
+        return _mark(draft, "mixed", "asked for")
     draft = load()
     dtype, device = draft.embed.weight.dtype, str(draft.embed.weight.device)
     check_draft_weights(weights, dtype, device)
+    if weights == "auto" and oracle.quantised and load_mixed is not None and not shares_oracle_layers(draft, oracle):
+        return _mixed_or_int8(draft, load_mixed, oracle, measure or _default_measure, cache_file or _cache_file(),
+                              quiet)
     if weights == "int8" or (weights == "auto" and oracle.quantised):
         if shares_oracle_layers(draft, oracle) and not oracle.quantised:  # only when int8 is asked for
             raise StagedSpecError("a layers:N draft runs the oracle's own layers: int8 draft weights would "
@@ -170,6 +188,34 @@ def forget_measured_choices(cache_file: Path | None = None) -> None:
     """Drop auto's cached choices (`stagedspec tune` re-measures everything)."""
     measured_cache.forget(cache_file or _cache_file())
 
+
+
+def _mixed_or_int8(draft: Transformer, load_mixed: Callable[[], Transformer], oracle: Transformer,
+                   measure: Callable[[Transformer], dict[int, float]], cache_file: Path, quiet: bool) -> Transformer:
+    """A quantised GGUF draft under a quantised oracle: its own formats or int8, whichever passes of `MIXED_ROWS`
+    rows take less time in all on this machine (timed once per draft and machine; cached)."""
+    key = _cache_key(draft) + "|mixed"
+    entry = measured_cache.read(cache_file).get(key)
+    if not isinstance(entry, dict) or entry.get("choice") not in ("mixed", "int8"):
+        if not quiet:
+            print("stagedspec: timing the draft's own GGUF formats and int8 on this machine (once; cached)...",
+                  file=sys.stderr, flush=True)
+        mixed = measure(load_mixed())
+        int8 = measure(to_int8(draft, oracle))
+        rows = [r for r in MIXED_ROWS if r in mixed and r in int8]
+        choice = "mixed" if sum(mixed[r] for r in rows) <= sum(int8[r] for r in rows) else "int8"
+        entry = {"choice": choice, "mixed_ms": {str(r): round(1e3 * t, 4) for r, t in sorted(mixed.items())},
+                 "int8_ms": {str(r): round(1e3 * t, 4) for r, t in sorted(int8.items())}}
+        data = measured_cache.read(cache_file)
+        data[key] = entry
+        measured_cache.write(cache_file, data)
+    timings = "; ".join(f"{r} rows {entry['mixed_ms'][r]:.2f} ms GGUF formats, {entry['int8_ms'][r]:.2f} ms int8"
+                        for r in map(str, MIXED_ROWS) if r in entry["mixed_ms"] and r in entry["int8_ms"])
+    if entry["choice"] == "mixed":
+        return _mark(load_mixed(), "mixed", f"the GGUF's own formats, faster here than int8 ({timings})")
+    if getattr(draft, "head_q", None) is None:  # not the copy timed above
+        draft = to_int8(draft, oracle)
+    return _mark(draft, "int8", f"int8, faster here than the GGUF's own formats ({timings})")
 
 
 def _measured_choice(draft: Transformer, load: Callable[[], Transformer], oracle: Transformer,

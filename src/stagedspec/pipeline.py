@@ -351,10 +351,28 @@ def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: to
 
     spec, own = split_weights_suffix(spec)
     weights = own or weights
-    return choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights)
+    return choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights,
+                                load_mixed=_mixed_loader(spec, oracle, oracle_tokenizer, dtype, device))
 
 
-def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str) -> Transformer:  # noqa: ANN001
+def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype,  # noqa: ANN001
+                  device: str) -> Callable[[], Transformer] | None:
+    """A loader of the draft `spec` in its quantised GGUF's own formats (`--quant mixed`), or None where its
+    source is not one (a distilled draft, `layers:N`, an HF folder, a float GGUF)."""
+    from stagedspec.models.quant import resolve_quant
+
+    if spec.startswith("layers:") or spec == "default" or (Path(spec) / "draft_config.json").exists():
+        return None
+    try:
+        if resolve_quant("auto", spec, device) != "mixed":
+            return None
+    except StagedSpecError:
+        return None  # a bad path: `_load_draft` names it
+    return lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device, quant="mixed")
+
+
+def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
+                quant: str = "none") -> Transformer:
     if spec.startswith("layers:"):
         try:
             n = int(spec.split(":", 1)[1])
@@ -375,7 +393,7 @@ def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.d
                                        dtype=dtype, device=device))
     from stagedspec.models.loading import load_model
 
-    draft, draft_tok = load_model(spec, dtype=dtype, device=device)
+    draft, draft_tok = load_model(spec, dtype=dtype, device=device, quant=quant)
     if draft.config.vocab_size != oracle.config.vocab_size or tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(
         oracle_tokenizer
     ):
