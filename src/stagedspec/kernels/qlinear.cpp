@@ -760,11 +760,57 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]); \
 }
 
-STAGEDSPEC_Q5_TILE(q5_tile_avx2_impl, "avx2,fma,f16c")
 STAGEDSPEC_Q5_TILE(q5_tile_vnni_impl, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 #undef STAGEDSPEC_Q5_TILE
 
-template <int RB> void q5_tile_avx2(const uint8_t* w, const RowsView& a, float* out) { q5_tile_avx2_impl<RB, false>(w, a, out); }
+// Q5_0 on AVX2 in the int4 tiles' order: code vectors 2h, 2h + 1 (inputs 8h..8h+7) and 2h + 4, 2h + 5 (inputs
+// 16 + 8h..) are unpacked once per row block and serve every row before the next four, so only four code
+// vectors and the rows' sums are live (all eight, held across rows, spilled).  Four vpmaddubsw results add to
+// at most 4 * 7874 = 31496 < 32767 in 16 bits; vpmaddwd widens each half group's, and the two halves add in 32
+// bits: the integer of the other paths, so the same bits.
+template <int RB>
+__attribute__((target("avx2,fma,f16c"))) void q5_tile_avx2(const uint8_t* w, const RowsView& a, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* x0 = a.q;
+  for (int64_t g = 0; g < a.G; ++g, w += kQ5Bytes, x0 += kGroup) {
+    prefetch_group(w, kQ5Bytes);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128));
+    __m256i isum[RB];
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      const __m256i n0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * half));
+      const __m256i n1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * half + 32));
+      const __m256i c0 = _mm256_or_si256(_mm256_and_si256(n0, low), half ? q5_high<2>(h) : q5_high<0>(h));
+      const __m256i c1 = _mm256_or_si256(_mm256_and_si256(n1, low), half ? q5_high<3>(h) : q5_high<1>(h));
+      const __m256i c4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), low),
+                                         half ? q5_high<6>(h) : q5_high<4>(h));
+      const __m256i c5 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), low),
+                                         half ? q5_high<7>(h) : q5_high<5>(h));
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = x0 + r * a.K + 8 * half;
+        const __m256i s = _mm256_add_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(x)), _mm256_maddubs_epi16(c1, broadcast4(x + 4))),
+            _mm256_add_epi16(_mm256_maddubs_epi16(c4, broadcast4(x + 16)), _mm256_maddubs_epi16(c5, broadcast4(x + 20))));
+        const __m256i t = _mm256_madd_epi16(s, ones);
+        isum[r] = half == 0 ? t : _mm256_add_epi32(isum[r], t);
+      }
+      pin<RB>(isum);
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 160)));
+    const __m256 mw = _mm256_mul_ps(dw, _mm256_set1_ps(-16.f));
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
+}
 template <int RB> void q5_tile_vnni(const uint8_t* w, const RowsView& a, float* out) { q5_tile_vnni_impl<RB, true>(w, a, out); }
 #endif
 
