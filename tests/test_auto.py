@@ -717,7 +717,6 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
     tree, plain = Arm("tree", 2), Arm("ar")
     policy = AutoPolicy([plain, tree], FLAT)
     d = Drafter()
-    drafter = AutoDrafter(policy, {plain: (d, []), tree: (d, [])})
     priced: list[bool] = []
     speculate_at: set[int] = set()
 
@@ -726,27 +725,26 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
         return tree if explore or len(priced) in speculate_at else plain
 
     policy.choose = choose
-    context = [1, 2, 3]
-    drafter.begin(context)
-    for _ in range(1200):
-        drafter.propose(context, SamplingParams(), None, 8)
-        drafter.verified(0.01)
-        context = context + [4]
-    explored = [i for i, e in enumerate(priced) if e]
+
+    def explorations(steps: int) -> list[int]:
+        """Run a fresh `AutoDrafter` for `steps` steps: the priced steps (counted from 0) that explored."""
+        priced.clear()
+        drafter = AutoDrafter(policy, {plain: (d, []), tree: (d, [])})
+        context = [1, 2, 3]
+        drafter.begin(context)
+        for _ in range(steps):
+            drafter.propose(context, SamplingParams(), None, 8)
+            drafter.verified(0.01)
+            context = context + [4]
+        return [i for i, e in enumerate(priced) if e]
+
+    explored = explorations(1200)
     gaps = [b - a for a, b in zip(explored, explored[1:])]
     assert explored[0] == EXPLORE_EVERY - 1
     assert gaps[:3] == [2 * EXPLORE_EVERY + 1, 4 * EXPLORE_EVERY + 1, 8 * EXPLORE_EVERY + 1]
     assert max(gaps) == EXPLORE_MAX_GAP + 1 and gaps[-1] == EXPLORE_MAX_GAP + 1
 
     # a priced step that speculates on its own merits (the one after the third exploration) restores the pace
-    third = explored[2]
-    priced.clear()
-    speculate_at.add(third + 2)  # `len(priced)` counts from 1
-    drafter2 = AutoDrafter(policy, {plain: (d, []), tree: (d, [])})
-    drafter2.begin(context)
-    for _ in range(600):
-        drafter2.propose(context, SamplingParams(), None, 8)
-        drafter2.verified(0.01)
-        context = context + [4]
-    again = [i for i, e in enumerate(priced) if e]
+    speculate_at.add(explored[2] + 2)  # `len(priced)` counts from 1
+    again = explorations(600)
     assert again[:3] == explored[:3] and again[3] - again[2] == EXPLORE_EVERY + 1
