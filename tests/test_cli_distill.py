@@ -392,9 +392,12 @@ def test_samples_cache_is_shared_between_runs(oracle_dir: Path, corpus: list[str
 
 
 def test_eval_draft_compares_a_drafts_weight_formats_in_one_run(oracle_dir: Path, corpus: list[str],
-                                                                tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                                                ) -> None:
-    """`--draft D@native,D@int8` (bf16): two columns on the same oracle replies, each naming its weights."""
+                                                                tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--draft D@native,D@int8` (bf16): two columns on the same oracle replies, each naming its weights; int8 in
+    fp32 without the native kernels is refused in one line."""
+    import stagedspec.draft_weights as draft_weights
+
     out = tmp_path / "draft"
     assert run(distill_args(oracle_dir, corpus, out, "--device", "cpu")) == 0
     prompts = tmp_path / "prompts.txt"
@@ -406,6 +409,7 @@ def test_eval_draft_compares_a_drafts_weight_formats_in_one_run(oracle_dir: Path
     native, int8 = json.loads(capsys.readouterr().out)["drafts"]
     assert (native["weights"], int8["weights"]) == ("native", "int8")
     assert native["positions"] == int8["positions"] > 0
+    monkeypatch.setattr(draft_weights, "native_kernels", lambda quiet=False: None)
     assert run(["eval-draft", "--oracle", str(oracle_dir), "--prompts", str(prompts), "--draft", str(out),
                 "--dtype", "fp32", "--draft-weights", "int8"]) == 2
     assert "--draft-weights int8 computes in bf16" in capsys.readouterr().err
