@@ -170,7 +170,8 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_group_avx2(const float* x
 }
 #endif
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa) {
+// `packed_halves`: also fill `hn` (only the AVX2 Q6_K tile reads it).
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa, bool packed_halves) {
   QuantizedRows out;
   out.rows = rows;
   out.K = K;
@@ -179,7 +180,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
   out.d.resize(rows * out.G);
   out.s.resize(rows * out.G);
   out.h.resize(rows * out.G * 2);
-  out.hn.resize(rows * out.G);
+  if (packed_halves) out.hn.resize(rows * out.G);
   const int64_t G = out.G;
   at::parallel_for(0, rows * G, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -195,6 +196,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
       quantize_group_scalar(src, q, &out.d[i], &out.s[i], &out.h[2 * i]);
     }
     // |sum| <= 16 * 127 = 2032, so the negated sums fit 16 bits each
+    if (!packed_halves) return;
     for (int64_t i = begin; i < end; ++i)
       out.hn[i] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(-out.h[2 * i])) |
                                        (static_cast<uint32_t>(static_cast<uint16_t>(-out.h[2 * i + 1])) << 16));
@@ -932,7 +934,8 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({R, N}, x.options());
   if (R == 0) return y;
-  const QuantizedRows qa = quantize_rows(xf.data_ptr<float>(), R, K, isa);
+  const bool q6k = std::find(formats.begin(), formats.end(), kQ6K) != formats.end();
+  const QuantizedRows qa = quantize_rows(xf.data_ptr<float>(), R, K, isa, q6k);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
@@ -953,7 +956,7 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
           const int64_t n = std::min(seg.table.block, rows - rb);
           const int64_t r = r0 + rb;
           const RowsView view{qa.q.data() + r * K, qa.d.data() + r * G, qa.s.data() + r * G,
-                              qa.h.data() + r * 2 * G, qa.hn.data() + r * G, K, G};
+                              qa.h.data() + r * 2 * G, qa.hn.empty() ? nullptr : qa.hn.data() + r * G, K, G};
           seg.table.fn[n](w, view, tmp);
           for (int64_t i = 0; i < n; ++i)
             for (int64_t o = 0; o < cols; ++o) {
