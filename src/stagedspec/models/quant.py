@@ -252,7 +252,6 @@ class NativeLayerStack:
 
     def __init__(self, layers: list[NativeDecoderLayer]) -> None:
         first = layers[0]
-        self.layers = layers
         self.kernels = first.kernels
         self.packed = [p for layer in layers for p in layer.packed]
         self.formats = [f for layer in layers for f in layer.formats]
