@@ -74,6 +74,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - arg
                        help="comma-separated speculation methods to compare (default: the server's own, then ar)")
     bench.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--llamacpp", default=None, metavar="MODEL",
+                       help="also run the same levels against llama.cpp's llama-server on MODEL's GGUF ('default', "
+                            "a named model such as qwen2.5-coder-1.5b, or a .gguf path), started here with -np = the "
+                            "top concurrency (build it with scripts/llamacpp/build.sh)")
+    bench.add_argument("--llamacpp-draft", default=None, metavar="DRAFT",
+                       help="with --llamacpp: also llama-server's draft-model speculation (-md) with this GGUF draft")
+    bench.add_argument("--llamacpp-threads", type=positive_int, default=None, metavar="N",
+                       help="llama-server's threads (default: the CPUs this process may use)")
+    bench.add_argument("--llamacpp-context", type=positive_int, default=4096, metavar="N",
+                       help="llama-server's context per request (slot)")
     bench.add_argument("--soak-minutes", type=_positive_float, default=None, metavar="M",
                        help="instead of the levels: keep the top concurrency busy for M minutes, count errors and "
                             "check that the server's resident memory stays flat after a warm-up (exit 1 if not)")

@@ -58,10 +58,13 @@ def _free_port() -> int:
 class LlamaServer:
     """One `llama-server` process on the loopback interface, started with `flags`, stopped by `close()`."""
 
-    def __init__(self, binary: Path, model: Path, flags: Sequence[str], threads: int, context: int) -> None:
+    def __init__(self, binary: Path, model: Path, flags: Sequence[str], threads: int, context: int,
+                 parallel: int = 1) -> None:
+        """`context`: tokens per request; `parallel`: requests served at once (`-np`, slots of `context` each)."""
         self.port = _free_port()
-        self.args = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(context),
-                     "--host", "127.0.0.1", "--port", str(self.port), "-np", "1", "--no-webui", *flags]
+        self.args = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads),
+                     "-c", str(context * parallel), "--host", "127.0.0.1", "--port", str(self.port),
+                     "-np", str(parallel), "--no-webui", *flags]
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -77,6 +80,11 @@ class LlamaServer:
             time.sleep(0.5)
         self.close()
         raise MethodSkipped(f"llama-server did not answer within {START_TIMEOUT_S:.0f} s")
+
+    @property
+    def url(self) -> str:
+        """The OpenAI-compatible base URL (`/v1`)."""
+        return f"http://127.0.0.1:{self.port}/v1"
 
     def complete(self, ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int) -> dict[str, Any]:
         greedy = sampling.greedy

@@ -7,6 +7,13 @@ with at most that many in flight.  Reported per level: aggregate tokens/s
 p95) and the mean accepted length (tokens per oracle step, from the
 `stagedspec` extension of the final chunk).
 
+`--llamacpp MODEL` also drives llama.cpp's `llama-server` (built by
+`scripts/llamacpp/build.sh`) on MODEL's GGUF, with the same prompts, token
+budget, thread count and concurrency levels, through the same client: plain
+decoding, and its draft-model speculation when `--llamacpp-draft` names a
+GGUF draft.  It serves `-np` = the top concurrency level, so every level
+runs its requests side by side as ours do.
+
 `--soak-minutes M` runs a soak instead: the top concurrency level kept busy
 for M minutes, every error counted, and the server's resident memory read
 from `/metrics` every `--soak-sample` seconds.  It passes when no request
@@ -103,22 +110,26 @@ async def _one(client: Any, model: str, prompt: str, args: argparse.Namespace, m
             messages=[{"role": "user", "content": chat_instruction(prompt)}], **common)
     else:
         stream = await client.completions.create(prompt=prompt, **common)
+    pieces = 0  # content chunks: the token count where a server sends no usage
     async for chunk in stream:
-        if first is None and chunk.choices:
+        if chunk.choices:
             piece = chunk.choices[0].delta.content if args.chat else chunk.choices[0].text
             if piece:
-                first = time.perf_counter() - t0
+                pieces += 1
+                if first is None:
+                    first = time.perf_counter() - t0
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         ext = (chunk.model_extra or {}).get("stagedspec")
         if ext and ext.get("mean_accepted_length"):
             mal = ext["mean_accepted_length"]
     seconds = time.perf_counter() - t0
+    tokens = tokens or pieces
     return RequestResult(tokens, seconds, first if first is not None else seconds, tokens / mal if mal else tokens)
 
 
 async def _level(client: Any, model: str, prompts: list[str], concurrency: int, n: int,
-                 args: argparse.Namespace, method: str | None) -> LevelResult:
+                 args: argparse.Namespace, method: str | None, label: str | None = None) -> LevelResult:
     gate = asyncio.Semaphore(concurrency)
 
     async def run(i: int) -> RequestResult:
@@ -132,7 +143,7 @@ async def _level(client: Any, model: str, prompts: list[str], concurrency: int, 
     steps = sum(r.steps for r in results)
     tps = [r.tokens / r.seconds for r in results if r.seconds > 0]
     ttft = [r.first_token_seconds for r in results]
-    return LevelResult(method or "server default", concurrency, n, tokens, wall, tokens / wall if wall else 0.0,
+    return LevelResult(label or method or "server default", concurrency, n, tokens, wall, tokens / wall if wall else 0.0,
                        percentile(ttft, 0.5), percentile(ttft, 0.95), percentile(tps, 0.5), percentile(tps, 0.95),
                        tokens / steps if steps else 0.0)
 
@@ -225,7 +236,65 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult] | SoakResult:
                     out.append(await _level(client, model, prompts, c, args.requests or 2 * c, args, method))
                 except openai.APIStatusError as e:
                     raise StagedSpecError(f"the server refused a request ({e.status_code}): {e.message}") from None
-        return out
+    if getattr(args, "llamacpp", None):
+        for label, flags in _llamacpp_variants(args):
+            out.extend(await _llamacpp_levels(args, prompts, levels, label, flags))
+    return out
+
+
+def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(label, llama-server flags): plain decoding, and draft-model speculation with `--llamacpp-draft`."""
+    from stagedspec.bench.llamacpp import SPEC_DRAFT_MAX
+    from stagedspec.bench.methods import gguf_for
+
+    variants = [("llama-server", [])]
+    if args.llamacpp_draft:
+        draft = gguf_for(args.llamacpp_draft)
+        if draft is None:
+            raise StagedSpecError(f"--llamacpp-draft {args.llamacpp_draft!r} is not a GGUF file or a named GGUF model")
+        variants.append(("llama-server -md", ["-md", str(draft), "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
+                                              "-td", str(_threads(args))]))
+    return variants
+
+
+def _threads(args: argparse.Namespace) -> int:
+    """llama-server's thread count: `--threads`, else what this process may use (its CPU affinity)."""
+    if getattr(args, "llamacpp_threads", None):
+        return int(args.llamacpp_threads)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+async def _llamacpp_levels(args: argparse.Namespace, prompts: list[str], levels: list[int], label: str,
+                           flags: list[str]) -> list[LevelResult]:
+    """The same levels against a `llama-server` started here on `--llamacpp`'s GGUF, then stopped."""
+    import openai
+
+    from stagedspec.bench.llamacpp import LlamaServer, bin_dir
+    from stagedspec.bench.methods import MethodSkipped, gguf_for
+
+    folder = bin_dir()
+    if folder is None:
+        raise StagedSpecError("llama.cpp is not built: run scripts/llamacpp/build.sh (or set STAGEDSPEC_LLAMACPP_BIN)")
+    gguf = gguf_for(args.llamacpp)
+    if gguf is None:
+        raise StagedSpecError(f"--llamacpp {args.llamacpp!r} is not a GGUF file or a named GGUF model")
+    try:
+        server = await asyncio.to_thread(LlamaServer, folder / "llama-server", gguf, flags, _threads(args),
+                                         args.llamacpp_context, max(levels))
+    except MethodSkipped as e:
+        raise StagedSpecError(str(e)) from None
+    try:
+        async with openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=600) as client:
+            model = (await client.models.list()).data[0].id
+            return [await _level(client, model, prompts, c, args.requests or 2 * c, args, None, label)
+                    for c in levels]
+    except openai.APIError as e:
+        raise StagedSpecError(f"llama-server failed a request: {e}") from None
+    finally:
+        server.close()
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -241,7 +310,19 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print(f"{r.method:>16} {r.concurrency:>4} {r.requests:>4} {r.tokens_per_second:>9.1f} {r.ttft_p50:>8.2f} "
               f"{r.ttft_p95:>8.2f} {r.request_tps_p50:>13.1f} {r.request_tps_p95:>7.1f} "
               f"{r.mean_accepted_length:>7.2f}")
+    theirs = [r for r in results if r.method.startswith("llama-server")]
+    results = [r for r in results if not r.method.startswith("llama-server")]
     methods = list(dict.fromkeys(r.method for r in results))
+    if theirs and methods:
+        by = {(r.method, r.concurrency): r for r in results + theirs}
+        for label in dict.fromkeys(r.method for r in theirs):
+            print(f"\n{methods[0]} vs {label}, aggregate tokens/s (TTFT p50):")
+            for c in sorted({r.concurrency for r in theirs}):
+                a, b = by.get((methods[0], c)), by.get((label, c))
+                if a and b and b.tokens_per_second:
+                    print(f"  concurrency {c}: {a.tokens_per_second:.1f} ({a.ttft_p50:.2f} s) vs "
+                          f"{b.tokens_per_second:.1f} ({b.ttft_p50:.2f} s) = "
+                          f"{a.tokens_per_second / b.tokens_per_second:.2f}x")
     if len(methods) >= 2:
         on, off = methods[0], methods[-1]
         by = {(r.method, r.concurrency): r for r in results}
