@@ -427,9 +427,9 @@ def tiny_pipeline(tmp_path_factory):  # noqa: ANN001, ANN201
     save_tiny_hf("llama_gqa", folder)
     model, tok = load_model(folder, dtype=torch.float32)
     flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])  # every arm gets its turn
-    pipe = Pipeline.from_loaded(model, tok, [truncated_copy(model, 1)], SpeculationConfig(method="auto"))
-    pipe._auto_policy = AutoPolicy(arms_for(True, True), flat)
-    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    pipe = Pipeline(model, tok, [truncated_copy(model, 1)], SpeculationConfig(method="auto"))
+    pipe.learned.set_policy("auto", AutoPolicy(arms_for(True, True), flat))
+    ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar"))
     return pipe, ar
 
 
@@ -452,7 +452,8 @@ def test_what_auto_learned_is_kept_for_the_next_process(tmp_path, monkeypatch) -
     """A new pipeline on the same machine and models starts from the saved statistics, not the priors."""
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.transformer import Transformer, init_random
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, auto_state_path, truncated_copy
+    from stagedspec.learned_state import auto_state_path
+    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
                       intermediate_size=32, max_position=400)
@@ -465,7 +466,7 @@ def test_what_auto_learned_is_kept_for_the_next_process(tmp_path, monkeypatch) -
             return ""
 
     def pipeline() -> Pipeline:
-        return Pipeline.from_loaded(model, Tok(), [truncated_copy(model, 1)], SpeculationConfig(method="auto"))
+        return Pipeline(model, Tok(), [truncated_copy(model, 1)], SpeculationConfig(method="auto"))
 
     first = pipeline()
     first.generate([1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=24)

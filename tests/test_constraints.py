@@ -56,9 +56,9 @@ def pipelines(tiny, private: bool = True) -> dict:  # noqa: ANN001
     out = {}
     for name, spec in configs.items():
         drafts = [] if name in ("ar", "lookup") else [draft]
-        out[name] = Pipeline.from_loaded(model, tok, drafts, spec)
+        out[name] = Pipeline(model, tok, drafts, spec)
     flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])  # every arm gets its turn
-    out["auto"]._auto_policy = AutoPolicy(arms_for(True, True), flat)
+    out["auto"].learned.set_policy("auto", AutoPolicy(arms_for(True, True), flat))
     return out
 
 

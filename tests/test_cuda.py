@@ -127,8 +127,8 @@ def test_default_model_greedy_fp32_identical_to_ar_with_graphs() -> None:
     prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
     outs = {}
     for method in ("ar", "tree", "lookup", "staged", "auto"):
-        pipe = Pipeline("default", "default" if method in ("tree", "staged") else None,
-                        speculation=SpeculationConfig(method=method, ngram=None), dtype="fp32", device="cuda")
+        pipe = Pipeline.load("default", "default" if method in ("tree", "staged") else None,
+                             speculation=SpeculationConfig(method=method, ngram=None), dtype="fp32", device="cuda")
         outs[method] = pipe.generate(prompt, max_new_tokens=48).token_ids
     for method, tokens in outs.items():
         assert tokens == outs["ar"], method

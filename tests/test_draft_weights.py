@@ -188,8 +188,8 @@ def test_greedy_output_with_an_int8_draft_is_ar_bit_for_bit(kw: dict, max_rows: 
 
     draft = to_int8(load(), oracle, max_rows)
     assert _is_int8(draft) if max_rows is None else _int8_rows(draft) == 2
-    ar = Pipeline.from_loaded(oracle, tok, speculation=SpeculationConfig(method="ar"))
-    pipe = Pipeline.from_loaded(oracle, tok, [draft], SpeculationConfig(**kw))
+    ar = Pipeline(oracle, tok, speculation=SpeculationConfig(method="ar"))
+    pipe = Pipeline(oracle, tok, [draft], SpeculationConfig(**kw))
     ar.bit_exact = pipe.bit_exact = True
     for prompt in ([1, 5, 9, 33, 2, 200, 17], [1, 40, 41, 42, 40, 41, 42, 40]):
         want = ar.generate(prompt, max_new_tokens=30).token_ids

@@ -103,13 +103,13 @@ def test_pipeline_runs_a_feature_draft_in_tree_staged_and_auto(tmp_path: Path) -
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     ref = generate_ar(oracle, prompt, max_new_tokens=30).token_ids
     for method in ("tree", "chain", "staged", "auto"):
-        pipe = Pipeline.from_loaded(oracle, tok, [draft], SpeculationConfig(method=method, tree_budget=8))
+        pipe = Pipeline(oracle, tok, [draft], SpeculationConfig(method=method, tree_budget=8))
         if method == "auto":  # every arm gets its turn, the feature tree and stage among them
             flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
-            pipe._auto_policy = AutoPolicy(arms_for(True, True), flat)
+            pipe.learned.set_policy("auto", AutoPolicy(arms_for(True, True), flat))
         assert pipe.generate(prompt, max_new_tokens=30).token_ids == ref, method
     # Below another stage it would read no oracle features: refused.
-    pipe = Pipeline.from_loaded(oracle, tok, [truncated_copy(oracle, 1), draft], SpeculationConfig(method="staged"))
+    pipe = Pipeline(oracle, tok, [truncated_copy(oracle, 1), draft], SpeculationConfig(method="staged"))
     with pytest.raises(StagedSpecError, match="top draft stage"):
         pipe.generate(prompt, max_new_tokens=4)
 

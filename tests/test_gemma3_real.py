@@ -163,7 +163,7 @@ def test_bundled_draft_is_found_by_the_oracles_tokenizer_and_keeps_greedy_exact(
     prompt = 'def is_prime(n: int) -> bool:\n    """Return True if n is a prime number."""\n'
     outputs = {}
     for method in ("ar", "tree", "staged"):
-        pipe = Pipeline("gemma3-270m", None if method == "ar" else "default",
-                        speculation=SpeculationConfig(method=method), dtype="fp32")
+        pipe = Pipeline.load("gemma3-270m", None if method == "ar" else "default",
+                             speculation=SpeculationConfig(method=method), dtype="fp32")
         outputs[method] = pipe.generate(pipe.encode(prompt), max_new_tokens=32).token_ids
     assert outputs["tree"] == outputs["ar"] and outputs["staged"] == outputs["ar"]

@@ -199,8 +199,8 @@ def test_greedy_output_with_planned_kernels_is_ar(plan: str, kw: dict, tmp_path:
     mp.plan_matmuls(oracle, measure=measure, cache_file=tmp_path / "p.json")
     draft = DraftModel(oracle, layers=[0], head_tokens=torch.arange(200), dtype=torch.float32).eval()
     mp.plan_matmuls(draft, measure=measure, cache_file=tmp_path / "p.json")
-    ar = Pipeline.from_loaded(oracle, tok, speculation=SpeculationConfig(method="ar"))
-    pipe = Pipeline.from_loaded(oracle, tok, [draft], SpeculationConfig(**kw))
+    ar = Pipeline(oracle, tok, speculation=SpeculationConfig(method="ar"))
+    pipe = Pipeline(oracle, tok, [draft], SpeculationConfig(**kw))
     for prompt in ([1, 5, 9, 33, 2, 200, 17], [1, 40, 41, 42, 40, 41, 42, 40]):
         want = ar.generate(prompt, max_new_tokens=30).token_ids
         assert pipe.generate(prompt, max_new_tokens=30).token_ids == want

@@ -148,10 +148,10 @@ def test_int4_speculation_reproduces_int4_ar_bit_exact(int4_default, method: str
 
     model, tok = int4_default
     prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(2)]
-    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar"))
     ar.bit_exact = True
     draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
-    pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))
+    pipe = Pipeline(model, tok, [draft], SpeculationConfig(**kw))
     pipe.bit_exact = True
     for ids in prompts[:1] if method == "tree" else prompts:  # a tree: one prompt (~25 s on two busy cores)
         assert pipe.generate(ids, max_new_tokens=40).token_ids == ar.generate(ids, max_new_tokens=40).token_ids

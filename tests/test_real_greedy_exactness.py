@@ -33,7 +33,7 @@ def setup():  # noqa: ANN201
 
     model, tok = load_model("default", dtype=torch.float32)
     prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(N_PROMPTS)]
-    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar"))
     refs = [ar.generate(ids, max_new_tokens=NEW_TOKENS).token_ids for ids in prompts]
     return model, tok, prompts, refs, load_ngram("default", tok)
 
@@ -67,14 +67,14 @@ METHODS = [
 def test_greedy_tokens_identical_to_ar(setup, name: str, drafts: str, kw: dict) -> None:  # noqa: ANN001
     model, tok, prompts, refs, ngram = setup
     spec = SpeculationConfig(**kw)
-    pipe = Pipeline.from_loaded(model, tok, _drafts(model, drafts) if drafts else [], spec,
+    pipe = Pipeline(model, tok, _drafts(model, drafts) if drafts else [], spec,
                                 ngram if spec.ngram else None)
     if name == "auto-flat-costs":  # every arm looks worth running: trees, staged and lookup all take turns
         from stagedspec.auto import AutoPolicy, arms_for
         from stagedspec.costs import CostProfile
 
         flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
-        pipe._auto_policy = AutoPolicy(arms_for(True, True), flat)
+        pipe.learned.set_policy("auto", AutoPolicy(arms_for(True, True), flat))
     drafted = 0
     cases = list(zip(prompts, refs))
     for ids, ref in cases[:4] if name.startswith("auto") else cases:  # auto: 4 prompts keep CI's time in bounds
@@ -150,7 +150,7 @@ def bf16_refs(bf16_setup):  # noqa: ANN001, ANN201
     """`ar`'s bf16 greedy tokens with `bit_exact` (the reference runs with the same flag: row-by-row attention),
     once for all the cases below (a bf16 pass is slow on a CPU without native bf16)."""
     model, tok, prompts = bf16_setup
-    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar"))
     ar.bit_exact = True
     return [ar.generate(ids, max_new_tokens=48).token_ids for ids in prompts]
 
@@ -162,7 +162,7 @@ def test_bf16_bit_exact_output_identical_to_ar(bf16_setup, bf16_refs, name: str,
 
     model, tok, prompts = bf16_setup
     draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
-    pipe = Pipeline.from_loaded(model, tok, [draft], SpeculationConfig(**kw))
+    pipe = Pipeline(model, tok, [draft], SpeculationConfig(**kw))
     pipe.bit_exact = True
     for ids, ref in zip(prompts, bf16_refs):
         assert pipe.generate(ids, max_new_tokens=48).token_ids == ref, name
@@ -186,11 +186,11 @@ def test_greedy_tokens_identical_to_ar_with_forced_kernel_plans(kind: str, tmp_p
     drafts = [plan_matmuls(d, measure=forced_timings(kind), cache_file=tmp_path / "plan.json")
               for d in _drafts(model, "default")]
     prompts = [tok.encode(tok.apply_chat_template(chat_instruction(p))) for p in humaneval_prompts(2)]
-    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar"))
     refs = [ar.generate(ids, max_new_tokens=40).token_ids for ids in prompts]
     ngram = load_ngram("default", tok)
     for method in ("tree", "staged"):
         spec = SpeculationConfig(method=method, ngram="default" if method == "staged" else None)
-        pipe = Pipeline.from_loaded(model, tok, drafts, spec, ngram if spec.ngram else None)
+        pipe = Pipeline(model, tok, drafts, spec, ngram if spec.ngram else None)
         for ids, ref in zip(prompts, refs):
             assert pipe.generate(ids, max_new_tokens=40).token_ids == ref, f"{method} with the {kind} plan diverged"

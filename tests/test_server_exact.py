@@ -88,7 +88,7 @@ def solo_runner(folder, dtype: torch.dtype, bit_exact: bool = False):  # noqa: A
     draft = truncated_copy(model, 1)
 
     def run(case: str, prompt: str, max_tokens: int, sampling: SamplingParams, seed: int | None):  # noqa: ANN202
-        pipe = Pipeline.from_loaded(model, tok, [draft], solo_spec(case))
+        pipe = Pipeline(model, tok, [draft], solo_spec(case))
         pipe.bit_exact = bit_exact
         out = pipe.generate(prompt, max_new_tokens=max_tokens, sampling=sampling, seed=seed)
         return out.token_ids, out.text

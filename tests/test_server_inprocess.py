@@ -261,7 +261,7 @@ def test_batched_memory_pressure_shrinks_running_trees_and_output_stays_exact(en
     assert infos[2]["speculation_off_steps"] > 0
     assert sched.metrics.requests["completed"] == 3 and sched.metrics.queued == 0
     for p, j, info in zip(prompts, (a, b, c), infos):
-        solo = Pipeline.from_loaded(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
+        solo = Pipeline(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
             p, max_new_tokens=j.max_tokens)
         assert info["token_ids"] == solo.token_ids
     assert sched.metrics.ragged_passes > 0 and sched.metrics.ragged_segments > sched.metrics.ragged_passes
@@ -329,7 +329,7 @@ def test_feature_draft_passes_join_the_ragged_passes(feature_engine, method, mon
     infos = [ev[-1][2] for ev in events]
     assert [ev[-1][0] for ev in events] == ["done"] * 5
     for p, info in zip(prompts, infos):
-        solo = Pipeline.from_loaded(eng.model, eng.tokenizer, [draft], spec).generate(p, max_new_tokens=12)
+        solo = Pipeline(eng.model, eng.tokenizer, [draft], spec).generate(p, max_new_tokens=12)
         assert info["token_ids"] == solo.token_ids
     draft_calls = sum(row["forward_passes"] for info in infos for row in info["stages"] if row["stage"] == "draft")
     assert draft_calls == sum(seen["draft"]) > 0  # every draft pass went through a ragged pass ...
@@ -345,6 +345,7 @@ def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, m
     import dataclasses
 
     from stagedspec.auto import AutoPolicy, SharedLoad
+    from stagedspec.learned_state import LearnedState
 
     seen: list[tuple[int, SharedLoad | None]] = []
     real = AutoPolicy.choose
@@ -354,7 +355,7 @@ def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, m
         return real(self, sampling, lookup_lengths, max_nodes, load, **kw)
 
     monkeypatch.setattr(AutoPolicy, "choose", choose)
-    eng = dataclasses.replace(engine, auto_policy=None, speculation=SpeculationConfig(method="auto"))
+    eng = dataclasses.replace(engine, learned=LearnedState(), speculation=SpeculationConfig(method="auto"))
     spec = SpeculationConfig(method="auto")
     prompts = [engine.tokenizer.encode(p) for p in ("Hello the", "in the in", "def f(x):", "1 2 3 4")]
     jobs = [job(p, 10 + 3 * i, spec) for i, p in enumerate(prompts)]
@@ -371,6 +372,6 @@ def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, m
     assert all(load is None for kind, load in seen if kind == 1)  # the seeded request: priced alone
     for j, ev in zip([*jobs, seeded], events):
         assert ev[-1][0] == "done"
-        solo = Pipeline.from_loaded(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
+        solo = Pipeline(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
             j.prompt_ids, max_new_tokens=j.max_tokens, sampling=j.sampling, seed=j.seed)
         assert ev[-1][2]["token_ids"] == solo.token_ids

@@ -15,11 +15,11 @@ import torch
 from stagedspec.auto import AutoDrafter, AutoPolicy, arms_for
 from stagedspec.costs import CostProfile
 from stagedspec.errors import StagedSpecError
+from stagedspec.learned_state import auto_state_path
 from stagedspec.pipeline import (
     MEASURED_METHODS,
     Pipeline,
     SpeculationConfig,
-    auto_state_path,
     choose_sizing,
     truncated_copy,
 )
@@ -91,15 +91,15 @@ def tiny(tmp_path_factory):  # noqa: ANN001, ANN201
 def _measured(tiny, method: str) -> Pipeline:  # noqa: ANN001
     model, tok, draft = tiny
     drafts = [] if method == "lookup" else [draft]
-    pipe = Pipeline.from_loaded(model, tok, drafts, SpeculationConfig(method=method, sizing="measured"))
-    pipe._sized_policies = {method: AutoPolicy(arms_for(True, bool(drafts), "cpu", method), FLAT)}
+    pipe = Pipeline(model, tok, drafts, SpeculationConfig(method=method, sizing="measured"))
+    pipe.learned.set_policy(method, AutoPolicy(arms_for(True, bool(drafts), "cpu", method), FLAT))
     return pipe
 
 
 @pytest.mark.parametrize("method", MEASURED_METHODS)
 def test_measured_methods_are_exact_and_run_their_own_arms(tiny, method: str) -> None:  # noqa: ANN001
     model, tok, _ = tiny
-    ar = Pipeline.from_loaded(model, tok, speculation=SpeculationConfig(method="ar"))
+    ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar"))
     pipe = _measured(tiny, method)
     drafter = pipe.drafter(64)
     assert isinstance(drafter, AutoDrafter) and {a.kind for a in drafter.policy.arms} == {"ar", method}
@@ -127,7 +127,7 @@ def test_each_measured_method_keeps_its_own_learned_state(tiny) -> None:  # noqa
     paths = set()
     for method in ("auto", "tree", "lookup"):
         spec = SpeculationConfig(method=method, sizing="measured")
-        pipe = Pipeline.from_loaded(model, tok, [] if method == "lookup" else [draft], spec)
+        pipe = Pipeline(model, tok, [] if method == "lookup" else [draft], spec)
         pipe.generate(PROMPT, max_new_tokens=12)
         policy = pipe.sized_policy(method)
         assert {a.kind for a in policy.arms} <= ({"ar", method} if method != "auto" else {"ar", "lookup", "tree",
@@ -135,7 +135,7 @@ def test_each_measured_method_keeps_its_own_learned_state(tiny) -> None:  # noqa
         path = auto_state_path(policy.profile.key, method)
         assert path.exists()
         paths.add(path)
-        again = Pipeline.from_loaded(model, tok, [] if method == "lookup" else [draft], spec)
+        again = Pipeline(model, tok, [] if method == "lookup" else [draft], spec)
         assert again.sized_policy(method).state()["greedy"]["chains"] == policy.state()["greedy"]["chains"]
     assert len(paths) == 3
 

@@ -70,8 +70,9 @@ def run(args: argparse.Namespace, export_dir: Path) -> int:
     assistant.generation_config.assistant_confidence_threshold = 0.0  # propose all K tokens, as a chain does
     passes = oracle_pass_counter(oracle)
 
-    pipe = Pipeline("default", ["default"], speculation=SpeculationConfig(method="chain", chain_length=args.draft_tokens),
-                    dtype=args.dtype, quant="none", draft_weights="native")
+    pipe = Pipeline.load("default", ["default"],
+                         speculation=SpeculationConfig(method="chain", chain_length=args.draft_tokens),
+                         dtype=args.dtype, quant="none", draft_weights="native")
     tok = pipe.tokenizer
 
     warm = torch.tensor([tok.encode("def f(x):")])

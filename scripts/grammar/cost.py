@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
 
-    base = Pipeline("default", ["default"], speculation=SpeculationConfig(method="tree"), dtype=args.dtype)
+    base = Pipeline.load("default", ["default"], speculation=SpeculationConfig(method="tree"), dtype=args.dtype)
     controls = LogitControls(grammar=GrammarSpec.json_schema(SCHEMA))
     base.grammar_compiler()  # built once (about a second), outside the timings
     prompts = PROMPTS[: args.prompts]
@@ -56,7 +56,7 @@ def main() -> None:
         spec = SpeculationConfig(method=method, ngram=None) if method in ("lookup", "staged") \
             else SpeculationConfig(method=method)
         drafts = [] if method in ("ar", "lookup") else base.draft_models
-        pipe = Pipeline.from_loaded(base.model, base.tokenizer, drafts, spec)
+        pipe = Pipeline(base.model, base.tokenizer, drafts, spec)
         pipe._grammar_compiler = base._grammar_compiler  # noqa: SLF001 - share the built vocabulary
         for label, ctl in (("free", None), ("json-schema", controls)):
             tokens = seconds = 0.0

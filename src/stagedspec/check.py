@@ -341,7 +341,7 @@ class _Loaded:
 
         spec = SpeculationConfig.tuned(method, self.quant, ngram="given" if self.ngram is not None else None)
         drafts = [] if method in ("ar", "lookup") else self.drafts
-        pipe = Pipeline.from_loaded(self.model, self.tokenizer, drafts, spec, self.ngram)
+        pipe = Pipeline(self.model, self.tokenizer, drafts, spec, self.ngram)
         pipe.bit_exact = bit_exact
         return pipe
 

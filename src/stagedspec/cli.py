@@ -137,8 +137,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     oracle, drafts, spec = speculation_from(args)
     method = spec.method
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    pipe = Pipeline(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant,
-                    draft_weights=args.draft_weights)
+    pipe = Pipeline.load(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant,
+                         draft_weights=args.draft_weights)
     pipe.bit_exact = args.bit_exact
     pipe.threads = args.threads
     if args.dtype == "auto":
@@ -247,8 +247,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     forget_measured_choices()  # re-time the drafts' weight formats too
     forget_measured_plans()  # and the fp32 matmul kernels
     args.quant = resolve_quant(args.quant, args.oracle, args.device)
-    pipe = Pipeline(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
-                    dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights)
+    pipe = Pipeline.load(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
+                         dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights)
     if args.threads != "auto":
         import torch
 

@@ -494,8 +494,8 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
         raise StagedSpecError(f"no prompts in {args.prompts} from offset {args.offset}")
     spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
                 chain_length=args.chain_length, tree_growth=args.tree_growth)
-    pipe = Pipeline(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec), dtype=args.dtype,
-                    device=device, draft_weights=args.draft_weights)
+    pipe = Pipeline.load(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec),
+                         dtype=args.dtype, device=device, draft_weights=args.draft_weights)
     models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device,
                                                     args.draft_weights) for d in drafts[1:]]
     chat = pipe.tokenizer.chat_template is not None  # as the bench: base models get the raw prompt

@@ -6,8 +6,6 @@ means the same thing everywhere.
 
 from __future__ import annotations
 
-import copy
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ from stagedspec.generation import (
     context_budget,
     speculative_generate,
 )
+from stagedspec.learned_state import LearnedState
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import draft_cache_len
 from stagedspec.sampling import SamplingParams
@@ -302,7 +301,8 @@ def parse_stages(specs: Sequence[str]) -> tuple[str, list[str], str | None, bool
 
 
 def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
-    """The oracle's first `n_layers` layers with its embeddings, final norm and head (shared, not copied).
+    """The oracle's first `n_layers` layers with its embeddings, final norm and head (shared, not copied:
+    `Transformer.truncated_copy`).
 
     A weak but always-available draft that shares the vocabulary by construction.
     """
@@ -310,24 +310,7 @@ def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
         raise StagedSpecError(
             f"a truncated draft needs 1..{oracle.config.n_layers - 1} layers, got {n_layers}"
         )
-    cfg = copy.copy(oracle.config)
-    cfg.n_layers = n_layers
-    cfg.local_layers = list(cfg.local_layers[:n_layers])
-    draft = Transformer.__new__(Transformer)
-    torch.nn.Module.__init__(draft)
-    draft.config = cfg
-    draft.embed, draft.pos_embed, draft.norm, draft.lm_head = oracle.embed, oracle.pos_embed, oracle.norm, oracle.lm_head
-    draft.head_q = oracle.head_q
-    draft.head_row_plan = getattr(oracle, "head_row_plan", None)  # the oracle's layers and head: its kernel plan
-    if hasattr(oracle, "matmul_plan_signature"):
-        draft.matmul_plan_signature = oracle.matmul_plan_signature
-    draft.layers = torch.nn.ModuleList(list(oracle.layers)[:n_layers])
-    draft.native_stack = None if oracle.native_stack is None else type(oracle.native_stack).of(list(draft.layers))
-    draft.local, draft.embed_scale = list(oracle.local[:n_layers]), oracle.embed_scale
-    for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):
-        if hasattr(oracle, name):
-            draft.register_buffer(name, getattr(oracle, name), persistent=False)
-    return draft
+    return oracle.truncated_copy(n_layers)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:  # noqa: ANN001 - any stagedspec Tokenizer
@@ -404,6 +387,28 @@ def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.d
     return draft
 
 
+def draft_specs(method: str, draft: str | Sequence[str] | None, oracle: str, tokenizer) -> list[str]:
+    """The draft specs `method` runs with, from `draft` (one spec, or for `staged` a list from the stage below
+    the oracle downwards): none for `ar` and `lookup`; for `auto` with none given, the draft shipped for the
+    oracle (`--draft default`, found by `tokenizer`) or the oracle's named pair (`models.named`), if any."""
+    drafts = [draft] if isinstance(draft, str) else list(draft or [])
+    if method in ("chain", "tree") and len(drafts) != 1:
+        raise StagedSpecError(f"method {method!r} needs exactly one draft: pass --draft SPEC")
+    if method == "staged" and not drafts:
+        raise StagedSpecError("method 'staged' needs at least one draft model stage (--draft or --stages); "
+                              "for model-free drafting use --method lookup")
+    if method in ("ar", "lookup"):
+        return []
+    if method == "auto" and not drafts:
+        from stagedspec.models.draft import bundled_draft_for
+        from stagedspec.models.named import paired_draft
+
+        pair = paired_draft(oracle) if isinstance(oracle, str) else None
+        bundled = bundled_draft_for(tokenizer_fingerprint(tokenizer)) is not None
+        drafts = ["default"] if bundled else [pair] if pair else []
+    return drafts
+
+
 def tree_drafter(model: Transformer, **kwargs: Any) -> Drafter:
     """The tree/chain drafter for `model`: a `FeatureDrafter` for a feature draft, else a `ModelDrafter`."""
     from stagedspec.models.feature_draft import is_feature_draft
@@ -418,21 +423,50 @@ def tree_drafter(model: Transformer, **kwargs: Any) -> Drafter:
 
 
 class Pipeline:
-    """An oracle, its tokenizer and (optionally) a draft, ready to generate.
+    """An oracle, its tokenizer and (optionally) draft models, ready to generate.
+
+    Its parts: the loaded models (`model`, `tokenizer`, `draft_models`, `ngram`), what it learns about
+    this machine (`learned`, a `LearnedState`, which the server shares between its requests' pipelines),
+    and per request the drafter its `speculation` asks for (`drafter`).  `Pipeline.load` loads the
+    models from specs (paths, names); the constructor takes models already in memory.
 
     `bit_exact = True` makes greedy output bit-identical, for every method, to
     plain decoding with the same flag, in bf16 and on quantised weights too
     (see `ModelOracle`), at a cost in speed.
     """
 
-    bit_exact: bool = False
-    _pass_seconds: dict[int, float] | None = None  # measured oracle pass costs (see `pass_seconds`)
-    _auto_policy = None  # what `--method auto` has learned, kept across requests (see `stagedspec.auto`)
-    _sized_policies: dict | None = None  # the same for each measured method (`sized_policy`)
-    dtype_reason: str = "as asked"  # why this dtype (`--dtype auto` asks the hardware)
-    _grammar_compiler: GrammarCompiler | None = None  # the tokenizer as the grammar library sees it (`grammar_compiler`)
-    threads: str | int = "auto"  # "auto": follow the machine's load where results allow (`thread_governor`); N: fixed
-    _governor: ThreadGovernor | None = None
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer,  # noqa: ANN001 - stagedspec Tokenizer
+        draft_models: Sequence[Transformer] = (),
+        speculation: SpeculationConfig | None = None,
+        ngram=None,  # noqa: ANN001 - NgramModel
+        *,
+        learned: LearnedState | None = None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        dtype_reason: str = "as asked",
+    ) -> None:
+        """A pipeline over models already in memory (benchmarks and tests run many methods on one load).
+
+        `learned`: the pass costs and policies to use and add to (the server gives every request's pipeline
+        its one; default: a new one).  `device` and `dtype` default to those of the oracle's weights;
+        `dtype_reason` says why that dtype (`--dtype auto` asks the hardware)."""
+        self.speculation = speculation or SpeculationConfig()
+        self.model, self.tokenizer = model, tokenizer
+        self.device = device if device is not None else str(model.embed.weight.device)
+        self.dtype = dtype if dtype is not None else model.embed.weight.dtype
+        self.dtype_reason = dtype_reason
+        self.draft_models = list(draft_models)
+        self.draft_model = self.draft_models[0] if self.draft_models else None
+        self.ngram = ngram
+        self.learned = learned if learned is not None else LearnedState()
+        self.bit_exact = False
+        # "auto": follow the machine's load where results allow (`thread_governor`); N: fixed
+        self.threads: str | int = "auto"
+        self._governor: ThreadGovernor | None = None
+        self._grammar_compiler: GrammarCompiler | None = None  # the tokenizer as the grammar library sees it
 
     @property
     def weights_description(self) -> str:
@@ -441,8 +475,9 @@ class Pipeline:
 
         return describe_weights(self.model)
 
-    def __init__(
-        self,
+    @classmethod
+    def load(
+        cls,
         oracle: str = "default",
         draft: str | Sequence[str] | None = None,
         *,
@@ -451,9 +486,11 @@ class Pipeline:
         device: str = "cpu",
         quant: str = "none",
         draft_weights: str = "auto",
-    ) -> None:
-        """`draft` is one spec, or for `staged` a list from the stage below the oracle downwards.
+    ) -> Pipeline:
+        """A pipeline over the models named by specs: loads the oracle, then the drafts `speculation.method`
+        runs with (`draft_specs`), then the n-gram, and checks they make that method.
 
+        `draft` is one spec, or for `staged` a list from the stage below the oracle downwards.
         `quant` ("int4", "int8") runs the oracle's layers on quantised weights (CPU, bf16; see
         `stagedspec.models.quant`); speculation stays exact with respect to that quantised oracle.
         Drafts then run on int8 weights; on a bf16 CPU oracle `draft_weights="auto"` runs them on int8
@@ -464,78 +501,34 @@ class Pipeline:
         (SmolLM2-135M-Instruct, Gemma-3-270m)."""
         from stagedspec.models.loading import load_model
 
-        self.speculation = s = speculation or SpeculationConfig()
-        self.device = check_device(device)
+        s = speculation or SpeculationConfig()
+        device = check_device(device)
         from stagedspec.models.quant import resolve_quant
 
-        quant = resolve_quant(quant, oracle, self.device)  # "auto", as the CLI takes it, for library callers too
-        self.dtype, self.dtype_reason = resolve_dtype(dtype, self.device, quant)
-        self.model, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device, quant=quant)
-        drafts = [draft] if isinstance(draft, str) else list(draft or [])
-        if s.method in ("chain", "tree") and len(drafts) != 1:
-            raise StagedSpecError(f"method {s.method!r} needs exactly one draft: pass --draft SPEC")
-        if s.method == "ar":
-            drafts = []
-        if s.method == "staged" and not drafts:
-            raise StagedSpecError("method 'staged' needs at least one draft model stage (--draft or --stages); "
-                                  "for model-free drafting use --method lookup")
-        if s.method == "lookup":
-            drafts = []
-        if s.method == "auto" and not drafts:
-            from stagedspec.models.named import paired_draft
-
-            pair = paired_draft(oracle) if isinstance(oracle, str) else None
-            drafts = ["default"] if self.has_bundled_draft else [pair] if pair else []
-        self.draft_models = [load_draft_model(d, self.model, self.tokenizer, self.dtype, self.device, draft_weights)
-                             for d in drafts]
-        self.draft_model = self.draft_models[0] if self.draft_models else None
+        quant = resolve_quant(quant, oracle, device)  # "auto", as the CLI takes it, for library callers too
+        torch_dtype, dtype_reason = resolve_dtype(dtype, device, quant)
+        model, tokenizer = load_model(oracle, dtype=torch_dtype, device=device, quant=quant)
+        draft_models = [load_draft_model(d, model, tokenizer, torch_dtype, device, draft_weights)
+                        for d in draft_specs(s.method, draft, oracle, tokenizer)]
         from stagedspec.models.feature_draft import is_feature_draft
 
-        if any(is_feature_draft(m) for m in self.draft_models[1:]):
+        if any(is_feature_draft(m) for m in draft_models[1:]):
             raise StagedSpecError("a feature draft can only be the first --draft (the stage right below the oracle): "
                                   "only the oracle computes the hidden states it reads")
-        self.ngram = None
+        ngram = None
         if s.method in ("lookup", "staged", "auto") and s.ngram is not None:
             from stagedspec.drafters.ngram_files import load_ngram
 
-            self.ngram = load_ngram(s.ngram, self.tokenizer)
-        if s.method in ("lookup", "staged") and self.ngram is None and not s.context:
+            ngram = load_ngram(s.ngram, tokenizer)
+        if s.method in ("lookup", "staged") and ngram is None and not s.context:
             raise StagedSpecError(f"method {s.method!r} needs a bottom stage: an n-gram (--ngram) or prompt lookup")
-
-    @classmethod
-    def from_loaded(
-        cls,
-        model: Transformer,
-        tokenizer,  # noqa: ANN001 - stagedspec Tokenizer
-        draft_models: Sequence[Transformer] = (),
-        speculation: SpeculationConfig | None = None,
-        ngram=None,  # noqa: ANN001 - NgramModel
-    ) -> "Pipeline":
-        """A pipeline over models already in memory (benchmarks and tests run many methods on one load)."""
-        self = cls.__new__(cls)
-        self.speculation = speculation or SpeculationConfig()
-        self.model, self.tokenizer = model, tokenizer
-        self.device, self.dtype = str(model.embed.weight.device), model.embed.weight.dtype
-        self.draft_models = list(draft_models)
-        self.draft_model = self.draft_models[0] if self.draft_models else None
-        self.ngram = ngram
-        return self
+        return cls(model, tokenizer, draft_models, s, ngram, device=device, dtype=torch_dtype,
+                   dtype_reason=dtype_reason)
 
     def pass_seconds(self, max_rows: int) -> dict[int, float]:
-        """Seconds of one oracle pass per number of rows, measured once per pipeline (about a second).
-
-        The adaptive tree budget prices trees with it: what verification
-        costs depends on this machine's kernels, dtype and threads.
-        """
-        cached = self._pass_seconds
-        if cached is None or max(cached) < max_rows:
-            from stagedspec.costs import forward_cost_curve
-
-            sizes = sorted({r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if r < max_rows} | {max_rows})
-            context = min(256, self.model.config.max_position - max_rows - 1)
-            cached = forward_cost_curve(self.model, sizes=sizes, context=max(1, context), repeats=3)
-            self._pass_seconds = cached
-        return cached
+        """Seconds of one oracle pass per number of rows (`LearnedState.pass_seconds`: measured once, about a
+        second).  The adaptive tree budget prices trees with it."""
+        return self.learned.pass_seconds(self.model, max_rows)
 
     def cost_profile(self, remeasure: bool = False, quiet: bool = False):  # noqa: ANN201 - costs.CostProfile
         """This machine's pass costs for these models (cached on disk; measured at first use)."""
@@ -545,55 +538,17 @@ class Pipeline:
 
     def auto_policy(self):  # noqa: ANN201 - auto.AutoPolicy
         """The `--method auto` policy of this pipeline, created at first use and kept across requests."""
-        if self._auto_policy is None:
-            self._auto_policy = self._new_policy("auto")
-        return self._auto_policy
+        return self.sized_policy("auto")
 
     def sized_policy(self, method: str):  # noqa: ANN201 - auto.AutoPolicy
         """The policy that sizes a measured `method` (`SpeculationConfig.sizing`): `auto`'s, restricted to
-        `ar` and that method's arms, with its own learned state; created at first use, kept across requests."""
-        if method == "auto":
-            return self.auto_policy()
-        if self._sized_policies is None:
-            self._sized_policies = {}
-        if method not in self._sized_policies:
-            self._sized_policies[method] = self._new_policy(method)
-        return self._sized_policies[method]
+        `ar` and that method's arms, with its own learned state; created at first use (`LearnedState.policy`),
+        kept across requests."""
+        from stagedspec.auto import arms_for
 
-    def _new_policy(self, method: str):  # noqa: ANN202 - auto.AutoPolicy
-        from stagedspec.auto import AutoPolicy, arms_for
-
-        s = self.speculation
-        arms = arms_for(self.ngram is not None or s.context, bool(self.draft_models), self.device,
+        arms = arms_for(self.ngram is not None or self.speculation.context, bool(self.draft_models), self.device,
                         sized_method(method))
-        policy = AutoPolicy(arms, self.cost_profile())
-        try:  # what an earlier process learned on this machine with these models
-            policy.restore(json.loads(auto_state_path(policy.profile.key, method).read_text()))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            pass  # none yet, or unreadable: start from the priors
-        return policy
-
-    def _owns_policy(self, policy: Any) -> str | None:
-        """The method whose shared policy `policy` is (None: a seeded run's own, or none)."""
-        if policy is None:
-            return None
-        if policy is self._auto_policy:
-            return "auto"
-        return next((m for m, p in (self._sized_policies or {}).items() if p is policy), None)
-
-    def save_auto_state(self, method: str = "auto") -> None:
-        """Keep what `method`'s policy learned for the next process (a small JSON file beside the cost profile)."""
-        policy = self._auto_policy if method == "auto" else (self._sized_policies or {}).get(method)
-        if policy is None or not policy.profile.key:  # a hand-made profile (tests) belongs to no machine
-            return
-        path = auto_state_path(policy.profile.key, method)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(policy.state()))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only cache costs a little exploration next time, nothing else
+        return self.learned.policy(method, arms, self.cost_profile)
 
     def _stage_chain(self, below: Drafter, max_len: int, chain_length: int,
                      processor: LogitsProcessor | None = None) -> Drafter:
@@ -676,13 +631,6 @@ class Pipeline:
         if s.method != "auto":
             drafter.name = f"{s.method} (measured)"  # its row in the stats' stages
         return drafter
-
-    @property
-    def has_bundled_draft(self) -> bool:
-        """Whether a draft trained for this oracle ships with the package (`--draft default`)."""
-        from stagedspec.models.draft import bundled_draft_for
-
-        return bundled_draft_for(tokenizer_fingerprint(self.tokenizer)) is not None
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
@@ -816,9 +764,9 @@ class Pipeline:
         if not hit_stop:
             emit(held + stream.flush())
         result.stats.stages = stage_report(result.stats, drafter)
-        owner = self._owns_policy(getattr(drafter, "policy", None))
+        owner = self.learned.method_of(getattr(drafter, "policy", None))
         if owner is not None:
-            self.save_auto_state(owner)  # the shared policy learned something (a seeded run's own is dropped)
+            self.learned.save(owner)  # the kept policy learned something (a seeded run's own is dropped)
         result.stats.dtype = dtype_name(self.dtype)
         result.stats.weights = self.weights_description
         if hasattr(drafter, "request_choices"):
@@ -839,15 +787,6 @@ def _warn_amx_bit_exact() -> None:
     if amx_rounds_by_rows():
         print(f"stagedspec: warning: bit_exact on an AMX CPU is not bit-identical unless the process starts "
               f"with ONEDNN_MAX_CPU_ISA={AMX_ISA_CAP} (the CLI's --bit-exact sets it)", file=sys.stderr)
-
-
-def auto_state_path(profile_key: str, method: str = "auto") -> Path:
-    """Where `--method auto`'s learned state lives (or a measured method's: `METHOD-sizes`): beside the cost
-    profile it was learned with."""
-    from stagedspec.costs import profile_path
-
-    name = "auto" if method == "auto" else f"{method}-sizes"
-    return profile_path(profile_key).with_name(f"{profile_key}.{name}.json")  # whatever the profile's version
 
 
 def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - GenerationStats

@@ -203,22 +203,12 @@ class BenchModels:
 # ====================================================================== our methods
 def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts: Sequence[Transformer],
               ngram: Any) -> Any:
-    """A `Pipeline` around already-loaded models (its __init__ would load them again).
-
-    Sets exactly the attributes `Pipeline.__init__` sets, so `Pipeline.drafter`
-    and `Pipeline.generate` run unchanged: the benchmark measures the same
-    code path as `stagedspec generate`.
+    """A `Pipeline` around already-loaded models, on the run's device and dtype: `Pipeline.drafter` and
+    `Pipeline.generate` run unchanged, so the benchmark measures the same code path as `stagedspec generate`.
     """
     from stagedspec.pipeline import Pipeline
 
-    pipe = Pipeline.__new__(Pipeline)
-    pipe.speculation = speculation
-    pipe.device, pipe.dtype = models.device, models.dtype
-    pipe.model, pipe.tokenizer = oracle, models.tokenizer
-    pipe.draft_models = list(drafts)
-    pipe.draft_model = pipe.draft_models[0] if pipe.draft_models else None
-    pipe.ngram = ngram
-    return pipe
+    return Pipeline(oracle, models.tokenizer, drafts, speculation, ngram, device=models.device, dtype=models.dtype)
 
 
 def _measured_description(method: str, draft: str, context: bool, ngram_spec: str | None, device: str) -> str:

@@ -12,13 +12,12 @@ HF-layout tensors in `gguf_read` (Gemma-3's in `gemma3`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
@@ -305,26 +304,6 @@ def _hf_key(name: str, prefix: str) -> str:
     return name if name == "lm_head.weight" else prefix + name
 
 
-_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
-
-
-@contextlib.contextmanager
-def _without_init():
-    """`torch.nn.init`'s functions as no-ops while a model is built on the meta device.
-
-    Why: on meta tensors they run through PyTorch's decompositions, whose
-    first use imports torch._dynamo: 3.3 s of every command's start on an AVX2
-    EPYC (Zen 3), 2026-11-26, for values that are replaced at once."""
-    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
-    for name in _INIT_FUNCTIONS:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(nn.init, name, function)
-
-
 def build_model(cfg: ModelConfig, state: dict[str, Tensor], device: str = "cpu") -> Transformer:
     """Instantiate on the meta device (no random init, no memory), then adopt the given tensors.
 
@@ -332,8 +311,7 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], device: str = "cpu")
     never holds two copies of the weights; the RoPE tables are
     non-persistent buffers, so they are recomputed here.
     """
-    with torch.device("meta"), _without_init():
-        model = Transformer(cfg)
+    model = Transformer.skeleton(cfg)
     expected = set(model.state_dict())
     if set(state) != expected:
         missing = sorted(expected - set(state))

@@ -17,6 +17,7 @@ checkpoints onto them.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Callable
 
 import torch
@@ -273,8 +274,35 @@ class Block(nn.Module):
         return x + h
 
 
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
+
+
+@contextlib.contextmanager
+def _without_init():
+    """`torch.nn.init`'s functions as no-ops while a model is built on the meta device.
+
+    Why: on meta tensors they run through PyTorch's decompositions, whose
+    first use imports torch._dynamo: 3.3 s of every command's start on an AVX2
+    EPYC (Zen 3), 2026-11-26, for values that are replaced at once."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 class Transformer(nn.Module):
     """Decoder-only LM.  `forward` is the only entry point; see its docstring."""
+
+    @classmethod
+    def skeleton(cls, cfg: ModelConfig) -> Transformer:
+        """A model of `cfg` on the meta device: no memory, no random initialisation, no RoPE tables, for a
+        caller that gives it every tensor at once (`loading.build_model`, `truncated_copy`)."""
+        with torch.device("meta"), _without_init():
+            return cls(cfg)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -293,6 +321,9 @@ class Transformer(nn.Module):
         # Set by `models.quant.run_rest_natively` where every block runs natively: all blocks as one C++ call
         # (`quant.NativeLayerStack`, the same bits as a call per block).
         self.native_stack: Callable[..., Tensor] | None = None
+        # Which kernel runs which fp32 passes, hashed (set by `models.matmul_plan.plan_matmuls`; part of the
+        # cost-profile key).  None: not planned.
+        self.matmul_plan_signature: str | None = None
         if cfg.arch != "gpt2":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -307,6 +338,28 @@ class Transformer(nn.Module):
             self.register_buffer("rope_local_sin", sin, persistent=False)
         # transformers scales the embeddings by sqrt(hidden) rounded to the weights' dtype; so do we.
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.arch == "gemma3" else None
+
+    def truncated_copy(self, n_layers: int) -> Transformer:
+        """This model's first `n_layers` layers with its embeddings, final norm, head, RoPE tables and kernel
+        plans, all shared, not copied (a weak but always-available draft that shares the vocabulary)."""
+        if not 1 <= n_layers < self.config.n_layers:
+            raise ValueError(f"a truncated copy needs 1..{self.config.n_layers - 1} layers, got {n_layers}")
+        cfg = copy.copy(self.config)
+        cfg.n_layers = n_layers
+        cfg.local_layers = list(cfg.local_layers[:n_layers])
+        draft = Transformer.skeleton(cfg)
+        draft.embed, draft.pos_embed, draft.norm, draft.lm_head = self.embed, self.pos_embed, self.norm, self.lm_head
+        draft.head_q, draft.head_row_plan = self.head_q, self.head_row_plan
+        draft.matmul_plan_signature = self.matmul_plan_signature
+        draft.layers = nn.ModuleList(list(self.layers)[:n_layers])
+        draft.native_stack = None if self.native_stack is None else type(self.native_stack).of(list(draft.layers))
+        draft.local, draft.embed_scale = list(self.local[:n_layers]), self.embed_scale
+        for name, table in self.named_buffers(recurse=False):  # the RoPE tables
+            draft.register_buffer(name, table, persistent=False)
+        left = [n for n, t in [*draft.named_parameters(), *draft.named_buffers()] if t.is_meta]
+        if left:  # a new tensor in Transformer that this copy does not share yet
+            raise RuntimeError(f"truncated_copy left tensors unshared: {left}")
+        return draft
 
     @property
     def quantised(self) -> bool:

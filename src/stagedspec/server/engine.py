@@ -18,6 +18,7 @@ from stagedspec.constraints import GrammarCompiler, GrammarSpec, LogitControls, 
 from stagedspec.constraints import parse_logit_bias
 from stagedspec.errors import StagedSpecError
 from stagedspec.generation import TREE_SLACK, context_budget
+from stagedspec.learned_state import LearnedState
 from stagedspec.models.transformer import Transformer
 from stagedspec.pipeline import METHODS, Pipeline, SpeculationConfig
 from stagedspec.server.schemas import SpeculationRequest, bad
@@ -111,12 +112,10 @@ class Engine:
     model_name: str = "stagedspec"
     draft_names: list[str] = field(default_factory=list)
     bit_exact: bool = False
-    # oracle pass costs for --adaptive-budget, measured once (about a second) and shared by every request
-    pass_costs: dict[int, float] | None = None
-    # what `--method auto` has learned (acceptance, step times), shared by every request
-    auto_policy: Any = None
-    # the same for each method whose sizes are measured (`SpeculationConfig.sizing`), by method
-    sized_policies: dict[str, Any] = field(default_factory=dict)
+    # What requests learn about this machine, shared by all of them: the oracle's pass costs for
+    # --adaptive-budget (measured once, about a second) and, per measured method (`auto`, or a method whose
+    # sizes are measured: `SpeculationConfig.sizing`), the policy that learns acceptance and step times.
+    learned: LearnedState = field(default_factory=LearnedState)
     # Set by the scheduler: requests' passes are batched across requests (`server.batching`).
     batched_passes: bool = False
     # The tokenizer as the grammar library sees it: built at the first request with a grammar, then shared.
@@ -136,8 +135,8 @@ class Engine:
             # The scheduler batches the drafts' passes across requests (ragged passes over many rows): those need
             # dense weights, and PyTorch's int8 CPU kernel is slower than bf16 past 8 rows (16 rows: 1.6x).
             draft_weights = "native"
-        pipe = Pipeline(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant,
-                        draft_weights=draft_weights)
+        pipe = Pipeline.load(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant,
+                             draft_weights=draft_weights)
         return cls(pipe.model, pipe.tokenizer, list(pipe.draft_models), speculation, pipe.ngram,
                    model_name or default_model_name(oracle, quant), list(drafts), bit_exact)
 
@@ -192,32 +191,20 @@ class Engine:
     def pipeline(self, spec: SpeculationConfig) -> Pipeline:
         # Pipeline.drafter takes the first draft for chain/tree and all of them for staged (or any later method)
         drafts = [] if spec.method in ("ar", "lookup") else self.draft_models
-        pipe = Pipeline.from_loaded(self.model, self.tokenizer, drafts, spec, self.ngram)
+        # one measurement of the pass costs, and one policy per method, learn from every request
+        pipe = Pipeline(self.model, self.tokenizer, drafts, spec, self.ngram, learned=self.learned)
         pipe.bit_exact = self.bit_exact
-        pipe._pass_seconds = self.pass_costs  # noqa: SLF001 - share one measurement (see `remember_costs`)
-        if spec.measured:
-            # one policy per method learns from every request
-            if spec.method == "auto":
-                pipe._auto_policy = self.auto_policy  # noqa: SLF001
-            else:
-                pipe._sized_policies = self.sized_policies  # noqa: SLF001 - shared: filled at first use
-            if self.batched_passes:
-                # A batched request's measured step times include its waits at the barrier for its
-                # neighbours' passes, which priced every draft arm out at 8 streams (bench-serve: auto 1.10x
-                # `ar`, staged 1.46x); the machine's cost profile prices the arms instead, as for a seeded request,
-                # at the margin of the round each step shares (`auto.SharedLoad`, set by the scheduler).
-                policy = pipe.sized_policy(spec.method)
-                if policy.learn_times:
-                    from stagedspec.auto import StepCosts
+        if spec.measured and self.batched_passes:
+            # A batched request's measured step times include its waits at the barrier for its
+            # neighbours' passes, which priced every draft arm out at 8 streams (bench-serve: auto 1.10x
+            # `ar`, staged 1.46x); the machine's cost profile prices the arms instead, as for a seeded request,
+            # at the margin of the round each step shares (`auto.SharedLoad`, set by the scheduler).
+            policy = pipe.sized_policy(spec.method)
+            if policy.learn_times:
+                from stagedspec.auto import StepCosts
 
-                    policy.learn_times, policy.costs = False, StepCosts()
+                policy.learn_times, policy.costs = False, StepCosts()
         return pipe
-
-    def remember_costs(self, pipe: Pipeline) -> None:
-        """Keep what a request's pipeline measured, so the next request does not measure again."""
-        self.pass_costs = pipe._pass_seconds  # noqa: SLF001
-        if pipe.speculation.method == "auto":
-            self.auto_policy = pipe._auto_policy  # noqa: SLF001
 
     @property
     def max_context(self) -> int:

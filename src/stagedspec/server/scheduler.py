@@ -99,7 +99,6 @@ class _Running:
         # sampled request: its tree shapes, and so its draws, must be its solo run's.
         self.load_aware = hasattr(self.drafter, "shared_load") and not reproducible
         self.switch = CappedDrafter(self.drafter, job.spec.max_nodes, level)
-        engine.remember_costs(pipe)
         self.stats = GenerationStats()
         self.steps = iter_steps(self.oracle, self.switch, job.prompt_ids, max_new_tokens=job.max_tokens,
                                 sampling=job.sampling, seed=job.seed,
@@ -455,7 +454,7 @@ class Scheduler:
             if record is not None:
                 self.load.observe(record, {id(r.lane): len(r.outcome[0][0]) for r in active
                                            if r.outcome[0] is not None}, first,
-                                  getattr(self.engine.auto_policy, "profile", None))
+                                  getattr(self.engine.learned.existing_policy("auto"), "profile", None))
             for r in active:
                 if id(r.lane) in abandoned:
                     r.outcome = (None, StagedSpecError("this request's step took too long and was stopped"))
