@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -65,11 +66,13 @@ class LlamaServer:
         self.args = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads),
                      "-c", str(context * parallel), "--host", "127.0.0.1", "--port", str(self.port),
                      "-np", str(parallel), "--no-webui", *flags]
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Its log goes to a file: a pipe nobody reads fills after some hundred requests and stalls the server.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = (self.proc.stderr.read() if self.proc.stderr else "").strip().splitlines()[-3:]
+                tail = self.log_tail(3)
                 raise MethodSkipped(f"llama-server exited at start: {' | '.join(tail)}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
@@ -80,6 +83,11 @@ class LlamaServer:
             time.sleep(0.5)
         self.close()
         raise MethodSkipped(f"llama-server did not answer within {START_TIMEOUT_S:.0f} s")
+
+    def log_tail(self, lines: int) -> list[str]:
+        """The last `lines` lines of the server's log."""
+        self.log.seek(0)
+        return self.log.read().strip().splitlines()[-lines:]
 
     @property
     def url(self) -> str:
@@ -104,6 +112,7 @@ class LlamaServer:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.log.close()
 
 
 def build_info(folder: Path) -> str:

@@ -219,6 +219,10 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult] | SoakResult:
     if not levels or min(levels) < 1:
         raise StagedSpecError("--concurrency needs at least one level >= 1")
     key = args.api_key or os.environ.get("STAGEDSPEC_API_KEY") or "none"
+    theirs: list[LevelResult] = []  # llama-server's levels run first: a build or start problem shows at once
+    if getattr(args, "llamacpp", None) and not args.soak_minutes:
+        for label, flags in _llamacpp_variants(args):
+            theirs.extend(await _llamacpp_levels(args, prompts, levels, label, flags))
     async with openai.AsyncOpenAI(base_url=args.url, api_key=key, max_retries=0, timeout=600) as client:
         try:
             model = args.model or (await client.models.list()).data[0].id
@@ -236,10 +240,7 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult] | SoakResult:
                     out.append(await _level(client, model, prompts, c, args.requests or 2 * c, args, method))
                 except openai.APIStatusError as e:
                     raise StagedSpecError(f"the server refused a request ({e.status_code}): {e.message}") from None
-    if getattr(args, "llamacpp", None):
-        for label, flags in _llamacpp_variants(args):
-            out.extend(await _llamacpp_levels(args, prompts, levels, label, flags))
-    return out
+    return out + theirs
 
 
 def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -270,6 +271,7 @@ def _threads(args: argparse.Namespace) -> int:
 async def _llamacpp_levels(args: argparse.Namespace, prompts: list[str], levels: list[int], label: str,
                            flags: list[str]) -> list[LevelResult]:
     """The same levels against a `llama-server` started here on `--llamacpp`'s GGUF, then stopped."""
+    import httpx
     import openai
 
     from stagedspec.bench.llamacpp import LlamaServer, bin_dir
@@ -286,13 +288,18 @@ async def _llamacpp_levels(args: argparse.Namespace, prompts: list[str], levels:
                                          args.llamacpp_context, max(levels))
     except MethodSkipped as e:
         raise StagedSpecError(str(e)) from None
+    # No kept-alive connections: llama-server closes idle ones after a few seconds, and the client's next
+    # request on such a connection fails ("Server disconnected without sending a response").
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600)
     try:
-        async with openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=600) as client:
+        async with openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0, http_client=http) as client:
             model = (await client.models.list()).data[0].id
             return [await _level(client, model, prompts, c, args.requests or 2 * c, args, None, label)
                     for c in levels]
     except openai.APIError as e:
-        raise StagedSpecError(f"llama-server failed a request: {e}") from None
+        cause = f" ({e.__cause__!r})" if e.__cause__ else ""
+        tail = " | ".join(server.log_tail(2))
+        raise StagedSpecError(f"llama-server failed a request: {e}{cause}; its log ends: {tail}") from None
     finally:
         server.close()
 
