@@ -132,13 +132,22 @@ struct PassArgs {
   double eps;
   const at::Tensor& cos;
   const at::Tensor& sin;
-  int64_t start;
-  const std::optional<at::Tensor>& mask;
   double scale;
   int64_t n_heads, n_kv_heads, isa;
 };
 
-void check_pass(const at::Tensor& x, const PassArgs& p, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+// Rows that attend over one cache pair: rows [row0, row0 + B T) of the pass, B sequences of T rows, whose keys
+// and values go to cache slots [start, start + T).  A plain pass is one; a ragged pass (several requests'
+// passes in one, `ragged_layers`) has one per request.
+struct AttnSegment {
+  at::Tensor k_cache, v_cache;  // one layer's [B, Hkv, S, D]
+  int64_t start;
+  const std::optional<at::Tensor>& mask;
+  int64_t row0, B, T;
+};
+
+void check_pass(const at::Tensor& x, const PassArgs& p, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                int64_t start) {
   TORCH_CHECK(x.dim() == 3 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "decoder_layer: x must be [B, T, hidden] and the caches' head axis contiguous");
   TORCH_CHECK(p.cos.dim() == 4 && p.sin.dim() == 4 && p.cos.stride(3) == 1 && p.sin.stride(3) == 1 &&
@@ -147,25 +156,41 @@ void check_pass(const at::Tensor& x, const PassArgs& p, const at::Tensor& k_cach
                   p.sin.scalar_type() == x.scalar_type(),
               "decoder_layer: cos/sin must be [1 or B, 1, T, D] in x's dtype");
   const int64_t B = x.size(0), T = x.size(1), D = k_cache.size(-1);
-  TORCH_CHECK(D % 2 == 0 && k_cache.size(2) >= p.start + T && v_cache.size(2) >= p.start + T,
+  TORCH_CHECK(D % 2 == 0 && k_cache.size(2) >= start + T && v_cache.size(2) >= start + T,
               "decoder_layer: the caches must hold slots [start, start + T)");
   TORCH_CHECK((p.cos.size(0) == 1 || p.cos.size(0) == B) && (p.sin.size(0) == 1 || p.sin.size(0) == B),
               "decoder_layer: cos/sin must have 1 or B rows of positions");
 }
 
-// One layer on rows x2 [B T, C]; returns the new rows.
-at::Tensor layer_rows(const at::Tensor& x2, int64_t B, int64_t T, const Linears& linear, const at::Tensor& attn_norm,
-                      const at::Tensor& mlp_norm, at::Tensor& k_cache, at::Tensor& v_cache, const PassArgs& p) {
-  const int64_t H = p.n_heads, Hkv = p.n_kv_heads, D = k_cache.size(-1);
-  const at::Tensor qkv = linear(0, ops().rms_norm.call(x2, attn_norm, p.eps));
-  at::Tensor q = at::empty({B, H, T, D}, x2.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x2.scalar_type(), "decoder_layer_rope", [&] {
-    rope_and_cache<scalar_t>(qkv, p.cos, p.sin, q, k_cache, v_cache, p.start, B, T, H, Hkv, D);
+// The attention of one segment's rows qkv [B T, (H + 2 Hkv) D] (RoPE, cache writes, attention): [B T, H D].
+at::Tensor attend(const at::Tensor& qkv, const AttnSegment& s, const PassArgs& p) {
+  const int64_t H = p.n_heads, Hkv = p.n_kv_heads, D = s.k_cache.size(-1), B = s.B, T = s.T;
+  const at::Tensor cos = p.cos.narrow(2, s.row0, T), sin = p.sin.narrow(2, s.row0, T);
+  at::Tensor q = at::empty({B, H, T, D}, qkv.options());
+  at::Tensor k_cache = s.k_cache, v_cache = s.v_cache;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "decoder_layer_rope", [&] {
+    rope_and_cache<scalar_t>(qkv, cos, sin, q, k_cache, v_cache, s.start, B, T, H, Hkv, D);
   });
-  const int64_t width = p.mask.has_value() ? p.mask->size(-1) : p.start + T;
+  const int64_t width = s.mask.has_value() ? s.mask->size(-1) : s.start + T;
   const at::Tensor a =
-      ops().attention.call(q, k_cache.narrow(2, 0, width), v_cache.narrow(2, 0, width), p.mask, p.scale, p.isa);
-  const at::Tensor heads = a.transpose(1, 2).reshape({B * T, H * D});  // [B, H, T, D] -> rows of H * D
+      ops().attention.call(q, k_cache.narrow(2, 0, width), v_cache.narrow(2, 0, width), s.mask, p.scale, p.isa);
+  return a.transpose(1, 2).reshape({B * T, H * D});  // [B, H, T, D] -> rows of H * D
+}
+
+// One layer on rows x2 [R, C]; returns the new rows.  Rows no segment covers (a ragged pass's padding) attend
+// to nothing: their attention output is zero, as the Python ragged pass has it.
+at::Tensor layer_rows(const at::Tensor& x2, const std::vector<AttnSegment>& segments, const Linears& linear,
+                      const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const PassArgs& p) {
+  const at::Tensor qkv = linear(0, ops().rms_norm.call(x2, attn_norm, p.eps));
+  const AttnSegment& first = segments[0];
+  at::Tensor heads;
+  if (segments.size() == 1 && first.row0 == 0 && first.B * first.T == x2.size(0)) {
+    heads = attend(qkv, first, p);
+  } else {
+    heads = at::zeros({x2.size(0), p.n_heads * first.k_cache.size(-1)}, x2.options());
+    for (const AttnSegment& s : segments)
+      heads.narrow(0, s.row0, s.B * s.T).copy_(attend(qkv.narrow(0, s.row0, s.B * s.T), s, p));
+  }
   at::Tensor x1 = at::empty_like(x2), out = at::empty_like(x2);
   const at::Tensor o = linear(1, heads);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x2.scalar_type(), "decoder_layer_residual", [&] {
@@ -194,13 +219,54 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& pac
                          const std::optional<at::Tensor>& mask, double scale, int64_t n_heads, int64_t n_kv_heads,
                          int64_t isa) {
   TORCH_CHECK(packed.size() == 4 && splits.size() == 4 && biases.size() == 4, "decoder_layer: four linear layers");
-  const PassArgs p{eps, cos, sin, start, mask, scale, n_heads, n_kv_heads, isa};
-  check_pass(x, p, k_cache, v_cache);
+  const PassArgs p{eps, cos, sin, scale, n_heads, n_kv_heads, isa};
+  check_pass(x, p, k_cache, v_cache, start);
   const std::vector<std::optional<at::Tensor>> bias = optional_list(biases);
   const Linears linear{packed.data(), formats, outs, splits.data(), bias.data(), isa};
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-  return layer_rows(x.contiguous().view({B * T, C}), B, T, linear, attn_norm, mlp_norm, k_cache, v_cache, p)
-      .view({B, T, C});
+  const std::vector<AttnSegment> segment{AttnSegment{k_cache, v_cache, start, mask, 0, B, T}};
+  return layer_rows(x.contiguous().view({B * T, C}), segment, linear, attn_norm, mlp_norm, p).view({B, T, C});
+}
+
+// A segment's caches over every layer ([layers, B, Hkv, S, D]).
+struct StackSegment {
+  at::Tensor k_caches, v_caches;
+  int64_t start;
+  const std::optional<at::Tensor>& mask;
+  int64_t row0, B, T;
+};
+
+// Every layer on rows [R, C]: layer l's four linear layers are packed[4l .. 4l + 4), their segments the next
+// sum(splits[4l .. 4l + 4)) entries of formats/outs.
+at::Tensor run_layers(at::Tensor rows, const std::vector<StackSegment>& segments, const std::vector<at::Tensor>& packed,
+                      at::IntArrayRef formats, at::IntArrayRef outs, at::IntArrayRef splits,
+                      const c10::List<std::optional<at::Tensor>>& biases, const std::vector<at::Tensor>& attn_norms,
+                      const std::vector<at::Tensor>& mlp_norms, const PassArgs& p) {
+  const size_t L = attn_norms.size();
+  TORCH_CHECK(packed.size() == 4 * L && splits.size() == 4 * L && biases.size() == 4 * L && mlp_norms.size() == L,
+              "decoder_layers: four linear layers and two norms per layer");
+  for (const StackSegment& s : segments)
+    TORCH_CHECK(s.k_caches.size(0) == static_cast<int64_t>(L) && s.v_caches.size(0) == static_cast<int64_t>(L) &&
+                    s.k_caches.stride(4) == 1 && s.v_caches.stride(4) == 1,
+                "decoder_layers: caches [layers, B, Hkv, S, D], one per layer");
+  int64_t n_segments = 0;
+  for (int64_t n : splits) n_segments += n;
+  TORCH_CHECK(n_segments == static_cast<int64_t>(formats.size()) && formats.size() == outs.size(),
+              "decoder_layers: one format and output count per segment");
+  const std::vector<std::optional<at::Tensor>> bias = optional_list(biases);
+  int64_t first = 0;
+  for (size_t l = 0; l < L; ++l) {
+    const int64_t* sp = splits.data() + 4 * l;
+    const int64_t n = sp[0] + sp[1] + sp[2] + sp[3];
+    const Linears linear{packed.data() + 4 * l, formats.slice(first, n), outs.slice(first, n), sp, bias.data() + 4 * l,
+                         p.isa};
+    std::vector<AttnSegment> attn;
+    for (const StackSegment& s : segments)
+      attn.push_back(AttnSegment{s.k_caches.select(0, l), s.v_caches.select(0, l), s.start, s.mask, s.row0, s.B, s.T});
+    rows = layer_rows(rows, attn, linear, attn_norms[l], mlp_norms[l], p);
+    first += n;
+  }
+  return rows;
 }
 
 // Every layer of a pass in one call: layer l's four linear layers are packed[4l .. 4l + 4), their segments the
@@ -212,35 +278,51 @@ at::Tensor decoder_layers(const at::Tensor& x, const std::vector<at::Tensor>& pa
                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_caches, at::Tensor v_caches,
                           int64_t start, const std::optional<at::Tensor>& mask,
                           double scale, int64_t n_heads, int64_t n_kv_heads, int64_t isa) {
-  const size_t L = attn_norms.size();
-  TORCH_CHECK(packed.size() == 4 * L && splits.size() == 4 * L && biases.size() == 4 * L && mlp_norms.size() == L &&
-                  k_caches.dim() == 5 && v_caches.dim() == 5 && k_caches.size(0) == static_cast<int64_t>(L) &&
-                  v_caches.size(0) == static_cast<int64_t>(L),
-              "decoder_layers: four linear layers and two norms per layer, caches [layers, B, Hkv, S, D]");
-  std::vector<at::Tensor> keys, values;
-  for (size_t l = 0; l < L; ++l) {
-    keys.push_back(k_caches.select(0, l));
-    values.push_back(v_caches.select(0, l));
-  }
-  const PassArgs p{eps, cos, sin, start, mask, scale, n_heads, n_kv_heads, isa};
-  check_pass(x, p, keys[0], values[0]);
-  int64_t segments = 0;
-  for (int64_t n : splits) segments += n;
-  TORCH_CHECK(segments == static_cast<int64_t>(formats.size()) && formats.size() == outs.size(),
-              "decoder_layers: one format and output count per segment");
-  const std::vector<std::optional<at::Tensor>> bias = optional_list(biases);
+  TORCH_CHECK(k_caches.dim() == 5 && v_caches.dim() == 5 && k_caches.size(0) >= 1,
+              "decoder_layers: caches [layers, B, Hkv, S, D]");
+  const PassArgs p{eps, cos, sin, scale, n_heads, n_kv_heads, isa};
+  check_pass(x, p, k_caches.select(0, 0), v_caches.select(0, 0), start);
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-  at::Tensor rows = x.contiguous().view({B * T, C});
-  int64_t first = 0;
-  for (size_t l = 0; l < L; ++l) {
-    const int64_t* sp = splits.data() + 4 * l;
-    const int64_t n = sp[0] + sp[1] + sp[2] + sp[3];
-    const Linears linear{packed.data() + 4 * l, formats.slice(first, n), outs.slice(first, n), sp, bias.data() + 4 * l,
-                         isa};
-    rows = layer_rows(rows, B, T, linear, attn_norms[l], mlp_norms[l], keys[l], values[l], p);
-    first += n;
+  const std::vector<StackSegment> segments{StackSegment{k_caches, v_caches, start, mask, 0, B, T}};
+  return run_layers(x.contiguous().view({B * T, C}), segments, packed, formats, outs, splits, biases, attn_norms,
+                    mlp_norms, p)
+      .view({B, T, C});
+}
+
+// Several requests' passes as one (`stagedspec.models.ragged`): x [1, R, hidden] holds their rows one after
+// another (rows[i] of request i, then any padding rows), cos/sin [1, 1, R, D] their positions; request i's
+// caches are k_caches[i] / v_caches[i] [layers, 1, Hkv, S, D], written at slots [starts[i], starts[i] + rows[i])
+// under masks[i].  The row-wise steps run over all R rows at once; RoPE, the cache writes and attention run per
+// request, as that request's own pass runs them: so each request's rows get its solo pass's bits (the linear
+// layers are row-independent).  Padding rows attend to nothing.
+at::Tensor ragged_layers(const at::Tensor& x, const std::vector<at::Tensor>& packed, at::IntArrayRef formats,
+                         at::IntArrayRef outs, at::IntArrayRef splits, const c10::List<std::optional<at::Tensor>>& biases,
+                         const std::vector<at::Tensor>& attn_norms, const std::vector<at::Tensor>& mlp_norms, double eps,
+                         const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_caches,
+                         std::vector<at::Tensor> v_caches, at::IntArrayRef starts, at::IntArrayRef rows,
+                         const c10::List<std::optional<at::Tensor>>& masks, double scale, int64_t n_heads,
+                         int64_t n_kv_heads, int64_t isa) {
+  const size_t S = k_caches.size();
+  TORCH_CHECK(S >= 1 && v_caches.size() == S && starts.size() == S && rows.size() == S && masks.size() == S,
+              "ragged_layers: one cache pair, start, row count and mask per request");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "ragged_layers: x must be [1, R, hidden]");
+  const PassArgs p{eps, cos, sin, scale, n_heads, n_kv_heads, isa};
+  const std::vector<std::optional<at::Tensor>> mask = optional_list(masks);
+  std::vector<StackSegment> segments;
+  int64_t row0 = 0;
+  for (size_t i = 0; i < S; ++i) {
+    TORCH_CHECK(k_caches[i].dim() == 5 && v_caches[i].dim() == 5 && k_caches[i].size(1) == 1,
+                "ragged_layers: caches must be [layers, 1, Hkv, S, D]");
+    TORCH_CHECK(k_caches[i].size(3) >= starts[i] + rows[i] && v_caches[i].size(3) >= starts[i] + rows[i] && rows[i] >= 1,
+                "ragged_layers: each request's caches must hold its slots");
+    segments.push_back(StackSegment{k_caches[i], v_caches[i], starts[i], mask[i], row0, 1, rows[i]});
+    row0 += rows[i];
   }
-  return rows.view({B, T, C});
+  TORCH_CHECK(row0 <= x.size(1) && cos.dim() == 4 && cos.size(2) == x.size(1) && sin.size(2) == x.size(1),
+              "ragged_layers: more request rows than rows, or cos/sin not [1, 1, R, D]");
+  return run_layers(x.contiguous().view({x.size(1), x.size(2)}), segments, packed, formats, outs, splits, biases,
+                    attn_norms, mlp_norms, p)
+      .view(x.sizes());
 }
 
 }  // namespace
@@ -252,9 +334,14 @@ TORCH_LIBRARY_FRAGMENT(stagedspec_qlinear, m) {
   m.def("decoder_layers(Tensor x, Tensor[] packed, int[] formats, int[] outs, int[] splits, Tensor?[] biases, "
         "Tensor[] attn_norms, Tensor[] mlp_norms, float eps, Tensor cos, Tensor sin, Tensor(a!) k_caches, "
         "Tensor(b!) v_caches, int start, Tensor? mask, float scale, int n_heads, int n_kv_heads, int isa) -> Tensor");
+  m.def("ragged_layers(Tensor x, Tensor[] packed, int[] formats, int[] outs, int[] splits, Tensor?[] biases, "
+        "Tensor[] attn_norms, Tensor[] mlp_norms, float eps, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, int[] starts, int[] rows, Tensor?[] masks, float scale, int n_heads, int n_kv_heads, "
+        "int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stagedspec_qlinear, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
   m.impl("decoder_layers", &decoder_layers);
+  m.impl("ragged_layers", &ragged_layers);
 }

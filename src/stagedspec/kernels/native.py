@@ -106,6 +106,18 @@ class NativeKernels:
                                                            mlp_norms, eps, cos, sin, k_caches, v_caches, start, mask,
                                                            scale, n_heads, n_kv_heads, self.isa)
 
+    def ragged_layers(self, x: torch.Tensor, packed: list[torch.Tensor], formats: list[int], outs: list[int],
+                      splits: list[int], biases: list[torch.Tensor | None], attn_norms: list[torch.Tensor],
+                      mlp_norms: list[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                      k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], starts: list[int], rows: list[int],
+                      masks: list[torch.Tensor | None], scale: float, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+        """`decoder_layers` over several requests' passes at once (`layer.cpp`, `stagedspec.models.ragged`):
+        x [1, R, hidden] holds rows[i] rows of request i after those of the requests before it (then padding);
+        request i's caches are k_caches[i] / v_caches[i] [layers, 1, Hkv, S, D], its slots start at starts[i]."""
+        return torch.ops.stagedspec_qlinear.ragged_layers(x, packed, formats, outs, splits, biases, attn_norms,
+                                                          mlp_norms, eps, cos, sin, k_caches, v_caches, starts, rows,
+                                                          masks, scale, n_heads, n_kv_heads, self.isa)
+
     def with_isa(self, isa: int) -> NativeKernels:
         """The same kernels on another instruction set (tests compare them bit for bit)."""
         return NativeKernels(isa)
@@ -171,6 +183,7 @@ def _register_fakes() -> None:
     torch.library.register_fake(f"{lib}::attention", lambda q, k, v, bias, scale, isa=-1: torch.empty_like(q))
     torch.library.register_fake(f"{lib}::decoder_layer", lambda x, *args: torch.empty_like(x))
     torch.library.register_fake(f"{lib}::decoder_layers", lambda x, *args: torch.empty_like(x))
+    torch.library.register_fake(f"{lib}::ragged_layers", lambda x, *args: torch.empty_like(x))
 
 
 def _registered() -> bool:

@@ -281,6 +281,16 @@ class NativeLayerStack:
                                            start, mask, self.scale, self.n_heads, self.n_kv_heads)
 
 
+    def ragged(self, x: Tensor, rope: tuple[Tensor, Tensor], k_caches: list[Tensor], v_caches: list[Tensor],
+               starts: list[int], rows: list[int], masks: list[Tensor | None]) -> Tensor:
+        """x [1, R, hidden] holding several requests' rows (`stagedspec.models.ragged`) through every block;
+        request i has rows[i] rows, caches [layers, 1, Hkv, S, D] and its slots from starts[i]."""
+        cos, sin = rope
+        return self.kernels.ragged_layers(x, self.packed, self.formats, self.outs, self.splits, self.biases,
+                                          self.attn_norms, self.mlp_norms, self.eps, cos, sin, k_caches, v_caches,
+                                          starts, rows, masks, self.scale, self.n_heads, self.n_kv_heads)
+
+
 def _segments(layer: nn.Module) -> tuple[list[int], list[int]]:
     if isinstance(layer, SegmentLinear):
         return layer.formats, layer.outs

@@ -121,10 +121,20 @@ def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> l
         if features is not None:
             features = torch.cat([features, features.new_zeros(1, extra, features.shape[-1])], dim=1)
     x, rope, local_rope = model._embed(tokens, positions, features)  # noqa: SLF001 - row-wise
-    for i, layer in enumerate(model.layers):
-        local = bool(model.local) and model.local[i]
-        h = _attention(layer.attn, layer.attn_norm(x), local_rope if local else rope, segments, prepared, i, local)
-        x = layer.after_attention(x, h)
+    stack = getattr(model, "native_stack", None)
+    if stack is not None and all(s.cache.k.dim() == 5 and not isinstance(p.start, Tensor)
+                                 for s, p in zip(segments, prepared)):
+        # every block in one native call, attention per segment inside it: the same operations and bits as
+        # the loop below (`tests/test_ragged.py`), without a Python call per operation
+        x = stack.ragged(x, rope, [s.cache.k for s in segments], [s.cache.v for s in segments],
+                         [p.start for p in prepared], [p.rows.stop - p.rows.start for p in prepared],
+                         [p.mask for p in prepared])
+    else:
+        for i, layer in enumerate(model.layers):
+            local = bool(model.local) and model.local[i]
+            h = _attention(layer.attn, layer.attn_norm(x), local_rope if local else rope, segments, prepared, i,
+                           local)
+            x = layer.after_attention(x, h)
     picked = []
     for s, p in zip(segments, prepared):
         rows = range(p.rows.start, p.rows.stop)
