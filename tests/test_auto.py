@@ -510,6 +510,7 @@ def test_deep_in_a_plain_run_only_probe_steps_price_the_arms(monkeypatch) -> Non
     """After `PLAIN_STREAK` steps of `ar`, steps between lookup probes run `ar` without pricing every arm (on a
     GPU that pricing was a few percent of a step); probe steps still price them."""
     from stagedspec.auto import LOOKUP_PROBE_EVERY, PLAIN_STREAK, AutoDrafter
+    from stagedspec.drafters.lookup import LookupDrafter
     from stagedspec.generation import NoDrafter
 
     policy = AutoPolicy([Arm("ar")], STEEP)
@@ -517,16 +518,11 @@ def test_deep_in_a_plain_run_only_probe_steps_price_the_arms(monkeypatch) -> Non
     real_choose = policy.choose
     monkeypatch.setattr(policy, "choose", lambda *a, **k: priced.append(1) or real_choose(*a, **k))
 
-    class Lookup:  # chains that never exist
-        chain_length = 0
-
+    class Lookup(LookupDrafter):  # chains that never exist
         def chains(self, context, k):  # noqa: ANN001, ANN201
             return []
 
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-    drafter = AutoDrafter(policy, {Arm("ar"): (NoDrafter(), [])}, lookup=Lookup())
+    drafter = AutoDrafter(policy, {Arm("ar"): (NoDrafter(), [])}, lookup=Lookup(None, context=True))
     context = [1, 2, 3]
     drafter.begin(context)
     steps = PLAIN_STREAK + 4 * LOOKUP_PROBE_EVERY
@@ -625,11 +621,10 @@ def test_an_exploration_runs_its_arm_twice_and_learns_its_time_from_the_warm_ste
     what teaches the arm's drafting time."""
     import stagedspec.auto as auto_module
     from stagedspec.auto import AutoDrafter
+    from stagedspec.drafters.base import Drafter
     from stagedspec.generation import NoDrafter
 
-    class Drafter:  # proposes a one-node chain; a model drafter in miniature
-        forward_passes = 0
-
+    class OneNodeDrafter(Drafter):  # proposes a one-node chain; a model drafter in miniature
         def begin(self, prompt):  # noqa: ANN001, ANN201
             pass
 
@@ -639,7 +634,7 @@ def test_an_exploration_runs_its_arm_twice_and_learns_its_time_from_the_warm_ste
     monkeypatch.setattr(auto_module, "EXPLORE_EVERY", 3)
     a, b = Arm("tree", 2), Arm("tree", 4)
     policy = AutoPolicy([a, b], FLAT)
-    da, db = Drafter(), Drafter()
+    da, db = OneNodeDrafter(), OneNodeDrafter()
     drafter = AutoDrafter(policy, {a: (da, []), b: (db, [])})
     observed = []
     real_observe = policy.costs.observe
@@ -705,10 +700,9 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
     """While `ar` wins the priced step after each exploration, the gap between explorations doubles up to
     `EXPLORE_MAX_GAP`; a priced step that chooses a speculative arm brings it back to `EXPLORE_EVERY`."""
     from stagedspec.auto import EXPLORE_EVERY, EXPLORE_MAX_GAP, AutoDrafter
+    from stagedspec.drafters.base import Drafter
 
-    class Drafter:
-        forward_passes = 0
-
+    class OneNodeDrafter(Drafter):
         def begin(self, prompt):  # noqa: ANN001, ANN201
             pass
 
@@ -717,7 +711,7 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
 
     tree, plain = Arm("tree", 2), Arm("ar")
     policy = AutoPolicy([plain, tree], FLAT)
-    d = Drafter()
+    d = OneNodeDrafter()
     priced: list[bool] = []
     speculate_at: set[int] = set()
 

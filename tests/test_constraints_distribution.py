@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from stagedspec.constraints import ConstrainedOracle, LogitsProcessor
+from stagedspec.drafters.base import Drafter
 from stagedspec.generation import speculative_generate
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree, grow_tree
@@ -90,11 +91,9 @@ class ToyOracle:
         self.history += [self.tree.tokens[0], *(self.tree.tokens[i] for i in accepted)]
 
 
-class ToyDrafter:
+class ToyDrafter(Drafter):
     """`grow_tree` over a draft table, its rows through `processor` (as `ModelDrafter` does), plus an optional
     fixed chain (a lookup's: the draft's unconstrained argmax path, forbidden tokens and all)."""
-
-    forward_passes = 0
 
     def __init__(self, processor: LogitsProcessor, tree_kw: dict, fixed_chain: bool = False,
                  stale_q: bool = False) -> None:

@@ -55,6 +55,7 @@ from torch import Tensor
 from _reference_sampling import reference_probs
 from stagedspec.auto import Arm, AutoDrafter, AutoPolicy
 from stagedspec.costs import CostProfile
+from stagedspec.drafters.base import Drafter
 from stagedspec.generation import NoDrafter, speculative_generate
 from stagedspec.sampling import SamplingParams, inverse_cdf_rows, probs_from_logits
 from stagedspec.server.pressure import cut_tree
@@ -145,14 +146,12 @@ class ToyOracle:
         self.history += [self.tree.tokens[0], *(self.tree.tokens[i] for i in accepted)]
 
 
-class ToyDrafter:
+class ToyDrafter(Drafter):
     """Proposes with `grow_tree` over a draft `TableLM` (one `expand` = one table lookup per node).
 
     `record_q` also stores the draft distribution of every expanded node in
     `child_q` of a deterministic tree (only the negative control (a) uses it).
     """
-
-    forward_passes = 0
 
     def __init__(self, lm: TableLM, tree_kw: dict, record_q: bool = False) -> None:
         self.tree_kw = dict(tree_kw)
@@ -462,15 +461,13 @@ def toy_auto_drafter(draft_lm: TableLM, sampled: bool) -> AutoDrafter:
     return FreshAutoDrafter(AutoPolicy(list(arms), TOY_PROFILE), arms)
 
 
-class OraclePeekingDrafter:
+class OraclePeekingDrafter(Drafter):
     """NEGATIVE CONTROL: proposes the draft's favourite token only when the oracle is about to accept it.
 
     It reads the current step's oracle distribution and the verifier's next
     uniform draw (a copy of the generator) — what a policy must never do —
     and so emits that token with probability p + (1 - p) p instead of p.
     """
-
-    forward_passes = 0
 
     def __init__(self, oracle: ToyOracle, draft_lm: TableLM) -> None:
         self.oracle, self.draft_lm = oracle, draft_lm

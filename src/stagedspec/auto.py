@@ -73,13 +73,18 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from stagedspec.costs import CostProfile
+from stagedspec.drafters.base import Drafter
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
+
+if TYPE_CHECKING:
+    from stagedspec.drafters.lookup import LookupDrafter
+    from stagedspec.generation import Oracle
 
 MARGIN = 0.03  # a speculative arm must promise this much more than `ar` to be chosen
 LOOKUP_SIZES = (1, 2, 3, 4, 6)
@@ -756,7 +761,7 @@ class AutoPolicy:
         return arm
 
 
-Setting = tuple[Any, str, Any]  # (object, attribute, value) applied before an arm proposes
+Resize = Callable[[], None]  # sizes one drafter for an arm (a bound `Drafter.resize`), called before it proposes
 
 
 @dataclass
@@ -797,20 +802,22 @@ def matched_prefix(chain: Sequence[int], emitted: Sequence[int]) -> int:
     return n
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     """A drafter that runs, each step, the arm its `AutoPolicy` expects to be fastest.
 
     `arms` maps each arm to the drafter that proposes for it and the
-    attribute settings that size it (drafters are shared between arms of the
-    same kind, so a draft's cache is not caught up once per arm size).
+    `Drafter.resize` calls that size it for the arm (drafters are shared
+    between arms of the same kind, so a draft's cache is not caught up once
+    per arm size).
     `lookup`, when given, is asked for its chains every step to learn the
     model-free proposers' acceptance and to tell the policy what exists now.
     """
 
     name = "auto"
+    reads_shared_load = True
 
-    def __init__(self, policy: AutoPolicy, arms: Mapping[Arm, tuple[Any, Sequence[Setting]]],
-                 lookup: Any | None = None) -> None:
+    def __init__(self, policy: AutoPolicy, arms: Mapping[Arm, tuple[Drafter, Sequence[Resize]]],
+                 lookup: LookupDrafter | None = None) -> None:
         self.policy, self.arms, self.lookup = policy, dict(arms), lookup
         missing = [a.name for a in policy.arms if a not in self.arms]
         if missing:
@@ -826,9 +833,9 @@ class AutoDrafter:
         self._explore_gap = EXPLORE_EVERY  # priced steps between explorations (doubled while they fail)
         self._explored = False  # an exploration ran since the last priced step
         self._exploring: Arm | None = None  # the arm an exploration runs again next step
-        self._last_drafter: Any = None  # the drafter of the last step
+        self._last_drafter: Drafter | None = None  # the drafter of the last step
         self._synced: dict[int, int] = {}  # id(drafter) -> context length when it last proposed
-        self.request_choices: dict[str, int] = {}
+        self.request_choices: dict[str, int] = {}  # `Drafter.request_choices`
         self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
         self._sampling = SamplingParams()
         # Most nodes a tree may have (None: any arm), set by the server under memory pressure
@@ -841,13 +848,12 @@ class AutoDrafter:
 
     @property
     def forward_passes(self) -> int:
-        return sum(getattr(d, "forward_passes", 0) for d in self._drafters)
+        return sum(d.forward_passes for d in self._drafters)
 
-    def attach_oracle(self, oracle: Any) -> None:
+    def attach_oracle(self, oracle: Oracle) -> None:
         """Pass the loop's oracle on to the arms that read its hidden states (a feature draft)."""
         for d in self._drafters:
-            if hasattr(d, "attach_oracle"):
-                d.attach_oracle(oracle)
+            d.attach_oracle(oracle)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         for d in self._drafters:
@@ -868,7 +874,7 @@ class AutoDrafter:
         lengths: dict[str, int] = {}
         due = self._lookup_due()
         if self.lookup is not None and due:
-            self.lookup.chain_length = self._horizon
+            self.lookup.resize(chain_length=self._horizon)
             for proposer, chain in self.lookup.chains(context, self._horizon):
                 if proposer not in lengths:  # the proposer's best chain only
                     lengths[proposer] = len(chain)
@@ -901,9 +907,9 @@ class AutoDrafter:
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
         self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
         self._since_plain = 0 if arm.kind == "ar" else self._since_plain + 1
-        drafter, settings = self.arms[arm]
-        for obj, attr, value in settings:
-            setattr(obj, attr, value)
+        drafter, resizes = self.arms[arm]
+        for resize in resizes:
+            resize()
         tree = drafter.propose(context, sampling, generator, max_tokens)
         self._synced[id(drafter)] = len(context)
         with self.policy.lock:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from stagedspec.cli_args import add_quant_arg
+from stagedspec.drafters.base import Drafter
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.quant import resolve_quant
 from stagedspec.sampling import SamplingParams, probs_from_logits
@@ -236,10 +237,10 @@ class _ReusedOracle:
         pass
 
 
-class _ReusedDrafter:
+class _ReusedDrafter(Drafter):
     """A drafter whose proposal is reused for the same context when it drew nothing from the generator."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Drafter) -> None:
         self.inner = inner
         self.memo: dict[tuple, TokenTree] = {}
         self.draws = False  # did a proposal consume randomness? Then nothing is reused.
@@ -252,8 +253,7 @@ class _ReusedDrafter:
 
     def attach_oracle(self, oracle: Any) -> None:
         """A feature draft reads the loop's oracle's hidden states (`stagedspec.drafters.feature`)."""
-        if hasattr(self.inner, "attach_oracle"):
-            self.inner.attach_oracle(oracle)
+        self.inner.attach_oracle(oracle)
 
     def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
         key = (tuple(context), max_tokens)
@@ -264,7 +264,7 @@ class _ReusedDrafter:
             self._fresh = False
         before = generator.get_state() if generator is not None else None
         tree = self.inner.propose(context, sampling, generator, max_tokens)
-        self.forward_passes = getattr(self.inner, "forward_passes", 0)
+        self.forward_passes = self.inner.forward_passes
         if before is not None and not torch.equal(before, generator.get_state()):
             self.draws = True
         elif not self.draws:
@@ -272,7 +272,7 @@ class _ReusedDrafter:
         return tree
 
 
-class _ControlDrafter:
+class _ControlDrafter(Drafter):
     """The negative control's proposal: the draft's top tokens at the root, fixed, with the draft's q recorded."""
 
     forward_passes = 0

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from stagedspec.drafters.base import Drafter, StageTelemetry
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import ModelOracle  # noqa: F401 - re-exported: the loop's model runner lives there
@@ -47,30 +48,18 @@ class Oracle(Protocol):
         ...
 
 
-class Drafter(Protocol):
-    """Anything that proposes token trees: a draft model, an n-gram, a stage chain."""
-
-    forward_passes: int
-
-    def begin(self, prompt_ids: Sequence[int]) -> None: ...
-
-    def propose(
-        self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
-    ) -> TokenTree:
-        """A tree rooted at `context[-1]`; paths longer than `max_tokens` are wasted work."""
-        ...
-
-
-class NoDrafter:
+class NoDrafter(Drafter):
     """Proposes nothing: the loop then decodes autoregressively."""
-
-    forward_passes = 0
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         pass
 
     def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
         return TokenTree([context[-1]], [-1])
+
+    def stage_telemetry(self) -> list[StageTelemetry]:
+        """No stage: nothing is drafted, so the stages table has no row for it."""
+        return []
 
 
 @dataclass
@@ -146,12 +135,9 @@ def iter_steps(
     if generator is None and not sampling.greedy:
         generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
     context = list(prompt_ids)
-    on_verified = getattr(drafter, "verified", None)
     t0 = time.perf_counter()
     oracle.prefill(context)
-    attach = getattr(drafter, "attach_oracle", None)
-    if attach is not None:  # a feature draft reads the oracle's hidden states (`stagedspec.drafters.feature`)
-        attach(oracle)
+    drafter.attach_oracle(oracle)  # a feature draft reads the oracle's hidden states (`stagedspec.drafters.feature`)
     drafter.begin(context)
     stats.prefill_seconds = time.perf_counter() - t0
     emitted = 0
@@ -165,8 +151,7 @@ def iter_steps(
         if sampling.greedy and getattr(oracle, "bit_exact", False):
             result = keep_slot_aligned(tree, result)
         oracle.commit(result.accepted)
-        if on_verified is not None:  # a drafter that prices its proposals learns what verifying them cost
-            on_verified(time.perf_counter() - t_verify)
+        drafter.verified(time.perf_counter() - t_verify)  # a drafter that prices its proposals learns the cost
         stats.accepted_lengths.append(len(result.accepted))
         stats.tree_sizes.append(len(tree) - 1)
         stats.tree_depths.append(tree.depth)
@@ -234,7 +219,7 @@ def speculative_generate(
     stats.new_tokens = len(out)
     stats.tokens_per_second = len(out) / stats.seconds if stats.seconds > 0 else 0.0
     stats.oracle_forward_passes = getattr(oracle, "forward_passes", 0)
-    stats.draft_forward_passes = getattr(drafter, "forward_passes", 0)
+    stats.draft_forward_passes = drafter.forward_passes
     return GenerationResult(out, stats)
 
 

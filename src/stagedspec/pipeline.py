@@ -584,6 +584,8 @@ class Pipeline:
 
         `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
         seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
+        from functools import partial
+
         from stagedspec.auto import (STAGE_SIZES, AutoDrafter, AutoPolicy, lookup_horizon, staged_lookup_length,
                                      tree_depth_for)
         from stagedspec.drafters.lookup import LookupDrafter
@@ -600,7 +602,7 @@ class Pipeline:
             if arm.kind == "ar":
                 arms[arm] = (NoDrafter(), [])
             elif arm.kind == "lookup":
-                arms[arm] = (lookup, [(lookup, "chain_length", arm.size)])
+                arms[arm] = (lookup, [partial(lookup.resize, chain_length=arm.size)])
         tree_arms = [a for a in policy.arms if a.kind == "tree"]
         if tree_arms:
             biggest = max(a.size for a in tree_arms)
@@ -608,7 +610,7 @@ class Pipeline:
                                 max_depth=tree_depth_for(biggest), branching=2, max_len=max_len,
                                 growth=s.tree_growth, processor=processor)
             for arm in tree_arms:
-                arms[arm] = (tree, [(tree, "budget", arm.size), (tree, "max_depth", tree_depth_for(arm.size))])
+                arms[arm] = (tree, [partial(tree.resize, budget=arm.size, max_depth=tree_depth_for(arm.size))])
         stage_arms = [a for a in policy.arms if a.kind == "staged"]
         if stage_arms:
             below = (LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
@@ -623,10 +625,10 @@ class Pipeline:
                                               chain_length=max(staged_lookup_length(a) for a in stage_arms))
                 staged = MergedDrafter(top, merged_lookup)
             for arm in stage_arms:
-                settings = [(top, "chain_length", arm.size)]
+                resizes = [partial(top.resize, chain_length=arm.size)]
                 if merged_lookup is not None:
-                    settings.append((merged_lookup, "chain_length", staged_lookup_length(arm)))
-                arms[arm] = (staged, settings)
+                    resizes.append(partial(merged_lookup.resize, chain_length=staged_lookup_length(arm)))
+                arms[arm] = (staged, resizes)
         drafter = AutoDrafter(policy, {a: arms[a] for a in policy.arms}, lookup=lookup)
         if s.method != "auto":
             drafter.name = f"{s.method} (measured)"  # its row in the stats' stages
@@ -764,13 +766,12 @@ class Pipeline:
         if not hit_stop:
             emit(held + stream.flush())
         result.stats.stages = stage_report(result.stats, drafter)
-        owner = self.learned.method_of(getattr(drafter, "policy", None))
+        owner = self.learned.method_of(drafter.policy)
         if owner is not None:
             self.learned.save(owner)  # the kept policy learned something (a seeded run's own is dropped)
         result.stats.dtype = dtype_name(self.dtype)
         result.stats.weights = self.weights_description
-        if hasattr(drafter, "request_choices"):
-            result.stats.auto_choices = dict(drafter.request_choices)
+        result.stats.auto_choices = dict(drafter.request_choices)
         result.text = "".join(text_parts)
         return result
 
@@ -791,16 +792,15 @@ def _warn_amx_bit_exact() -> None:
 
 def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - GenerationStats
     """Forward passes and seconds per stage, oracle first (the oracle gets the time not spent drafting)."""
-    rows = []
-    if hasattr(drafter, "stage_telemetry"):
+    telemetry = drafter.stage_telemetry()
+    if telemetry is None:  # one stage with no figures of its own: the loop timed its proposals
+        rows = [{"stage": drafter.name, "forward_passes": drafter.forward_passes, "seconds": stats.draft_seconds}]
+    else:  # one row per stage (none for `NoDrafter`)
         rows = [{"stage": t.name, "forward_passes": t.forward_passes, "seconds": t.seconds,
                  # tokens this stage emitted per inner step (accepted from the stage below + its own)
                  "mean_accepted_length": (sum(t.accepted_lengths) + len(t.accepted_lengths))
                  / len(t.accepted_lengths) if t.accepted_lengths else None}
-                for t in drafter.stage_telemetry()]
-    elif not isinstance(drafter, NoDrafter):
-        rows = [{"stage": getattr(drafter, "name", "draft"), "forward_passes": drafter.forward_passes,
-                 "seconds": stats.draft_seconds}]
+                for t in telemetry]
     drafting = sum(r["seconds"] for r in rows)
     oracle = {"stage": "oracle", "forward_passes": stats.oracle_forward_passes,
               "seconds": max(0.0, stats.seconds - drafting), "mean_accepted_length": stats.mean_accepted_length}

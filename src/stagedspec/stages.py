@@ -23,14 +23,14 @@ which keeps sampled verification exact.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from stagedspec.drafters.base import Drafter, StageTelemetry, check_size
 from stagedspec.errors import StagedSpecError
-from stagedspec.generation import Drafter, GenerationStats, Oracle, iter_steps
+from stagedspec.generation import GenerationStats, Oracle, iter_steps
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree
 
@@ -65,8 +65,13 @@ class _RecordingOracle:
         self.rows.extend(self._logits[[0, *accepted]].unbind(0))
 
 
-class _TimedDrafter:
-    """A drafter wrapper that adds up the seconds spent in its proposals."""
+class _TimedDrafter(Drafter):
+    """A drafter wrapper that adds up the seconds spent in its proposals.
+
+    Its hooks stay the base's no-ops: the drafter below a stage is not handed
+    the stage as an oracle (only the top stage may read hidden states, the
+    oracle's) and is not told what verifying cost (only `auto` prices steps,
+    and it drafts for the oracle)."""
 
     def __init__(self, inner: Drafter) -> None:
         self.inner, self.seconds = inner, 0.0
@@ -86,16 +91,7 @@ class _TimedDrafter:
             self.seconds += time.perf_counter() - t0
 
 
-@dataclass
-class StageTelemetry:
-    name: str
-    forward_passes: int = 0
-    seconds: float = 0.0  # time spent in this stage's own work (stages below excluded)
-    proposals: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # per inner step, from the stage below
-
-
-class StageDrafter:
+class StageDrafter(Drafter):
     """A stage (any `Oracle`, usually a `ModelOracle` around a draft model) decoded with `below` as its drafter."""
 
     def __init__(self, stage: Oracle, below: Drafter, *, name: str = "draft", chain_length: int = 6,
@@ -116,17 +112,25 @@ class StageDrafter:
 
     def attach_oracle(self, oracle: Oracle) -> None:
         """A feature-draft stage (`FeatureStage`) reads the hidden states of the oracle above it."""
+        # `stage` is an oracle, not a drafter: only a feature stage (perhaps inside a `ConstrainedOracle`,
+        # which forwards what it lacks) has this hook
         if hasattr(self.stage, "attach_oracle"):
             self.stage.attach_oracle(oracle)
+
+    def resize(self, *, chain_length: int | None = None, budget: int | None = None,
+               max_depth: int | None = None) -> None:
+        """`chain_length`: the tokens this stage decodes per proposal (`--method auto`'s `staged:k` arms)."""
+        super().resize(budget=budget, max_depth=max_depth)  # a stage has neither: refused
+        check_size("stage chain length", chain_length)
+        if chain_length is not None:
+            self.chain_length = chain_length
 
     def stage_telemetry(self) -> list[StageTelemetry]:
         """This stage's figures followed by those of every stage below it."""
         self.telemetry.forward_passes = self.stage.forward_passes
-        if hasattr(self.below, "stage_telemetry"):
-            below = self.below.stage_telemetry()
-        else:
-            below = [StageTelemetry(getattr(self.below, "name", "lookup"), getattr(self.below, "forward_passes", 0),
-                                    self._timed_below.seconds)]
+        below = self.below.stage_telemetry()
+        if below is None:  # one stage with no figures of its own: timed here
+            below = [StageTelemetry(self.below.name, self.below.forward_passes, self._timed_below.seconds)]
         return [self.telemetry, *below]
 
     def propose(

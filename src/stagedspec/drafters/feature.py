@@ -54,6 +54,7 @@ class FeatureInputs:
     def attach(self, oracle: Any) -> None:
         """Read features from `oracle` from now on (asking it to record them, and to run the prompt now)."""
         self.source = oracle
+        # an oracle, not a drafter: only a `ModelOracle` (or one wrapping it) records features; a toy reads zeros
         prepare = getattr(oracle, "prepare_features", None)
         if prepare is not None:
             prepare()

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from stagedspec.constraints.processor import LogitsProcessor
+from stagedspec.drafters.base import Drafter, check_size
 from stagedspec.drafters.context import ContextDrafter
 from stagedspec.drafters.ngram import NgramModel
 from stagedspec.errors import StagedSpecError
@@ -28,7 +29,7 @@ def _add_path(tree: TokenTree, tokens: Sequence[int], proposer: str) -> None:
         node = child if child is not None else tree.add(node, tok, proposer)
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """Chains from prompt lookup ("context") and/or an n-gram ("ngram"), merged into one tree.
 
     - context: the continuation of the most recent earlier occurrence of the
@@ -65,6 +66,15 @@ class LookupDrafter:
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self._sync(prompt_ids)
+
+    def resize(self, *, chain_length: int | None = None, budget: int | None = None,
+               max_depth: int | None = None) -> None:
+        """`chain_length`: the longest chain proposed (`--method auto`'s `lookup:k` arms, and the horizon its
+        lookup chains are scored to)."""
+        super().resize(budget=budget, max_depth=max_depth)  # chains have neither: refused
+        check_size("lookup chain length", chain_length)
+        if chain_length is not None:
+            self.chain_length = chain_length
 
     def _sync(self, context: Sequence[int]) -> None:
         """Follow the context incrementally; restart only when it is not an extension of what we saw."""

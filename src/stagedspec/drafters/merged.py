@@ -14,16 +14,19 @@ keeps sampled decoding exact (see `stagedspec.verification`).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from stagedspec.generation import Drafter
+from stagedspec.drafters.base import Drafter, StageTelemetry
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 
+if TYPE_CHECKING:
+    from stagedspec.generation import Oracle
 
-class MergedDrafter:
+
+class MergedDrafter(Drafter):
     """`primary`'s tree with `extra`'s deterministic proposals merged in (common prefixes shared)."""
 
     def __init__(self, primary: Drafter, extra: Drafter) -> None:
@@ -36,29 +39,25 @@ class MergedDrafter:
 
     @property
     def name(self) -> str:
-        return f"{getattr(self.primary, 'name', 'draft')}+{getattr(self.extra, 'name', 'lookup')}"
+        return f"{self.primary.name}+{self.extra.name}"
 
-    def attach_oracle(self, oracle) -> None:  # noqa: ANN001 - the loop's oracle
+    def attach_oracle(self, oracle: Oracle) -> None:
         """Pass the loop's oracle on to a drafter that reads its hidden states (a feature draft)."""
         for d in (self.primary, self.extra):
-            if hasattr(d, "attach_oracle"):
-                d.attach_oracle(oracle)
+            d.attach_oracle(oracle)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.primary.begin(prompt_ids)
         self.extra.begin(prompt_ids)
 
-    def stage_telemetry(self) -> list:  # noqa: ANN201 - StageTelemetry rows
+    def stage_telemetry(self) -> list[StageTelemetry]:
         """The primary's stage rows, then one row for the merged extra drafter."""
-        from stagedspec.stages import StageTelemetry
-
-        if hasattr(self.primary, "stage_telemetry"):
-            rows = list(self.primary.stage_telemetry())
+        primary = self.primary.stage_telemetry()
+        if primary is None:  # one stage with no figures of its own: timed here
+            rows = [StageTelemetry(self.primary.name, self.primary.forward_passes, self.primary_seconds)]
         else:
-            rows = [StageTelemetry(getattr(self.primary, "name", "draft"), self.primary.forward_passes,
-                                   self.primary_seconds)]
-        extra = StageTelemetry(f"{getattr(self.extra, 'name', 'lookup')} (to oracle)",
-                               self.extra.forward_passes, self.extra_seconds)
+            rows = list(primary)
+        extra = StageTelemetry(f"{self.extra.name} (to oracle)", self.extra.forward_passes, self.extra_seconds)
         return [*rows, extra]
 
     def propose(

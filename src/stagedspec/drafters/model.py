@@ -19,6 +19,7 @@ from torch import Tensor
 
 from stagedspec.budget import AdaptiveBudget
 from stagedspec.constraints.processor import LogitsProcessor
+from stagedspec.drafters.base import Drafter, check_size
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import acquire_runner, draft_cache_len, pass_mode, run_model
@@ -29,7 +30,7 @@ from stagedspec.tree_levels import grow_levels
 GROWTHS = ("auto", "best-first", "levels")
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Proposes trees ("tree", best-first) or chains ("chain") from a draft model.
 
     Subclasses change what a pass reads (`FeatureDrafter` adds the oracle's
@@ -76,12 +77,13 @@ class ModelDrafter:
         self.budget, self.max_depth, self.branching = budget, max_depth, branching
         self.chain_length, self.width, self.name = chain_length, width, name
         self.max_len = max_len or model.config.max_position
+        self.node_room = self.max_nodes  # tree nodes the cache keeps slots for: `resize` stays within them
         self.runner = None
         if pass_mode(model) != "eager":  # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
-            self.runner = acquire_runner(model, draft_cache_len(self.max_len, self.max_nodes), self)
+            self.runner = acquire_runner(model, draft_cache_len(self.max_len, self.node_room), self)
             self.cache = self.runner.cache
         else:
-            self.cache = model.new_cache(draft_cache_len(self.max_len, self.max_nodes))
+            self.cache = model.new_cache(draft_cache_len(self.max_len, self.node_room))
         self.device = model.embed.weight.device
         self.forward_passes = 0
         self.adaptive = adaptive if method == "tree" else None
@@ -100,6 +102,23 @@ class ModelDrafter:
     @property
     def max_nodes(self) -> int:
         return self.chain_length if self.method == "chain" else self.budget
+
+    def resize(self, *, chain_length: int | None = None, budget: int | None = None,
+               max_depth: int | None = None) -> None:
+        """`budget` and `max_depth`: a tree's nodes and depth (`--method auto`'s `tree:n` arms); `chain_length`:
+        a chain's length.  The cache was sized for the nodes this drafter was built with, so no resize may
+        ask for more."""
+        for label, value in (("tree budget", budget), ("tree depth", max_depth), ("chain length", chain_length)):
+            check_size(label, value)
+        nodes = budget if self.method == "tree" else chain_length
+        if nodes is not None and nodes > self.node_room:
+            raise StagedSpecError(f"a draft built for {self.node_room}-node trees cannot propose {nodes} nodes")
+        if budget is not None:
+            self.budget = budget
+        if max_depth is not None:
+            self.max_depth = max_depth
+        if chain_length is not None:
+            self.chain_length = chain_length
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.cache.reset()

@@ -72,10 +72,11 @@ requests that were never shrunk; the distribution holds always.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
+from stagedspec.drafters.base import Drafter
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 
@@ -106,10 +107,10 @@ def cut_tree(tree: TokenTree, cap: int) -> TokenTree:
     return tree.first_nodes(cap)
 
 
-class CappedDrafter:
+class CappedDrafter(Drafter):
     """A request's drafter whose trees the scheduler caps by shrink level (see the module docstring)."""
 
-    def __init__(self, inner: Any, max_nodes: int, level: int = 0) -> None:
+    def __init__(self, inner: Drafter, max_nodes: int, level: int = 0) -> None:
         self.inner = inner
         self.max_nodes = max_nodes
         self.floor = root_only_level(max_nodes)
@@ -128,7 +129,7 @@ class CappedDrafter:
 
     @property
     def forward_passes(self) -> int:
-        return getattr(self.inner, "forward_passes", 0)
+        return self.inner.forward_passes
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.inner.begin(prompt_ids)
@@ -140,13 +141,11 @@ class CappedDrafter:
         self._proposed = cap != 0
         if cap == 0:
             return TokenTree([context[-1]], [-1])
-        if hasattr(self.inner, "node_cap"):  # `auto`: pick only arms whose trees fit
-            self.inner.node_cap = cap
+        self.inner.node_cap = cap  # `auto` picks only arms whose trees fit; the others' trees are cut below
         tree = self.inner.propose(context, sampling, generator, max_tokens)
         return tree if cap is None else cut_tree(tree, cap)
 
     def verified(self, seconds: float) -> None:
         """Only a step the inner drafter proposed tells it what verifying cost."""
-        hook = getattr(self.inner, "verified", None)
-        if self._proposed and hook is not None:
-            hook(seconds)
+        if self._proposed:
+            self.inner.verified(seconds)

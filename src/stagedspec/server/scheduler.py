@@ -97,7 +97,7 @@ class _Running:
         self.drafter = pipe.drafter(max_len, reproducible=reproducible, processor=job.processor)
         # `auto` prices its arms by the batched round it shares (`auto.SharedLoad`), except for a seeded
         # sampled request: its tree shapes, and so its draws, must be its solo run's.
-        self.load_aware = hasattr(self.drafter, "shared_load") and not reproducible
+        self.load_aware = self.drafter.reads_shared_load and not reproducible
         self.switch = CappedDrafter(self.drafter, job.spec.max_nodes, level)
         self.stats = GenerationStats()
         self.steps = iter_steps(self.oracle, self.switch, job.prompt_ids, max_new_tokens=job.max_tokens,
@@ -152,7 +152,7 @@ class _Running:
         st.seconds, st.new_tokens = self.seconds, len(self.token_ids)
         st.tokens_per_second = st.new_tokens / st.seconds if st.seconds > 0 else 0.0
         st.oracle_forward_passes = self.oracle.forward_passes
-        st.draft_forward_passes = getattr(self.drafter, "forward_passes", 0)
+        st.draft_forward_passes = self.drafter.forward_passes
         st.stages = stage_report(st, self.drafter)
         return {
             "speculation_off_steps": self.switch.skipped_steps,
