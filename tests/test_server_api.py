@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -300,6 +301,49 @@ def test_bench_serve_soak_counts_requests_and_reads_resident_memory(server, tmp_
     assert rc == (0 if soak["passed"] else 1) and soak["passed"] == (soak["growth"] <= 0.5)
     assert soak_verdict([(0.0, 100), (5.0, 200), (6.0, 210), (9.0, 205)], warmup=2.0, tolerance=0.05) == (200, 210, 0.05)
     assert soak_verdict([(0.0, 100), (5.0, 200), (6.0, 211)], warmup=2.0, tolerance=0.05)[2] > 0.05
+
+
+def test_bench_serve_runs_the_same_levels_against_llama_server(server, tmp_path, monkeypatch, capsys):
+    """`--llamacpp`: llama-server's levels (here a stand-in: this test's own server behind the launcher's
+    interface) are labelled, started with -np = the top concurrency, stopped, and set beside ours."""
+    import stagedspec.bench.llamacpp as llamacpp
+    from stagedspec.cli import main
+
+    started = []
+
+    class StandIn:
+        def __init__(self, binary, model, flags, threads, context, parallel):  # noqa: ANN001
+            started.append((Path(model).suffix, list(flags), threads, context, parallel))
+            self.url, self.closed = server.base + "/v1", False
+
+        def log_tail(self, lines: int) -> list[str]:
+            return []
+
+        def close(self) -> None:
+            started.append("closed")
+
+    monkeypatch.setattr(llamacpp, "LlamaServer", StandIn)
+    monkeypatch.setattr(llamacpp, "bin_dir", lambda: tmp_path)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello the\n\nin the in\n")
+    args = ["bench-serve", "--url", server.base + "/v1", "--prompts", str(prompts), "--concurrency", "1,2",
+            "--requests", "2", "--max-tokens", "4", "--methods", "ar", "--llamacpp", str(gguf),
+            "--llamacpp-draft", str(gguf), "--llamacpp-threads", "1"]
+    assert main([*args, "--json"]) == 0
+    levels = json.loads(capsys.readouterr().out)["levels"]
+    assert [(lv["method"], lv["concurrency"]) for lv in levels] == [
+        ("ar", 1), ("ar", 2), ("llama-server", 1), ("llama-server", 2), ("llama-server -md", 1),
+        ("llama-server -md", 2)]
+    assert all(lv["tokens"] > 0 for lv in levels)
+    assert started[0] == (".gguf", [], 1, 4096, 2) and started[1] == "closed"
+    assert started[2][1][:2] == ["-md", str(gguf)] and started[3] == "closed"
+    assert main(args) == 0
+    assert "ar vs llama-server -md, aggregate tokens/s" in capsys.readouterr().out
+    monkeypatch.setattr(llamacpp, "bin_dir", lambda: None)
+    assert main(args) == 2
+    assert "llama.cpp is not built" in capsys.readouterr().err
 
 
 def test_bench_serve_without_a_server(capsys):
