@@ -226,10 +226,14 @@ def test_the_server_keeps_native_draft_weights_unless_the_oracle_is_quantised(mo
     seen = []
 
     class FakePipeline:
-        def __init__(self, *args, draft_weights: str, **kwargs) -> None:  # noqa: ANN002, ANN003
-            seen.append(draft_weights)
+        def __init__(self) -> None:
             self.model = self.tokenizer = self.ngram = None
             self.draft_models = []
+
+        @classmethod
+        def load(cls, *args, draft_weights: str, **kwargs) -> FakePipeline:  # noqa: ANN002, ANN003
+            seen.append(draft_weights)
+            return cls()
 
     monkeypatch.setattr(engine, "Pipeline", FakePipeline)
     spec = SpeculationConfig(method="tree")
