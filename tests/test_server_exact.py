@@ -4,7 +4,8 @@ Eight requests of different prompts and lengths start at staggered times and
 stream concurrently through `AsyncOpenAI`; each one's token ids and text must
 equal what `Pipeline.generate` produces for the same request alone, in this
 process, for `ar`, `tree`, `staged` and `auto`, greedy and seeded sampling, in fp32;
-in bf16 for `staged`; and with `--bit-exact` for `ar`, `tree` and `staged`.  The
+in bf16 for `staged`; with `--bit-exact` for `ar`, `tree` and `staged`; and with the oracle's weight format
+forced to int4 and to int8 (`--quant`, the native kernels) for `ar`, `tree` and `staged`.  The
 server batches the requests' passes (ragged passes: they share the matmuls,
 each attends over its own cache); the interleaved scheduler
 (`--no-batch-passes`) is checked too.  See docs/serving.md, "Batched passes".
@@ -159,3 +160,33 @@ def check_concurrent_equals_solo(server, solo, method: str, temperature: float, 
     # passes that carried several requests: each adds (requests - 1) to this difference
     shared = server.metric("batched_request_passes_total") - server.metric("batched_passes_total") - before
     assert (shared > 0) == batched
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantised(request, folder):  # noqa: ANN001, ANN201
+    """A server whose oracle runs the forced weight format (not one chosen per machine), and its solo runner."""
+    from stagedspec.kernels.native import native_kernels
+
+    if native_kernels(quiet=True) is None:
+        pytest.skip("native kernels unavailable: quantised oracles run only on them")
+    gen = start_server(folder, "fp32", "--quant", request.param, "--model-name", MODEL)
+    srv = next(gen)
+    model, tok = load_model(folder, dtype=torch.float32, quant=request.param)
+    draft = truncated_copy(model, 1)
+
+    def run(case: str, prompt: str, max_tokens: int, sampling: SamplingParams, seed: int | None):  # noqa: ANN202
+        out = Pipeline(model, tok, [draft], solo_spec(case)).generate(prompt, max_new_tokens=max_tokens,
+                                                                      sampling=sampling, seed=seed)
+        return out.token_ids, out.text
+
+    yield srv, run
+    next(gen, None)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("method", ["ar", "tree-fixed", "staged"])
+def test_quantised_oracle_concurrent_streams_equal_solo_runs(quantised, method, temperature):  # noqa: ANN001
+    """`serve --quant int4|int8`: its batched passes run every block in one native call per round, and each of
+    8 concurrent streams is its solo run, token for token."""
+    server, solo = quantised
+    check_concurrent_equals_solo(server, solo, method, temperature)
