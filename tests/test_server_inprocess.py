@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -331,6 +332,8 @@ def test_feature_draft_passes_join_the_ragged_passes(feature_engine, method, mon
     for p, info in zip(prompts, infos):
         solo = Pipeline(eng.model, eng.tokenizer, [draft], spec).generate(p, max_new_tokens=12)
         assert info["token_ids"] == solo.token_ids
+        # the same proposals as alone: the served draft reads the oracle's hidden states too
+        assert info["tokens_by_stage"] == dict(Counter(solo.stats.token_origins))
     draft_calls = sum(row["forward_passes"] for info in infos for row in info["stages"] if row["stage"] == "draft")
     assert draft_calls == sum(seen["draft"]) > 0  # every draft pass went through a ragged pass ...
     assert len(seen["draft"]) < draft_calls and max(seen["draft"]) >= 4  # ... which carried several requests

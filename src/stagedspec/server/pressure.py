@@ -72,7 +72,7 @@ requests that were never shrunk; the distribution holds always.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -130,6 +130,10 @@ class CappedDrafter(Drafter):
     @property
     def forward_passes(self) -> int:
         return self.inner.forward_passes
+
+    def attach_oracle(self, oracle: Any) -> None:
+        """Passed on: a feature draft reads the oracle's hidden states (without it, it would read none)."""
+        self.inner.attach_oracle(oracle)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.inner.begin(prompt_ids)
