@@ -58,7 +58,7 @@ class Drafter(ABC):
 
     policy: AutoPolicy | None = None
     """The `--method auto` policy this drafter chooses its arms with (None: it has none).  After a request
-    the pipeline saves what a shared policy learned (`Pipeline.save_auto_state`)."""
+    the pipeline saves what a shared policy learned (`LearnedState.save`)."""
 
     request_choices: Mapping[str, int] = MappingProxyType({})
     """Steps run per `auto` arm during the current request (the stats' `auto_choices`); empty when the
