@@ -50,6 +50,22 @@ def test_loaded_model_is_eval_frozen_and_in_requested_dtype(llama_dir: Path) -> 
     assert tok.eos_token_ids[:1] == [0]
 
 
+def test_loaded_models_keep_the_pass_options_they_were_loaded_with(llama_dir: Path) -> None:
+    """`load_model(pass_options=...)` gives the model its options (`stagedspec.runner`); a draft loaded for it
+    runs its passes as it does, with a pool of runners of its own; without options, the environment's."""
+    from stagedspec.pass_options import PassOptions
+    from stagedspec.pipeline import load_draft_model
+    from stagedspec.runner import is_compiled, pass_mode
+
+    options = PassOptions(mode="static", compile=True)
+    oracle, tok = load_model(llama_dir, dtype=torch.float32, pass_options=options)
+    assert oracle.pass_runtime.options is options and pass_mode(oracle) == "static" and is_compiled(oracle)
+    draft = load_draft_model("layers:1", oracle, tok, torch.float32, "cpu", "native")
+    assert draft.pass_runtime.options == options and draft.pass_runtime is not oracle.pass_runtime
+    plain, _ = load_model(llama_dir, dtype=torch.float32)
+    assert plain.pass_runtime.options == PassOptions.from_environment()
+
+
 def test_sharded_checkpoint_matches_single_file(llama_dir: Path, tmp_path: Path) -> None:
     hf = make_hf_model("llama_gqa")
     hf.save_pretrained(tmp_path, max_shard_size="40KB")

@@ -23,7 +23,8 @@ from stagedspec.drafters.model import ModelDrafter
 from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, init_random
-from stagedspec.runner import StaticRunner, acquire_runner, pass_mode, runner_capacity, set_pass_mode
+from stagedspec.pass_options import PassOptions
+from stagedspec.runner import RunnerLeases, StaticRunner, acquire_runner, pass_mode, runner_capacity, set_pass_mode
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.stages import StageDrafter
 from stagedspec.verification import VerifyResult
@@ -43,7 +44,7 @@ def tiny(seed: int, layers: int = 2, vocab: int = 24, dtype: torch.dtype = torch
 
 def test_cpu_models_default_to_eager_and_modes_are_checked() -> None:
     m = tiny(0)
-    assert pass_mode(m) == ("static" if runner_mod._static_on_cpu else "eager")  # STAGEDSPEC_STATIC_PASSES=1
+    assert pass_mode(m) == ("static" if PassOptions.from_environment().static_on_cpu else "eager")  # the env's
     set_pass_mode(m, "graphs")  # no CUDA here: graphs become static passes
     assert pass_mode(m) == "static"
     with pytest.raises(ValueError, match="unknown pass mode"):
@@ -176,6 +177,29 @@ def test_runners_are_pooled_per_model_and_released_with_their_owner() -> None:
     c_owner = Owner()
     assert acquire_runner(m, 400, c_owner) is a  # same capacity (512): reused, graphs and all
     assert acquire_runner(m, 100, Owner()).capacity == 256  # never a bigger one: equal widths, equal numbers
+
+
+def test_a_request_s_runners_go_back_to_the_pool_when_it_ends() -> None:
+    """`RunnerLeases`: the runners leased while a request builds its parts are given back at its `release`,
+    while those parts still exist; their owners' later collection does not free a runner leased again since."""
+    m = tiny(2)
+    set_pass_mode(m, "static")
+
+    class Owner:
+        pass
+
+    first, other, second = Owner(), Owner(), Owner()
+    leases = RunnerLeases()
+    with leases.taking():
+        a = acquire_runner(m, 300, first)
+    b = acquire_runner(m, 300, other)  # outside the request: only its owner's collection frees it
+    assert a.busy and b.busy and len(leases.leases) == 1
+    leases.release()
+    assert not a.busy and b.busy
+    assert acquire_runner(m, 300, second) is a
+    del first
+    gc.collect()
+    assert a.busy  # still `second`'s
 
 
 def _exact_two_tokens(oracle: Transformer, prompt: list[int], sampling: SamplingParams) -> dict[tuple[int, int], float]:
@@ -330,19 +354,40 @@ def test_level_growth_needs_static_passes_and_a_token_draft() -> None:
 
 
 def test_cuda_graphs_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stagedspec.cli import _apply_pass_flags, build_parser
+    from stagedspec.cli import build_parser
+    from stagedspec.cli_args import pass_options_from
 
     args = build_parser().parse_args(["generate", "hi", "--no-cuda-graphs"])
     assert args.cuda_graphs is False
     assert isinstance(build_parser().parse_args(["generate", "hi"]).cuda_graphs, bool)
-    monkeypatch.setattr(runner_mod, "_cuda_graphs", True)
-    monkeypatch.setattr(runner_mod, "_static_on_cpu", False)
-    assert runner_mod.default_pass_mode("cuda") == "graphs" and runner_mod.default_pass_mode("cpu") == "eager"
-    runner_mod.use_cuda_graphs(False)
-    assert runner_mod.default_pass_mode("cuda:0") == "static"
-    runner_mod.use_cuda_graphs(True)
-    _apply_pass_flags(build_parser().parse_args(["generate", "hi", "--no-cuda-graphs"]))  # what `main` does
-    assert runner_mod.default_pass_mode("cuda") == "static" and runner_mod.default_pass_mode("cpu") == "eager"
+    monkeypatch.delenv("STAGEDSPEC_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("STAGEDSPEC_STATIC_PASSES", raising=False)
+    default = PassOptions.from_environment()
+    assert default.mode_on("cuda") == "graphs" and default.mode_on("cpu") == "eager"
+    assert PassOptions(cuda_graphs=False).mode_on("cuda:0") == "static"
+    assert PassOptions(mode="graphs").mode_on("cpu") == "static"  # CUDA graphs need CUDA
+    options = pass_options_from(args)  # what the commands load their models with
+    assert options.mode_on("cuda") == "static" and options.mode_on("cpu") == "eager"
+    static = pass_options_from(build_parser().parse_args(["generate", "hi", "--static-passes", "--compile"]))
+    assert static.mode_on("cpu") == "static" and static.mode_on("cuda") == "graphs" and static.compile
+    monkeypatch.setenv("STAGEDSPEC_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("STAGEDSPEC_STATIC_PASSES", "1")  # how the whole suite runs the static path
+    assert PassOptions.from_environment() == PassOptions(cuda_graphs=False, static_on_cpu=True)
+    assert pass_mode(tiny(0)) == "static"  # a model built without options takes the environment's
+    with pytest.raises(ValueError, match="unknown pass mode"):
+        PassOptions(mode="fast")
+
+
+def test_a_copy_of_a_model_keeps_its_options_and_gets_a_pool_of_its_own() -> None:
+    import copy
+
+    m = tiny(4)
+    set_pass_mode(m, "static")
+    runner_mod.set_compiled(m, True)
+    acquire_runner(m, 10, m)
+    twin = copy.deepcopy(m)
+    assert twin.pass_runtime.options == m.pass_runtime.options and pass_mode(twin) == "static"
+    assert twin.pass_runtime.runners == [] and len(m.pass_runtime.runners) == 1
 
 
 def test_bit_exact_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -350,18 +395,18 @@ def test_bit_exact_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch) -> Non
     import os
 
     from stagedspec import hardware
-    from stagedspec.cli import _apply_pass_flags
+    from stagedspec.cli import _cap_isa_for_bit_exact
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")  # restored after the test
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     assert hardware.amx_rounds_by_rows()
-    _apply_pass_flags(argparse.Namespace(bit_exact=False, device="cpu"))
+    _cap_isa_for_bit_exact(argparse.Namespace(bit_exact=False, device="cpu"))
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"  # AMX stays on without --bit-exact (it makes trees cheap)
-    _apply_pass_flags(argparse.Namespace(bit_exact=True, device="cpu"))
+    _cap_isa_for_bit_exact(argparse.Namespace(bit_exact=True, device="cpu"))
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == hardware.AMX_ISA_CAP and not hardware.amx_rounds_by_rows()
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
-    _apply_pass_flags(argparse.Namespace(bit_exact=True, device="cpu"))
+    _cap_isa_for_bit_exact(argparse.Namespace(bit_exact=True, device="cpu"))
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"  # no AMX: nothing to cap
 
 

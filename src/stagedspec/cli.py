@@ -12,7 +12,8 @@ import sys
 from typing import NoReturn, Sequence
 
 from stagedspec.cli_args import (add_draft_weights_arg, add_model_args, add_quant_arg, add_speculation_args,
-                                 add_threads_arg, non_negative_int, positive_int, speculation_from)
+                                 add_threads_arg, non_negative_int, pass_options_from, positive_int,
+                                 speculation_from)
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.quant import resolve_quant
 
@@ -138,7 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     method = spec.method
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     pipe = Pipeline.load(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant,
-                         draft_weights=args.draft_weights)
+                         draft_weights=args.draft_weights, pass_options=pass_options_from(args))
     pipe.bit_exact = args.bit_exact
     pipe.threads = args.threads
     if args.dtype == "auto":
@@ -248,7 +249,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     forget_measured_plans()  # and the fp32 matmul kernels
     args.quant = resolve_quant(args.quant, args.oracle, args.device)
     pipe = Pipeline.load(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
-                         dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights)
+                         dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights,
+                         pass_options=pass_options_from(args))
     if args.threads != "auto":
         import torch
 
@@ -285,7 +287,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
     run_engine_bench(oracle=args.oracle, dtypes=args.dtypes.split(","), device=args.device,
                      n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
-                     with_transformers=not args.no_transformers)
+                     with_transformers=not args.no_transformers, pass_options=pass_options_from(args))
     if args.tree_cost:
         from stagedspec.bench.tree_cost import forward_cost_curve, print_cost_curve
         from stagedspec.models.loading import load_model
@@ -293,22 +295,18 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
         for name in args.dtypes.split(","):
             dtype, quant = parse_weights(name)
-            model, _ = load_model(args.oracle, dtype=dtype, device=args.device, quant=quant)
+            model, _ = load_model(args.oracle, dtype=dtype, device=args.device, quant=quant,
+                                  pass_options=pass_options_from(args))
             print(f"\ntree verification cost, {name}:")
             print_cost_curve(forward_cost_curve(model))
     return 0
 
 
-def _apply_pass_flags(args: argparse.Namespace) -> None:
-    """`--no-cuda-graphs`, `--compile`, `--static-passes`: how models' passes run (`stagedspec.runner`)."""
-    from stagedspec import runner
+def _cap_isa_for_bit_exact(args: argparse.Namespace) -> None:
+    """`--bit-exact` on an AMX CPU: cap oneDNN below AMX before anything runs (`hardware.cap_isa_for_bit_exact`).
 
-    if getattr(args, "cuda_graphs", True) is False:
-        runner.use_cuda_graphs(False)
-    if getattr(args, "compile", False):
-        runner.use_compile(True)
-    if getattr(args, "static_passes", False):
-        runner.use_static_on_cpu(True)
+    The one process-wide setting a flag makes; how passes run is given to the models a command loads
+    (`cli_args.pass_options_from`)."""
     if getattr(args, "bit_exact", False) and getattr(args, "device", "cpu") == "cpu":
         from stagedspec.hardware import AMX_ISA_CAP, cap_isa_for_bit_exact
 
@@ -323,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help (0) or a bad argument (2, one line already printed)
         return int(done.code or 0)
-    _apply_pass_flags(args)
+    _cap_isa_for_bit_exact(args)
     try:
         return args.func(args)
     except StagedSpecError as e:

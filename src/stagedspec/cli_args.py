@@ -6,9 +6,11 @@ Here rather than in `cli.py`, so that the commands kept in modules of their own 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Callable
 
 from stagedspec.models.quant import QUANT_CHOICES, resolve_quant
+from stagedspec.pass_options import PassOptions
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:
@@ -77,6 +79,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_static_passes_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-passes", action="store_true",
                    help="CPU: run the static-shape pass path (fixed row buckets, the whole cache as keys), as on CUDA")
+
+
+def pass_options_from(args: argparse.Namespace) -> PassOptions:
+    """The one `PassOptions` a command loads its models with: the environment's defaults
+    (`PassOptions.from_environment`) under its `--no-cuda-graphs`, `--static-passes` and `--compile`."""
+    env = PassOptions.from_environment()
+    return dataclasses.replace(
+        env,
+        cuda_graphs=env.cuda_graphs and getattr(args, "cuda_graphs", True) is not False,
+        static_on_cpu=env.static_on_cpu or bool(getattr(args, "static_passes", False)),
+        compile=env.compile or bool(getattr(args, "compile", False)),
+    )
 
 
 def add_draft_weights_arg(p: argparse.ArgumentParser) -> None:

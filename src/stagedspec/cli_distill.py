@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from stagedspec.cli_args import int_at_least
+from stagedspec.cli_args import int_at_least, pass_options_from
 from stagedspec.errors import StagedSpecError
 
 # Targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
@@ -495,7 +495,8 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
                 chain_length=args.chain_length, tree_growth=args.tree_growth)
     pipe = Pipeline.load(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec),
-                         dtype=args.dtype, device=device, draft_weights=args.draft_weights)
+                         dtype=args.dtype, device=device, draft_weights=args.draft_weights,
+                         pass_options=pass_options_from(args))  # --static-passes: the drafts run as the oracle
     models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device,
                                                     args.draft_weights) for d in drafts[1:]]
     chat = pipe.tokenizer.chat_template is not None  # as the bench: base models get the raw prompt

@@ -114,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'stagedspec[serve]'") from None
-    from stagedspec.cli_args import speculation_from
+    from stagedspec.cli_args import pass_options_from, speculation_from
     from stagedspec.server.engine import Engine, parse_size
 
     oracle, drafts, spec = speculation_from(args)
@@ -127,7 +127,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load() -> Engine:
         engine = Engine.load(oracle, drafts, spec, dtype=args.dtype, device=args.device, quant=args.quant,
-                             draft_weights=args.draft_weights, bit_exact=args.bit_exact, model_name=args.model_name)
+                             draft_weights=args.draft_weights, bit_exact=args.bit_exact, model_name=args.model_name,
+                             pass_options=pass_options_from(args))
         engine.threads = args.threads
         return engine
 

@@ -97,6 +97,7 @@ def cap_isa_for_bit_exact() -> bool:
     """
     if not amx_rounds_by_rows():
         return False
+    # An environment variable, not an argument: oneDNN (inside PyTorch) takes its ISA cap from nowhere else.
     os.environ["ONEDNN_MAX_CPU_ISA"] = AMX_ISA_CAP
     return True
 

@@ -25,7 +25,8 @@ from stagedspec.generation import (
 )
 from stagedspec.learned_state import LearnedState
 from stagedspec.models.transformer import Transformer
-from stagedspec.runner import draft_cache_len
+from stagedspec.pass_options import PassOptions, PassRuntime
+from stagedspec.runner import RunnerLeases, draft_cache_len
 from stagedspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -356,6 +357,14 @@ def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch
 
 def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
                 quant: str = "none") -> Transformer:
+    """The draft `spec`, its passes run with its oracle's options: a pipeline's models share one `PassOptions`."""
+    draft = _draft_from_spec(spec, oracle, oracle_tokenizer, dtype, device, quant)
+    draft.pass_runtime = PassRuntime(oracle.pass_runtime.options)
+    return draft
+
+
+def _draft_from_spec(spec: str, oracle: Transformer, oracle_tokenizer: Any, dtype: torch.dtype, device: str,
+                     quant: str) -> Transformer:
     if spec.startswith("layers:"):
         try:
             n = int(spec.split(":", 1)[1])
@@ -463,6 +472,7 @@ class Pipeline:
         self.ngram = ngram
         self.learned = learned if learned is not None else LearnedState()
         self.bit_exact = False
+        self._warned_amx = False  # `generate` said that bit_exact cannot hold on this AMX CPU (once per pipeline)
         # "auto": follow the machine's load where results allow (`thread_governor`); N: fixed
         self.threads: str | int = "auto"
         self._governor: ThreadGovernor | None = None
@@ -486,6 +496,7 @@ class Pipeline:
         device: str = "cpu",
         quant: str = "none",
         draft_weights: str = "auto",
+        pass_options: PassOptions | None = None,
     ) -> Pipeline:
         """A pipeline over the models named by specs: loads the oracle, then the drafts `speculation.method`
         runs with (`draft_specs`), then the n-gram, and checks they make that method.
@@ -498,7 +509,8 @@ class Pipeline:
         `dtype="auto"` picks bf16 where the hardware computes it natively and fp32 elsewhere
         (`dtype_reason` says which and why); the output is the oracle's in the chosen dtype.
         `method="auto"` with no draft uses the draft shipped for the oracle, when there is one
-        (SmolLM2-135M-Instruct, Gemma-3-270m)."""
+        (SmolLM2-135M-Instruct, Gemma-3-270m).  `pass_options`: how the models' passes run (the drafts run
+        theirs as the oracle does; None: the environment's defaults, `stagedspec.pass_options`)."""
         from stagedspec.models.loading import load_model
 
         s = speculation or SpeculationConfig()
@@ -507,7 +519,7 @@ class Pipeline:
 
         quant = resolve_quant(quant, oracle, device)  # "auto", as the CLI takes it, for library callers too
         torch_dtype, dtype_reason = resolve_dtype(dtype, device, quant)
-        model, tokenizer = load_model(oracle, dtype=torch_dtype, device=device, quant=quant)
+        model, tokenizer = load_model(oracle, dtype=torch_dtype, device=device, quant=quant, pass_options=pass_options)
         draft_models = [load_draft_model(d, model, tokenizer, torch_dtype, device, draft_weights)
                         for d in draft_specs(s.method, draft, oracle, tokenizer)]
         from stagedspec.models.feature_draft import is_feature_draft
@@ -721,16 +733,20 @@ class Pipeline:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
-        if self.bit_exact and str(self.device) == "cpu" and not _warned_amx:
+        if self.bit_exact and str(self.device) == "cpu" and not self._warned_amx:
+            self._warned_amx = True
             _warn_amx_bit_exact()
         processor = self.logits_processor(controls)
         governor = self.thread_governor()
-        oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
-        if processor is not None:
-            from stagedspec.constraints.processor import ConstrainedOracle
+        leases = RunnerLeases()  # the runners this request's oracle and drafters hold, given back when it ends
+        with leases.taking():
+            oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
+            if processor is not None:
+                from stagedspec.constraints.processor import ConstrainedOracle
 
-            oracle = ConstrainedOracle(oracle, processor, settles=True)
-        drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy, processor=processor)
+                oracle = ConstrainedOracle(oracle, processor, settles=True)
+            drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy,
+                                   processor=processor)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []
         held = ""  # decoded text held back while it could still begin a stop string
@@ -759,10 +775,13 @@ class Pipeline:
             held = held[cut:]
             return False
 
-        result = speculative_generate(
-            oracle, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-            stop_token_ids=self.tokenizer.eos_token_ids, on_tokens=on_tokens,
-        )
+        try:
+            result = speculative_generate(
+                oracle, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                stop_token_ids=self.tokenizer.eos_token_ids, on_tokens=on_tokens,
+            )
+        finally:
+            leases.release()
         if not hit_stop:
             emit(held + stream.flush())
         result.stats.stages = stage_report(result.stats, drafter)
@@ -776,15 +795,10 @@ class Pipeline:
         return result
 
 
-_warned_amx = False
-
-
 def _warn_amx_bit_exact() -> None:
-    """`bit_exact` cannot hold on AMX kernels: say so once (the CLI caps the ISA at start-up instead)."""
-    global _warned_amx
+    """`bit_exact` cannot hold on AMX kernels: say so (the CLI caps the ISA at start-up instead)."""
     from stagedspec.hardware import AMX_ISA_CAP, amx_rounds_by_rows
 
-    _warned_amx = True
     if amx_rounds_by_rows():
         print(f"stagedspec: warning: bit_exact on an AMX CPU is not bit-identical unless the process starts "
               f"with ONEDNN_MAX_CPU_ISA={AMX_ISA_CAP} (the CLI's --bit-exact sets it)", file=sys.stderr)

@@ -25,19 +25,23 @@ captured at first use.  Graphs bake in addresses, so runners are pooled per
 model and reused by later requests (`acquire_runner`): the capture cost
 is paid once per process, not per request.
 
-The mode of a model's passes is a property of the loaded model
-(`set_pass_mode`): "eager" (the CPU default: the original variable-shape
-path), "static" (this path without graphs: the same arithmetic, which is how
-the CPU suites test it) and "graphs" (the CUDA default).
+The mode of a model's passes is a property of the loaded model: the
+`PassOptions` it was loaded with (`stagedspec.pass_options`; the CLI's
+`--cuda-graphs`, `--static-passes`, `--compile`), held with its pool of
+runners in `Transformer.pass_runtime`, and changed with `set_pass_mode`:
+"eager" (the CPU default: the original variable-shape path), "static" (this
+path without graphs: the same arithmetic, which is how the CPU suites test
+it) and "graphs" (the CUDA default).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import sys
 import threading
 import weakref
-from typing import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -46,62 +50,27 @@ from stagedspec.models.transformer import Transformer, decoding_mode
 from stagedspec.tree import TokenTree
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows of a static pass; more rows run as several passes of the biggest
-PASS_MODES = ("eager", "static", "graphs")
 MIN_CAPACITY = 256  # the smallest cache a pooled runner holds (capacities are powers of two from here)
 POOL_LIMIT = 8  # runners kept per model (one per concurrent request or stage, per capacity)
-
-
-_cuda_graphs = os.environ.get("STAGEDSPEC_CUDA_GRAPHS", "1") not in ("0", "false", "no", "off")
-
-
-def use_cuda_graphs(enabled: bool) -> None:
-    """`--cuda-graphs` / `--no-cuda-graphs`: whether CUDA models' static passes are replayed as graphs.
-
-    Applies to models whose mode was not set explicitly (`set_pass_mode`);
-    the environment variable STAGEDSPEC_CUDA_GRAPHS=0 sets the same default.
-    """
-    global _cuda_graphs
-    _cuda_graphs = bool(enabled)
 
 
 def pass_mode(model: Transformer) -> str:
     """How `model`'s passes run: "eager", "static" or "graphs" (see the module docstring).
 
-    Unless set with `set_pass_mode`: "graphs" on CUDA ("static" with CUDA
-    graphs turned off), "eager" on the CPU.
+    The mode its options name (`set_pass_mode`, or the options it was loaded
+    with), else its device's default: "graphs" on CUDA ("static" with CUDA
+    graphs turned off), "eager" on the CPU ("static" with static passes on).
     """
-    mode = model.__dict__.get("_pass_mode")
-    return mode if mode is not None else default_pass_mode(str(model.embed.weight.device))
+    return model.pass_runtime.options.mode_on(model.embed.weight.device)
 
 
 def set_pass_mode(model: Transformer, mode: str) -> None:
     """Choose how the oracle and drafters run `model`'s passes from now on (pooled runners are dropped)."""
-    if mode not in PASS_MODES:
-        raise ValueError(f"unknown pass mode {mode!r}: use one of {', '.join(PASS_MODES)}")
-    if mode == "graphs" and model.embed.weight.device.type != "cuda":
-        mode = "static"  # CUDA graphs need CUDA; the static path is the same arithmetic
-    model.__dict__["_pass_mode"] = mode
-    model.__dict__["_runner_pool"] = []
-
-
-_static_on_cpu = os.environ.get("STAGEDSPEC_STATIC_PASSES", "0") not in ("0", "false", "no", "off", "")
-
-
-def use_static_on_cpu(enabled: bool) -> None:
-    """`--static-passes`: CPU models (mode not set explicitly) run the static-shape path too.
-
-    The environment variable STAGEDSPEC_STATIC_PASSES=1 sets the same default
-    (the whole test suite can run through the static path with it)."""
-    global _static_on_cpu
-    _static_on_cpu = bool(enabled)
-
-
-def default_pass_mode(device: str) -> str:
-    """CUDA: static passes replayed as graphs (static with eager launches under `--no-cuda-graphs`); CPU: eager
-    (static under `--static-passes`)."""
-    if str(device).startswith("cuda"):
-        return "graphs" if _cuda_graphs else "static"
-    return "static" if _static_on_cpu else "eager"
+    runtime = model.pass_runtime
+    options = replace(runtime.options, mode=mode)  # an unknown mode: ValueError
+    with runtime.lock:
+        runtime.options = options
+        runtime.runners = []
 
 
 def set_compiled(model: Transformer, enabled: bool = True) -> None:
@@ -113,35 +82,26 @@ def set_compiled(model: Transformer, enabled: bool = True) -> None:
     its on-disk cache (TORCHINDUCTOR_CACHE_DIR), so later processes pay far
     less.  A compile that fails falls back to the uncompiled pass.
     """
-    model.__dict__["_compiled"] = bool(enabled)
-    model.__dict__.pop("_compiled_forward", None)
-
-
-_compile_default = False
-
-
-def use_compile(enabled: bool) -> None:
-    """`--compile`: compile the static passes of every model whose choice was not set (`set_compiled`)."""
-    global _compile_default
-    _compile_default = bool(enabled)
+    runtime = model.pass_runtime
+    runtime.options = replace(runtime.options, compile=bool(enabled))
+    runtime.compiled_forward = None
 
 
 def is_compiled(model: Transformer) -> bool:
     """Whether `model`'s static passes go through `torch.compile` (`set_compiled`, `--compile`)."""
-    return bool(model.__dict__.get("_compiled", _compile_default))
+    return model.pass_runtime.options.compile
 
 
 def _static_forward(model: Transformer):  # noqa: ANN202 - the model's static pass, compiled when asked
     if not is_compiled(model):
         return model.forward_static
-    compiled = model.__dict__.get("_compiled_forward")
-    if compiled is None:
+    runtime = model.pass_runtime
+    if runtime.compiled_forward is None:
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        compiled = torch.compile(model.forward_static, dynamic=False)
-        model.__dict__["_compiled_forward"] = compiled
-    return compiled
+        runtime.compiled_forward = torch.compile(model.forward_static, dynamic=False)
+    return runtime.compiled_forward
 
 
 class StaticRunner:
@@ -178,7 +138,7 @@ class StaticRunner:
                                         device=self.device)
         self._pool = None
         self._copied: torch.cuda.Event | None = None  # marks the last host-to-device copies (pinned buffers)
-        self.busy = False
+        self.lease: RunnerLease | None = None  # who holds this runner, when pooled (`acquire_runner`)
 
     @property
     def capacity(self) -> int:
@@ -188,8 +148,10 @@ class StaticRunner:
         """The smallest bucket holding `rows`, or None (more rows than the biggest: `run` splits them)."""
         return next((b for b in self.buckets if b >= rows), None)
 
-    def release(self) -> None:
-        self.busy = False
+    @property
+    def busy(self) -> bool:
+        """Whether an owner holds this runner (a busy runner is never leased to another)."""
+        return self.lease is not None
 
     def run(self, tokens: Sequence[int], positions: Sequence[int] | Tensor, mask: Tensor | None,
             logits_rows: slice | None = None, features: Tensor | None = None) -> Tensor:
@@ -411,9 +373,6 @@ def run_model(model: Transformer, tokens: Tensor, positions: Tensor, cache, **kw
     return router(model, tokens, positions, cache, **kwargs)
 
 
-_POOL_LOCK = threading.Lock()
-
-
 def draft_cache_len(max_len: int, tree_nodes: int) -> int:
     """Cache entries of a drafter or draft stage: the request's context, its own tree nodes and the root.
 
@@ -436,12 +395,73 @@ def runner_capacity(max_len: int) -> int:
     return cap
 
 
+class RunnerLease:
+    """One owner's hold on a pooled runner, from `acquire_runner` until `release`."""
+
+    def __init__(self, runner: StaticRunner, owner: object) -> None:
+        self.runner = runner
+        # The fallback: an owner dropped without its request's `RunnerLeases.release` (an oracle or drafter built
+        # by hand, as library code and tests do; a request that failed half-built) gives its runner back when it
+        # is collected, so that a pool never fills with runners nobody holds.
+        self._on_collect = weakref.finalize(owner, self._give_back)
+
+    def release(self) -> None:
+        """Give the runner back to its model's pool (the first call; later ones do nothing)."""
+        self._on_collect.detach()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        # No lock: a finalizer may run inside `acquire_runner`'s, on the same thread.  Clearing only this lease is
+        # safe without it: no one else takes the runner while it is still this lease's.
+        if self.runner.lease is self:
+            self.runner.lease = None
+
+
+_taking = threading.local()  # the `RunnerLeases` that records this thread's new leases (`RunnerLeases.taking`)
+
+
+class RunnerLeases:
+    """The runners one request's oracle, drafters and stages lease, given back together when it ends.
+
+    Why the request and not each part: the parts lease a runner when they
+    are built, deep inside the drafter a pipeline builds for the request
+    (`Pipeline.drafter`), and none of them knows when the request is over;
+    the request's own code does.  It builds them inside `taking()`, on its
+    thread, and calls `release()` when it is done with them (`Pipeline.generate`,
+    the server's scheduler).
+    """
+
+    def __init__(self) -> None:
+        self.leases: list[RunnerLease] = []
+
+    @contextlib.contextmanager
+    def taking(self) -> Iterator[RunnerLeases]:
+        """Record here every runner leased on this thread inside the block."""
+        outer = getattr(_taking, "leases", None)
+        _taking.leases = self
+        try:
+            yield self
+        finally:
+            _taking.leases = outer
+
+    def release(self) -> None:
+        """Give every recorded runner back to its pool; the parts that held them must not run passes after."""
+        leases, self.leases = self.leases, []
+        for lease in leases:
+            lease.release()
+
+
 def acquire_runner(model: Transformer, max_len: int, owner: object, *, min_rows: int = 1) -> StaticRunner:
-    """A free pooled runner of `model` with room for `max_len` entries, leased until `owner` is collected."""
+    """A free pooled runner of `model` with room for `max_len` entries, leased to `owner`.
+
+    The lease ends with the `RunnerLeases` taking it (the request's end), or
+    when `owner` is collected, whichever comes first.
+    """
     mode = pass_mode(model)
     cap = runner_capacity(max_len)
-    with _POOL_LOCK:
-        pool: list[StaticRunner] = model.__dict__.setdefault("_runner_pool", [])
+    runtime = model.pass_runtime
+    with runtime.lock:
+        pool = runtime.runners
         runner = next((r for r in pool if not r.busy and r.capacity == cap and r.min_rows == min_rows), None)
         if runner is None:
             runner = StaticRunner(model, cap, graphs=mode == "graphs", min_rows=min_rows)
@@ -451,10 +471,12 @@ def acquire_runner(model: Transformer, max_len: int, owner: object, *, min_rows:
                     pool.remove(idle)
             if len(pool) < POOL_LIMIT:
                 pool.append(runner)
-        runner.busy = True
+        lease = runner.lease = RunnerLease(runner, owner)
+    taking: RunnerLeases | None = getattr(_taking, "leases", None)
+    if taking is not None:
+        taking.leases.append(lease)
     runner.cache.reset()
     runner.keep_hidden = False  # a new lease asks for hidden states again if it wants them
-    weakref.finalize(owner, runner.release)
     return runner
 
 

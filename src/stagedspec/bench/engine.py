@@ -15,6 +15,7 @@ import torch
 
 from stagedspec.bench.prompts import chat_instruction, humaneval_prompts
 from stagedspec.errors import StagedSpecError
+from stagedspec.pass_options import PassOptions
 
 
 def memory_copy_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -54,6 +55,7 @@ def run_engine_bench(
     n_prompts: int = 3,
     max_new_tokens: int = 128,
     with_transformers: bool = True,
+    pass_options: PassOptions | None = None,
 ) -> dict:
     from stagedspec.generation import generate_ar
     from stagedspec.models.loading import load_model
@@ -68,7 +70,7 @@ def run_engine_bench(
         if quant != "none" and not device.startswith("cpu"):
             print(f"{dtype_name}: skipped (quantised weights run on CPU kernels only)")
             continue
-        model, tok = load_model(oracle, dtype=dtype, device=device, quant=quant)
+        model, tok = load_model(oracle, dtype=dtype, device=device, quant=quant, pass_options=pass_options)
         ids_list = [tok.encode(tok.apply_chat_template(p)) for p in prompts]
         hf = None
         if with_transformers:

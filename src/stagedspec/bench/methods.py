@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
+from stagedspec.pass_options import PassOptions
 from stagedspec.sampling import SamplingParams
 
 OURS = ("ar", "auto", "chain", "tree", "tree-adaptive", "lookup", "staged")
@@ -113,16 +114,21 @@ class Method:
 class BenchModels:
     """The oracle, tokenizer, drafts and n-grams of a run, each loaded once and shared by all methods."""
 
-    def __init__(self, oracle: str, dtype: str, device: str, draft_weights: str = "auto") -> None:
+    def __init__(self, oracle: str, dtype: str, device: str, draft_weights: str = "auto",
+                 pass_options: PassOptions | None = None) -> None:
+        """`pass_options`: how every model's passes run (the drafts run theirs as their oracle does; None: the
+        environment's defaults)."""
         from stagedspec.models.loading import load_model
         from stagedspec.pipeline import check_device, dtype_name, resolve_dtype
 
         self.oracle_spec = oracle
         self.draft_weights = draft_weights
+        self.pass_options = pass_options
         self.device = check_device(device)
         self.dtype = resolve_dtype(dtype, self.device)[0]
         self.dtype_name = dtype_name(self.dtype)
-        self.oracle, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device)
+        self.oracle, self.tokenizer = load_model(oracle, dtype=self.dtype, device=self.device,
+                                                 pass_options=pass_options)
         self._quantised: dict[str, Transformer] = {}
         self._drafts: dict[str, Transformer] = {}
         self._ngrams: dict[str, Any] = {}
@@ -145,7 +151,8 @@ class BenchModels:
             dtype = torch.bfloat16 if kernels == "torch" else self.dtype  # PyTorch's int4/int8 kernels take bf16
             try:
                 self._quantised[quant] = load_model(self.oracle_spec, dtype=dtype, device=self.device,
-                                                    quant=mode, kernels=kernels or "auto")[0]
+                                                    quant=mode, kernels=kernels or "auto",
+                                                    pass_options=self.pass_options)[0]
             except StagedSpecError as e:
                 raise MethodSkipped(str(e)) from None
         return self._quantised[quant]

@@ -45,6 +45,7 @@ from stagedspec.bench.methods import (
     transformers_method,
 )
 from stagedspec.errors import StagedSpecError
+from stagedspec.pass_options import PassOptions
 from stagedspec.sampling import SamplingParams
 
 QUICK_METHODS = ("ar", "auto", "tree", "lookup", "staged", "hf-generate")
@@ -76,6 +77,7 @@ class BenchConfig:
     quick: bool = False
     progress: bool = True
     plots: bool = True
+    pass_options: PassOptions | None = None  # how every model's passes run (None: the environment's defaults)
 
     def sampling(self, temperature: float) -> SamplingParams:
         if temperature == 0:
@@ -482,7 +484,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         raise StagedSpecError("temperatures must be >= 0")
     out = Path(cfg.out)
     t_start = time.perf_counter()
-    models = BenchModels(cfg.oracle, cfg.dtype, cfg.device, cfg.draft_weights)
+    models = BenchModels(cfg.oracle, cfg.dtype, cfg.device, cfg.draft_weights, cfg.pass_options)
     if cfg.dtype == "auto":  # the report names what ran: bf16 or fp32, as `--dtype auto` chose it here
         cfg = dataclasses.replace(cfg, dtype=models.dtype_name)
     raw_prompts, prompt_ids, chat = encode_prompts(cfg, models)
@@ -592,11 +594,13 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    from stagedspec.cli_args import pass_options_from
+
     common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, ngram=args.ngram,
                   prompts=args.prompts,
                   prompt_offset=args.prompt_offset, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,
                   device=args.device, dtype=args.dtype, chat=args.chat, seed=args.seed, out=args.out,
-                  progress=not args.no_progress, plots=not args.no_plots)
+                  progress=not args.no_progress, plots=not args.no_plots, pass_options=pass_options_from(args))
     given = {k: v for k, v in (("n_prompts", args.n_prompts), ("max_new_tokens", args.max_new_tokens),
                                ("temperatures", args.temperatures)) if v is not None}
     if args.methods:
@@ -612,7 +616,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if getattr(args, "threads", "auto") != "auto":  # ours and llama.cpp's runs take PyTorch's count
         torch.set_num_threads(args.threads)
-    results = run_bench(cfg)  # --cuda-graphs/--compile/--static-passes were applied by `cli.main`
+    results = run_bench(cfg)
     print(report.console_summary(results))
     print(f"\nwrote {Path(cfg.out) / 'report.md'}, {Path(cfg.out) / 'results.json'}"
           + (f" and {len(results.get('plots', []))} plots" if results.get("plots") else ""), file=sys.stderr)

@@ -30,6 +30,7 @@ from stagedspec.models.quant import check_quant, quantize_model
 from stagedspec.models.sources import DictSource, SafetensorsSource, TensorSource
 from stagedspec.models.specs import resolve_model_path
 from stagedspec.models.transformer import Transformer, rope_tables
+from stagedspec.pass_options import PassOptions, PassRuntime
 from stagedspec.tokenizer import Tokenizer, first_id, id_list
 
 # HF `architectures` entries we can run, by family (all three run as our "llama" arch).
@@ -44,7 +45,7 @@ _GELU_TANH = {"gelu_new", "gelu_pytorch_tanh"}
 # ====================================================================== public API
 def load_model(
     spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quant: str = "none",
-    plan_kernels: bool = True, kernels: str = "auto",
+    plan_kernels: bool = True, kernels: str = "auto", pass_options: PassOptions | None = None,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from `"default"`, a named model (`gemma3-270m`), an HF folder or a `.gguf`.
 
@@ -56,6 +57,8 @@ def load_model(
     fp32 weights on the CPU get this machine's faster matmul kernel per row
     count (`stagedspec.models.matmul_plan`; `plan_kernels=False`: plain
     `F.linear`, for a model that is trained rather than decoded with).
+    `pass_options`: how its passes run (`stagedspec.runner`; None: the
+    environment's defaults, `PassOptions.from_environment`).
     """
     from stagedspec.models.quant import resolve_quant
 
@@ -74,6 +77,8 @@ def load_model(
         from stagedspec.models.matmul_plan import plan_matmuls
 
         plan_matmuls(model)  # fp32 on the CPU: each layer's faster kernel per row count, timed here once
+    if pass_options is not None:
+        model.pass_runtime = PassRuntime(pass_options)
     return model, tok
 
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from stagedspec.cache import KVCache
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.matmul_plan import planned_linear
+from stagedspec.pass_options import PassRuntime
 
 
 def decoding_mode(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -324,6 +325,9 @@ class Transformer(nn.Module):
         # Which kernel runs which fp32 passes, hashed (set by `models.matmul_plan.plan_matmuls`; part of the
         # cost-profile key).  None: not planned.
         self.matmul_plan_signature: str | None = None
+        # How the runner runs this model's passes, with its pool of runners (`stagedspec.runner`): the environment's
+        # defaults until a loader gives the options a command chose (`load_model(pass_options=...)`).
+        self.pass_runtime = PassRuntime()
         if cfg.arch != "gpt2":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)

@@ -20,6 +20,7 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.generation import TREE_SLACK, context_budget
 from stagedspec.learned_state import LearnedState
 from stagedspec.models.transformer import Transformer
+from stagedspec.pass_options import PassOptions
 from stagedspec.pipeline import METHODS, Pipeline, SpeculationConfig
 from stagedspec.server.schemas import SpeculationRequest, bad
 
@@ -126,7 +127,7 @@ class Engine:
     @classmethod
     def load(cls, oracle: str, drafts: Sequence[str], speculation: SpeculationConfig, *, dtype: str = "bf16",
              device: str = "cpu", quant: str = "none", draft_weights: str = "auto", bit_exact: bool = False,
-             model_name: str | None = None) -> "Engine":
+             model_name: str | None = None, pass_options: PassOptions | None = None) -> "Engine":
         # Drafts are loaded even for a default of `ar` or `lookup`, so a request can still ask for them.
         load_spec = speculation
         if drafts and speculation.method in ("ar", "lookup"):
@@ -136,7 +137,7 @@ class Engine:
             # dense weights, and PyTorch's int8 CPU kernel is slower than bf16 past 8 rows (16 rows: 1.6x).
             draft_weights = "native"
         pipe = Pipeline.load(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant,
-                             draft_weights=draft_weights)
+                             draft_weights=draft_weights, pass_options=pass_options)
         return cls(pipe.model, pipe.tokenizer, list(pipe.draft_models), speculation, pipe.ngram,
                    model_name or default_model_name(oracle, quant), list(drafts), bit_exact)
 
