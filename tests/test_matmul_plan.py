@@ -157,7 +157,7 @@ def test_a_quantised_head_is_left_to_its_kernel(tmp_path: Path) -> None:
 
 def test_an_untied_head_and_a_drafts_own_head_are_planned_as_heads(tmp_path: Path) -> None:
     untied = mp.plan_matmuls(_model(tie=False), measure=_measure({1})[0], cache_file=tmp_path / "p.json")
-    assert type(untied.lm_head) is nn.Linear and untied.head_row_plan is not None  # `_head` multiplies it
+    assert type(untied.lm_head) is nn.Linear and untied.head_row_plan is not None  # `head_logits` multiplies it
     draft = DraftModel(_model(), layers=[0], head_tokens=torch.arange(100), dtype=torch.float32).eval()
     measure, calls = _measure({1})
     mp.plan_matmuls(draft, measure=measure, cache_file=tmp_path / "p.json")

@@ -40,6 +40,7 @@ from stagedspec.cache import KVCache
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.quant import dequantized_copy
 from stagedspec.models.transformer import Attention, Transformer, apply_rope
+from stagedspec.paths import write_text_atomic
 
 FORMAT = "stagedspec-draft"
 FORMAT_VERSION = 1
@@ -218,7 +219,7 @@ class DraftModel(Transformer):
     def support_logits(self, h: Tensor) -> Tensor:
         """Logits over `support` only (no -inf padding): what training and ranking need.
 
-        Gemma's final soft-cap is applied as in `Transformer._head`, so training sees the logits
+        Gemma's final soft-cap is applied as in `Transformer.head_logits`, so training sees the logits
         decoding uses."""
         logits = F.linear(h, self.head_weight)
         cap = self.config.final_logit_softcap
@@ -275,7 +276,7 @@ class DraftModel(Transformer):
         if T > self.config.max_position:
             raise StagedSpecError(f"training sequences of {T} tokens exceed the context of {self.config.max_position}")
         positions = torch.arange(T, device=tokens.device)
-        x, rope, local_rope = self._embed(tokens, positions)  # Gemma's embedding scale included
+        x, rope, local_rope = self.embed_rows(tokens, positions)  # Gemma's embedding scale included
         window = int(self.config.sliding_window or 0)
         for i, layer in enumerate(self.layers):
             local = bool(self.local) and self.local[i]
@@ -370,13 +371,13 @@ def _causal_attention(attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor] | 
 
     Gemma-3's q/k norms and attention scale come from `attn`; `window` > 0 is
     a sliding window (a key is seen when `key_pos > query_pos - window`, the
-    rule `Transformer._local_mask` applies when decoding)."""
+    rule `Transformer.local_attention_mask` applies when decoding)."""
     B, T, _ = x.shape
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     qkv = attn.wqkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
     qk, v = qkv.split([H + Hkv, Hkv], dim=1)
     if attn.q_norm is not None:
-        qk = attn._norm_qk(qk)
+        qk = attn.norm_qk(qk)
     if attn.use_rope and rope is not None:
         qk = apply_rope(qk, *rope).to(x.dtype)
     q, k = qk.split([H, Hkv], dim=1)
@@ -443,9 +444,7 @@ def save_draft(
     tmp = folder / (WEIGHTS_NAME + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
     os.replace(tmp, folder / WEIGHTS_NAME)
-    tmp = folder / (CONFIG_NAME + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, folder / CONFIG_NAME)
+    write_text_atomic(folder / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
     return folder
 
 

@@ -15,7 +15,7 @@ final norm and the head restricted to the top-V tokens, exactly as in
 the oracle's f_t (the head reads it), so deeper tree levels feed the draft its
 own f̂ where no oracle feature exists yet (EAGLE-1/2).
 
-The class is a `DraftModel` with an extra `fc` and an `_embed` that fuses the
+The class is a `DraftModel` with an extra `fc` and an `embed_rows` that fuses the
 features in, so it inherits the KV-cache forward, tree masks, the restricted
 head, the save format and the training helpers.  Without `features` it runs
 on zero features: a pass of the right cost, which is what timing code needs
@@ -77,9 +77,9 @@ class FeatureDraftModel(DraftModel):
             self.fc.bias.zero_()
 
     # ------------------------------------------------------------------ inference
-    def _embed(self, tokens: Tensor, positions: Tensor,
+    def embed_rows(self, tokens: Tensor, positions: Tensor,
                features: Tensor | None = None) -> tuple[Tensor, tuple | None, tuple | None]:
-        x, rope, local_rope = super()._embed(tokens, positions)
+        x, rope, local_rope = super().embed_rows(tokens, positions)
         return self.fuse(x, features), rope, local_rope
 
     def fuse(self, embedded: Tensor, features: Tensor | None) -> Tensor:
@@ -108,7 +108,7 @@ class FeatureDraftModel(DraftModel):
         if T > self.config.max_position:
             raise StagedSpecError(f"training sequences of {T} tokens exceed the context of {self.config.max_position}")
         positions = torch.arange(T, device=tokens.device)
-        embedded, rope, _ = Transformer._embed(self, tokens, positions)
+        embedded, rope, _ = Transformer.embed_rows(self, tokens, positions)
         if rope is not None:
             rope = (rope[0].reshape(1, 1, T, -1), rope[1].reshape(1, 1, T, -1))
         feats = torch.zeros_like(embedded) if features is None else features.to(embedded.dtype)

@@ -126,7 +126,7 @@ def expand_plan(chosen: dict[int, Step]) -> RowPlan:
 
 def weight_groups(model: nn.Module) -> dict[tuple[int, int], list[Tensor]]:
     """The model's fp32 weight matrices by shape: every linear layer's, and the output head's (which
-    `Transformer._head` multiplies directly, whether it is the embedding, an untied head or a draft's own)."""
+    `Transformer.head_logits` multiplies directly, whether it is the embedding, an untied head or a draft's own)."""
     head = _head_weight(model)
     groups: dict[tuple[int, int], list[Tensor]] = {}
     for module in model.modules():

@@ -120,7 +120,7 @@ def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> l
         positions = torch.cat([positions, positions.new_zeros(extra)])
         if features is not None:
             features = torch.cat([features, features.new_zeros(1, extra, features.shape[-1])], dim=1)
-    x, rope, local_rope = model._embed(tokens, positions, features)  # noqa: SLF001 - row-wise
+    x, rope, local_rope = model.embed_rows(tokens, positions, features)  # row-wise
     stack = getattr(model, "native_stack", None)
     if stack is not None and all(s.cache.k.dim() == 5 and not isinstance(p.start, Tensor)
                                  for s, p in zip(segments, prepared)):
@@ -145,9 +145,9 @@ def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> l
     index = torch.tensor(index_rows, dtype=torch.long, device=x.device)
     hidden = None
     if any(s.return_hidden for s in segments):  # the norm over every row (row-wise), the head over the picked
-        logits, hidden = model._head(x, index, "all")  # noqa: SLF001
+        logits, hidden = model.head_logits(x, index, "all")
     else:
-        logits = model._head(x[:, index], None, False)  # noqa: SLF001
+        logits = model.head_logits(x[:, index], None, False)
     if getattr(model, "head_tokens", None) is not None:
         # A distilled draft's own head covers its top-V tokens only; its `forward` scatters them into the
         # full vocabulary (-inf elsewhere), and so must this pass, or token ids would be read as columns.
@@ -185,16 +185,16 @@ def _prepare(model: Transformer, s: Segment, offset: int) -> _Prepared:
     start = cache.reserve(T)
     if cache.positions is not None:
         cache.positions[:, start:start + T] = positions
-    bool_mask = model._attention_mask(T, start, s.tree_mask, device)  # noqa: SLF001
+    bool_mask = model.build_mask(T, start, s.tree_mask, device)
     if s.key_width is not None:
-        bool_mask = model._widen(bool_mask, T, start, s.key_width, device)  # noqa: SLF001
+        bool_mask = model.widen_mask(bool_mask, T, start, s.key_width, device)
     groups = 1 if s.row_independent else model.config.n_heads // model.config.n_kv_heads
-    mask = None if bool_mask is None else model._attention_bias(bool_mask, dtype, groups)  # noqa: SLF001
+    mask = None if bool_mask is None else model.mask_to_bias(bool_mask, dtype, groups)
     local_mask = mask
     if any(model.local):
-        local = model._local_mask(bool_mask, positions, cache, start + T)  # noqa: SLF001
+        local = model.local_attention_mask(bool_mask, positions, cache, start + T)
         if local is not None:
-            local_mask = model._attention_bias(local, dtype, groups)  # noqa: SLF001
+            local_mask = model.mask_to_bias(local, dtype, groups)
     return _Prepared(start, slice(offset, offset + T), mask, local_mask)
 
 
@@ -206,7 +206,7 @@ def _attention(attn, x: Tensor, rope, segments: list[Segment], prepared: list[_P
     qkv = attn.wqkv(x).view(1, T, H + 2 * Hkv, D).transpose(1, 2)  # [1, heads, T, D]
     qk, v = qkv.split([H + Hkv, Hkv], dim=1)
     if attn.q_norm is not None:
-        qk = attn._norm_qk(qk)  # noqa: SLF001
+        qk = attn.norm_qk(qk)
     if attn.use_rope and rope is not None:
         cos, sin = rope
         qk = apply_rope(qk, cos, sin).to(x.dtype)

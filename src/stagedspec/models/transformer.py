@@ -7,7 +7,7 @@ a `KVCache` as *pending* entries the caller later keeps or drops.
 
 Gemma-3 is the Llama layout with switches read from `ModelConfig` (see its
 docstring); the one structural addition is sliding-window attention, which is
-applied through the attention mask (`Transformer._local_mask`) so tree masks,
+applied through the attention mask (`Transformer.local_attention_mask`) so tree masks,
 the KV commit and the fixed key width work unchanged.
 
 Parameter names are our own; `stagedspec.models.loading` maps HF and GGUF
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, heads, T, D]
         qk, v = qkv.split([H + Hkv, Hkv], dim=1)
         if self.q_norm is not None:
-            qk = self._norm_qk(qk)
+            qk = self.norm_qk(qk)
         if self.use_rope and rope is not None:
             cos, sin = rope
             qk = apply_rope(qk, cos, sin)  # q and k rotated in one go (cos/sin come in x's dtype: no cast)
@@ -164,13 +164,13 @@ class Attention(nn.Module):
         else:
             # Grouped-query attention without copying the cache: the G query heads
             # that share a KV head are folded into the query-length axis (the mask
-            # comes folded the same way, see `Transformer._attention_bias`).
+            # comes folded the same way, see `Transformer.mask_to_bias`).
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values, attn_mask=mask,
                                                  scale=self.scale)
         # reshape, not view: other SDPA backends (CUDA flash/efficient, cuDNN off) return non-contiguous outputs
         return self.wo(out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
-    def _norm_qk(self, qk: Tensor) -> Tensor:
+    def norm_qk(self, qk: Tensor) -> Tensor:
         """q_norm on the H query heads and k_norm on the Hkv key heads of qk [B, H + Hkv, T, D], in one pass.
 
         Elementwise the same as normalising q and k separately (fp32, then
@@ -413,7 +413,7 @@ class Transformer(nn.Module):
           returns them for every row (the logits still only for `logits_rows`):
           a feature draft needs the oracle's hidden state at every committed
           position, the prompt's included (`stagedspec.models.feature_draft`).
-        - `features` [B, T, H]: extra per-row inputs, for models whose `_embed`
+        - `features` [B, T, H]: extra per-row inputs, for models whose `embed_rows`
           fuses them with the token embedding (a feature draft); plain
           models take none.
         - `key_width`: attend over exactly this many cache slots (the ones
@@ -434,27 +434,27 @@ class Transformer(nn.Module):
                  row_independent, features):  # noqa: ANN001, ANN202 - `forward`'s arguments, documented there
         B, T = tokens.shape
         start = cache.reserve(T)
-        x, rope, local_rope = self._embed(tokens, positions, features)
+        x, rope, local_rope = self.embed_rows(tokens, positions, features)
         if cache.positions is not None:
             cache.positions[:, start:start + T] = positions
-        bool_mask = self._attention_mask(T, start, tree_mask, x.device)
+        bool_mask = self.build_mask(T, start, tree_mask, x.device)
         if key_width is not None:
-            bool_mask = self._widen(bool_mask, T, start, key_width, x.device)
+            bool_mask = self.widen_mask(bool_mask, T, start, key_width, x.device)
         groups = 1 if row_independent else self.config.n_heads // self.config.n_kv_heads
-        mask = None if bool_mask is None else self._attention_bias(bool_mask, x.dtype, groups)
+        mask = None if bool_mask is None else self.mask_to_bias(bool_mask, x.dtype, groups)
         local_mask = mask
         if any(self.local):
-            local = self._local_mask(bool_mask, positions, cache, start + T)
+            local = self.local_attention_mask(bool_mask, positions, cache, start + T)
             if local is not None:
-                local_mask = self._attention_bias(local, x.dtype, groups)
+                local_mask = self.mask_to_bias(local, x.dtype, groups)
         if self.native_stack is not None and not isinstance(start, Tensor) and cache.k.dim() == 5:
-            return self._head(self.native_stack(x, rope, cache.k, cache.v, start, mask), logits_rows, return_hidden)
+            return self.head_logits(self.native_stack(x, rope, cache.k, cache.v, start, mask), logits_rows, return_hidden)
         for i, layer in enumerate(self.layers):
             if self.local and self.local[i]:
                 x = layer(x, local_rope, cache.k[i], cache.v[i], start, local_mask, row_independent)
             else:
                 x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
-        return self._head(x, logits_rows, return_hidden)
+        return self.head_logits(x, logits_rows, return_hidden)
 
     def forward_static(
         self,
@@ -481,21 +481,21 @@ class Transformer(nn.Module):
     def _forward_static(self, tokens, positions, slots, mask, cache, logits_rows, return_hidden,  # noqa: ANN001
                         features):  # noqa: ANN001, ANN202 - `forward_static`'s arguments, documented there
         B, T = tokens.shape
-        x, rope, local_rope = self._embed(tokens, positions, features)
+        x, rope, local_rope = self.embed_rows(tokens, positions, features)
         groups = self.config.n_heads // self.config.n_kv_heads
-        bias = self._attention_bias(mask, x.dtype, groups)
+        bias = self.mask_to_bias(mask, x.dtype, groups)
         local_bias = bias
         if any(self.local):
             assert cache.positions is not None
             cache.positions.index_copy_(1, slots, positions.expand(B, T))
             near = cache.positions[0][None, :] > positions[:, None] - int(self.config.sliding_window)  # [T, S]
-            local_bias = self._attention_bias(mask & near, x.dtype, groups)
+            local_bias = self.mask_to_bias(mask & near, x.dtype, groups)
         for i, layer in enumerate(self.layers):
             local = bool(self.local) and self.local[i]
             x = layer(x, local_rope if local else rope, cache.k[i], cache.v[i], slots, local_bias if local else bias)
-        return self._head(x, logits_rows, return_hidden)
+        return self.head_logits(x, logits_rows, return_hidden)
 
-    def _embed(self, tokens: Tensor, positions: Tensor,
+    def embed_rows(self, tokens: Tensor, positions: Tensor,
                features: Tensor | None = None) -> tuple[Tensor, tuple | None, tuple | None]:
         """Token (and GPT-2 position) embeddings, and the RoPE angles of `positions` (global, local layers).
 
@@ -514,7 +514,7 @@ class Transformer(nn.Module):
                 local_rope = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, x.dtype)
         return x, rope, local_rope
 
-    def _head(self, x: Tensor, logits_rows: Tensor | slice | None,
+    def head_logits(self, x: Tensor, logits_rows: Tensor | slice | None,
               return_hidden: bool | str) -> Tensor | tuple[Tensor, Tensor]:
         """Final norm and vocabulary head over the selected rows (Gemma's logit soft-cap included).
 
@@ -537,7 +537,7 @@ class Transformer(nn.Module):
             return logits, h_all
         return (logits, h) if return_hidden else logits
 
-    def _local_mask(self, mask: Tensor | None, positions: Tensor, cache: KVCache, filled: int) -> Tensor | None:
+    def local_attention_mask(self, mask: Tensor | None, positions: Tensor, cache: KVCache, filled: int) -> Tensor | None:
         """The attention mask of the sliding-window layers, or None when no key can fall outside the window.
 
         A key is visible to a query in a local layer when the global mask
@@ -561,7 +561,7 @@ class Transformer(nn.Module):
         return base & near[:, None]
 
     @staticmethod
-    def _attention_mask(T: int, start: int, tree_mask: Tensor | None, device: torch.device) -> Tensor | None:
+    def build_mask(T: int, start: int, tree_mask: Tensor | None, device: torch.device) -> Tensor | None:
         if tree_mask is None and T == 1:
             return None  # one new token sees everything: no mask needed
         if tree_mask is not None and tree_mask.shape[-1] == start + T:
@@ -574,7 +574,7 @@ class Transformer(nn.Module):
         return torch.cat([torch.ones(T, start, dtype=torch.bool, device=device), new], dim=1)
 
     @staticmethod
-    def _attention_bias(mask: Tensor, dtype: torch.dtype, groups: int) -> Tensor:
+    def mask_to_bias(mask: Tensor, dtype: torch.dtype, groups: int) -> Tensor:
         """The bool mask as SDPA's additive bias (0 / -inf), with each query row repeated for the
         `groups` query heads folded into it; made once per forward instead of once per layer."""
         bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -584,7 +584,7 @@ class Transformer(nn.Module):
         return bias.repeat(groups, 1) if bias.dim() == 2 else bias.repeat(1, 1, groups, 1)
 
     @staticmethod
-    def _widen(mask: Tensor | None, T: int, start: int, width: int, device: torch.device) -> Tensor:
+    def widen_mask(mask: Tensor | None, T: int, start: int, width: int, device: torch.device) -> Tensor:
         """The attention mask padded with masked-out keys to `width` columns."""
         if width < start + T:
             raise ValueError(f"key width {width} is smaller than the {start + T} cached and new tokens")
