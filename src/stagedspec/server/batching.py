@@ -115,14 +115,32 @@ class PassBatcher:
                 return self._idle.pop()
         return Lane(self, name)
 
-    def _recycle(self, lane: "Lane") -> bool:
+    def recycle(self, lane: "Lane") -> bool:
         """Keep a finished, healthy lane for the next request (at most `IDLE_LANES` idle); False: end it."""
         with self._cond:
             if lane.state in (RUNNING, WAITING, ABANDONED) or len(self._idle) >= IDLE_LANES:
                 return False
-            lane._task, lane.state = None, IDLE  # noqa: SLF001
+            lane.assign(None, IDLE)
             self._idle.append(lane)
             return True
+
+    def finished(self, lane: "Lane") -> None:
+        """A lane's step is over (its thread's report): DONE unless the round gave up on it."""
+        with self._cond:
+            if lane.state != ABANDONED:
+                lane.state = DONE
+            self._cond.notify_all()
+
+    def submit(self, call: "_Call") -> None:
+        """A lane's pass joins the round's waiting passes; returns once a ragged pass has run it."""
+        with self._cond:
+            if call.lane.state == ABANDONED:
+                raise StagedSpecError("this request's step took too long and was stopped")
+            self._calls.append(call)
+            call.lane.state = WAITING
+            self._cond.notify_all()
+            while not call.done:
+                self._cond.wait()
 
     def run_round(self, work: list[tuple["Lane", Callable[[], None]]]) -> list["Lane"]:
         """Run one step on every lane (`task` must catch its own errors); returns the lanes abandoned."""
@@ -131,9 +149,9 @@ class PassBatcher:
         t0 = time.perf_counter()
         with self._cond:
             for lane, task in work:
-                lane._task, lane.state = task, RUNNING  # noqa: SLF001
+                lane.assign(task, RUNNING)
         for lane in lanes:
-            lane._wake.release()  # noqa: SLF001
+            lane.wake()
         abandoned: list[Lane] = []
         while True:
             with self._cond:
@@ -193,10 +211,18 @@ class Lane(PassRouter):
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
+    def assign(self, task: Callable[[], None] | None, state: str) -> None:
+        """The batcher's: the step this lane runs when woken, and its state (under the batcher's lock)."""
+        self._task, self.state = task, state
+
+    def wake(self) -> None:
+        """The batcher's: run the assigned step now."""
+        self._wake.release()
+
     def close(self) -> None:
         """The request is over: the lane goes back to its batcher's pool, or its thread ends once its
         current step (if any) is over (an abandoned lane is never reused)."""
-        if self._batcher._recycle(self):  # noqa: SLF001
+        if self._batcher.recycle(self):
             return
         self._closed = True
         self._wake.release()
@@ -213,10 +239,7 @@ class Lane(PassRouter):
                     with torch.inference_mode():
                         task()
             finally:
-                with self._batcher._cond:  # noqa: SLF001
-                    if self.state != ABANDONED:
-                        self.state = DONE
-                    self._batcher._cond.notify_all()  # noqa: SLF001
+                self._batcher.finished(self)
 
     def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache,  # noqa: ANN001
                  tree_mask: Tensor | None = None, logits_rows: slice | None = None,
@@ -226,17 +249,9 @@ class Lane(PassRouter):
             return model(tokens, positions, cache, tree_mask=tree_mask, logits_rows=logits_rows,
                          return_hidden=return_hidden, key_width=key_width, row_independent=row_independent,
                          features=features)
-        b = self._batcher
         call = _Call(self, model, Segment(tokens, positions, cache, tree_mask, logits_rows, key_width,
                                           row_independent, return_hidden, features))
-        with b._cond:  # noqa: SLF001
-            if self.state == ABANDONED:
-                raise StagedSpecError("this request's step took too long and was stopped")
-            b._calls.append(call)  # noqa: SLF001
-            self.state = WAITING
-            b._cond.notify_all()  # noqa: SLF001
-            while not call.done:
-                b._cond.wait()  # noqa: SLF001
+        self._batcher.submit(call)
         if call.error is not None:
             raise call.error
         assert call.out is not None
