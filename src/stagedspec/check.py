@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -476,7 +475,7 @@ def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
 
 def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[int], continuation: list[int],
               sampling: SamplingParams, n: int) -> None:
-    from stagedspec.generation import ModelOracle, context_budget, iter_steps
+    from stagedspec.generation import ModelOracle, context_budget
     from stagedspec.pipeline import truncated_copy
 
     label = _sampling_label(sampling)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from stagedspec import hardware
 from stagedspec.threads import SPARE_CPU
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capacity, wants_fixed_width
-from stagedspec.paths import cache_root
+from stagedspec.paths import cache_root, write_text_atomic
 
 # Row counts measured on each kind of device (a GPU's curve stays flat much longer).  The larger ones are
 # the loads of the batched server's shared passes, where `auto` prices a request's rows by the curve's slope
@@ -476,9 +475,7 @@ def load_or_measure(oracle: Transformer, drafts: Sequence[Transformer], device: 
             return profile
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once never share it
-            tmp.write_text(profile.to_json())
-            tmp.replace(path)
+            write_text_atomic(path, profile.to_json())  # processes measuring at once never share a temporary
         except OSError as e:  # a read-only cache folder costs a re-measure next time, nothing else
             if not quiet:
                 print(f"stagedspec: could not cache the cost profile in {path.parent}: {e}", file=sys.stderr)

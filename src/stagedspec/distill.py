@@ -44,6 +44,7 @@ from stagedspec.distill_losses import LOSS_CHUNK_ELEMENTS, autocast_bf16, bucket
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.draft import DraftModel, save_draft
 from stagedspec.models.transformer import Transformer
+from stagedspec.paths import write_text_atomic
 from stagedspec.sampling import SamplingParams, probs_from_logits, sample
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -639,9 +640,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------- corpus

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stagedspec.paths import write_text_atomic
+
 if TYPE_CHECKING:
     from stagedspec.auto import Arm, AutoPolicy
     from stagedspec.costs import CostProfile
@@ -104,8 +106,6 @@ class LearnedState:
         path = auto_state_path(policy.profile.key, method)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(policy.state()))
-            tmp.replace(path)
+            write_text_atomic(path, json.dumps(policy.state()))
         except OSError:
             pass  # a read-only cache costs a little exploration next time, nothing else

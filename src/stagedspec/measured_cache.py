@@ -9,8 +9,9 @@ again next time.  Both users need exactly that, and nothing more.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from stagedspec.paths import write_text_atomic
 
 
 def read(path: Path) -> dict:
@@ -26,9 +27,7 @@ def write(path: Path, data: dict) -> None:
     """Replace the file with `data` atomically (a process-private temporary file, then a rename)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(data, indent=1))
     except OSError:
         pass  # a read-only cache folder costs a re-measure next time, nothing else
 

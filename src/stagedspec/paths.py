@@ -12,6 +12,18 @@ import os
 from pathlib import Path
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` at once: written to a temporary file of this process, then renamed, so a
+    reader (or a process measuring beside this one) never sees a half-written file.  Raises OSError."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def cache_root() -> Path:
     """`$STAGEDSPEC_CACHE` if set, else `~/.cache/stagedspec` (read at every call: tests point it elsewhere)."""
     env = os.environ.get("STAGEDSPEC_CACHE")

@@ -566,7 +566,6 @@ class Pipeline:
                      processor: LogitsProcessor | None = None) -> Drafter:
         """The draft models as stages, top one first, each decoding speculatively against the one below
         (each stage's rows biased and masked by `processor`, as the oracle's are)."""
-        from stagedspec.generation import Oracle
         from stagedspec.models.feature_draft import is_feature_draft
         from stagedspec.stages import StageDrafter
 

@@ -157,6 +157,14 @@ class BenchModels:
                 raise MethodSkipped(str(e)) from None
         return self._quantised[quant]
 
+    def loaded_quantised(self) -> dict[str, Transformer]:
+        """The quantised oracles loaded so far, by `--quant` mode (for the results' record)."""
+        return dict(self._quantised)
+
+    def loaded_drafts(self) -> dict[str, Transformer]:
+        """The drafts loaded so far, by "spec|format|quant" (for the results' record)."""
+        return dict(self._drafts)
+
     def draft(self, spec: str, quant: str = "none", weights: str | None = None) -> Transformer:
         """The draft `spec`; for a quantised oracle, on top of it.  Its weight format is `weights`, a
         `SPEC@FORMAT` suffix, or the run's `--draft-weights` (as `Pipeline` picks it)."""

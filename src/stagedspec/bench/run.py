@@ -503,12 +503,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "config": asdict(cfg) | {"methods": [m.name for m in methods], "chat_template": chat},
         "environment": environment(),
         "oracle": {"spec": cfg.oracle, "weight_bytes": models.oracle.num_bytes(),
-                   "quantised_weight_bytes": {q: m.num_bytes() for q, m in models._quantised.items()},
+                   "quantised_weight_bytes": {q: m.num_bytes() for q, m in models.loaded_quantised().items()},
                    "layers": models.oracle.config.n_layers, "vocab_size": models.oracle.config.vocab_size},
         "drafts": {spec: {"weight_bytes": d.num_bytes(), "layers": d.config.n_layers,
                           "head_tokens": int(d.head_tokens.numel()) if getattr(d, "head_tokens", None) is not None
                           else None}
-                   for spec, d in models._drafts.items()},
+                   for spec, d in models.loaded_drafts().items()},
         "methods": [m.info() for m in methods],
         "skipped": skipped,
         "notes": notes + standard_notes(cfg, methods, models, chat),

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any

@@ -27,6 +27,7 @@ from stagedspec.models.config import ModelConfig
 from stagedspec.models.draft import DraftModel
 from stagedspec.models.feature_draft import is_feature_draft
 from stagedspec.models.transformer import Transformer
+from stagedspec.paths import write_text_atomic
 
 # Files of an HF model folder that describe its tokenizer and generation defaults.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -147,9 +148,7 @@ def llama_config(cfg: ModelConfig, n_layers: int, dtype: str, **extra: Any) -> d
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
     """Write through a temporary name, so an interrupted export never leaves a half-written config."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def write_safetensors(tensors: Mapping[str, Tensor], path: Path, dtype: torch.dtype,
