@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 PASS_MODES = ("eager", "static", "graphs")
 
 
-def _env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+def env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     """An on/off environment variable: unset or empty gives `default`; 0, false, no and off turn it off."""
     value = environ.get(name, "")
     if value == "":
@@ -57,8 +57,8 @@ class PassOptions:
         passes eagerly, STAGEDSPEC_STATIC_PASSES=1 runs CPU models through the static path (with it the
         whole test suite does)."""
         env = os.environ if environ is None else environ
-        return cls(cuda_graphs=_env_flag(env, "STAGEDSPEC_CUDA_GRAPHS", True),
-                   static_on_cpu=_env_flag(env, "STAGEDSPEC_STATIC_PASSES", False))
+        return cls(cuda_graphs=env_flag(env, "STAGEDSPEC_CUDA_GRAPHS", True),
+                   static_on_cpu=env_flag(env, "STAGEDSPEC_STATIC_PASSES", False))
 
     def mode_on(self, device: object) -> str:
         """The mode passes run in on `device` (a torch.device or its name)."""

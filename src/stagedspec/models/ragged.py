@@ -48,10 +48,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from stagedspec.cache import KVCache
+from stagedspec.pass_options import env_flag
 from stagedspec.models.transformer import Transformer, _attend_row_by_row, apply_rope, decoding_mode
 
 
-PAD_BY_DEFAULT = os.environ.get("STAGEDSPEC_RAGGED_PAD", "1") not in ("0", "false", "no", "off", "")
+PAD_BY_DEFAULT = env_flag(os.environ, "STAGEDSPEC_RAGGED_PAD", True)
 
 
 def padded_rows(n: int) -> int:
