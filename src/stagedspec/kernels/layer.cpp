@@ -140,7 +140,7 @@ struct PassArgs {
 // and values go to cache slots [start, start + T).  A plain pass is one; a ragged pass (several requests'
 // passes in one, `ragged_layers`) has one per request.
 struct AttnSegment {
-  at::Tensor k_cache, v_cache;  // one layer's [B, Hkv, S, D]
+  at::Tensor k_caches, v_caches;  // every layer's: [layers, B, Hkv, S, D]
   int64_t start;
   const std::optional<at::Tensor>& mask;
   int64_t row0, B, T;
@@ -162,12 +162,12 @@ void check_pass(const at::Tensor& x, const PassArgs& p, const at::Tensor& k_cach
               "decoder_layer: cos/sin must have 1 or B rows of positions");
 }
 
-// The attention of one segment's rows qkv [B T, (H + 2 Hkv) D] (RoPE, cache writes, attention): [B T, H D].
-at::Tensor attend(const at::Tensor& qkv, const AttnSegment& s, const PassArgs& p) {
-  const int64_t H = p.n_heads, Hkv = p.n_kv_heads, D = s.k_cache.size(-1), B = s.B, T = s.T;
+// Layer l's attention of one segment's rows qkv [B T, (H + 2 Hkv) D] (RoPE, cache writes, attention): [B T, H D].
+at::Tensor attend(const at::Tensor& qkv, const AttnSegment& s, int64_t l, const PassArgs& p) {
+  const int64_t H = p.n_heads, Hkv = p.n_kv_heads, D = s.k_caches.size(-1), B = s.B, T = s.T;
   const at::Tensor cos = p.cos.narrow(2, s.row0, T), sin = p.sin.narrow(2, s.row0, T);
   at::Tensor q = at::empty({B, H, T, D}, qkv.options());
-  at::Tensor k_cache = s.k_cache, v_cache = s.v_cache;
+  at::Tensor k_cache = s.k_caches.select(0, l), v_cache = s.v_caches.select(0, l);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "decoder_layer_rope", [&] {
     rope_and_cache<scalar_t>(qkv, cos, sin, q, k_cache, v_cache, s.start, B, T, H, Hkv, D);
   });
@@ -177,19 +177,19 @@ at::Tensor attend(const at::Tensor& qkv, const AttnSegment& s, const PassArgs& p
   return a.transpose(1, 2).reshape({B * T, H * D});  // [B, H, T, D] -> rows of H * D
 }
 
-// One layer on rows x2 [R, C]; returns the new rows.  Rows no segment covers (a ragged pass's padding) attend
+// Layer l on rows x2 [R, C]; returns the new rows.  Rows no segment covers (a ragged pass's padding) attend
 // to nothing: their attention output is zero, as the Python ragged pass has it.
-at::Tensor layer_rows(const at::Tensor& x2, const std::vector<AttnSegment>& segments, const Linears& linear,
+at::Tensor layer_rows(const at::Tensor& x2, const std::vector<AttnSegment>& segments, int64_t l, const Linears& linear,
                       const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const PassArgs& p) {
   const at::Tensor qkv = linear(0, ops().rms_norm.call(x2, attn_norm, p.eps));
   const AttnSegment& first = segments[0];
   at::Tensor heads;
   if (segments.size() == 1 && first.row0 == 0 && first.B * first.T == x2.size(0)) {
-    heads = attend(qkv, first, p);
+    heads = attend(qkv, first, l, p);
   } else {
-    heads = at::zeros({x2.size(0), p.n_heads * first.k_cache.size(-1)}, x2.options());
+    heads = at::zeros({x2.size(0), p.n_heads * first.k_caches.size(-1)}, x2.options());
     for (const AttnSegment& s : segments)
-      heads.narrow(0, s.row0, s.B * s.T).copy_(attend(qkv.narrow(0, s.row0, s.B * s.T), s, p));
+      heads.narrow(0, s.row0, s.B * s.T).copy_(attend(qkv.narrow(0, s.row0, s.B * s.T), s, l, p));
   }
   at::Tensor x1 = at::empty_like(x2), out = at::empty_like(x2);
   const at::Tensor o = linear(1, heads);
@@ -224,28 +224,20 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& pac
   const std::vector<std::optional<at::Tensor>> bias = optional_list(biases);
   const Linears linear{packed.data(), formats, outs, splits.data(), bias.data(), isa};
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-  const std::vector<AttnSegment> segment{AttnSegment{k_cache, v_cache, start, mask, 0, B, T}};
-  return layer_rows(x.contiguous().view({B * T, C}), segment, linear, attn_norm, mlp_norm, p).view({B, T, C});
+  const std::vector<AttnSegment> segment{AttnSegment{k_cache.unsqueeze(0), v_cache.unsqueeze(0), start, mask, 0, B, T}};
+  return layer_rows(x.contiguous().view({B * T, C}), segment, 0, linear, attn_norm, mlp_norm, p).view({B, T, C});
 }
-
-// A segment's caches over every layer ([layers, B, Hkv, S, D]).
-struct StackSegment {
-  at::Tensor k_caches, v_caches;
-  int64_t start;
-  const std::optional<at::Tensor>& mask;
-  int64_t row0, B, T;
-};
 
 // Every layer on rows [R, C]: layer l's four linear layers are packed[4l .. 4l + 4), their segments the next
 // sum(splits[4l .. 4l + 4)) entries of formats/outs.
-at::Tensor run_layers(at::Tensor rows, const std::vector<StackSegment>& segments, const std::vector<at::Tensor>& packed,
+at::Tensor run_layers(at::Tensor rows, const std::vector<AttnSegment>& segments, const std::vector<at::Tensor>& packed,
                       at::IntArrayRef formats, at::IntArrayRef outs, at::IntArrayRef splits,
                       const c10::List<std::optional<at::Tensor>>& biases, const std::vector<at::Tensor>& attn_norms,
                       const std::vector<at::Tensor>& mlp_norms, const PassArgs& p) {
   const size_t L = attn_norms.size();
   TORCH_CHECK(packed.size() == 4 * L && splits.size() == 4 * L && biases.size() == 4 * L && mlp_norms.size() == L,
               "decoder_layers: four linear layers and two norms per layer");
-  for (const StackSegment& s : segments)
+  for (const AttnSegment& s : segments)
     TORCH_CHECK(s.k_caches.size(0) == static_cast<int64_t>(L) && s.v_caches.size(0) == static_cast<int64_t>(L) &&
                     s.k_caches.stride(4) == 1 && s.v_caches.stride(4) == 1,
                 "decoder_layers: caches [layers, B, Hkv, S, D], one per layer");
@@ -260,10 +252,7 @@ at::Tensor run_layers(at::Tensor rows, const std::vector<StackSegment>& segments
     const int64_t n = sp[0] + sp[1] + sp[2] + sp[3];
     const Linears linear{packed.data() + 4 * l, formats.slice(first, n), outs.slice(first, n), sp, bias.data() + 4 * l,
                          p.isa};
-    std::vector<AttnSegment> attn;
-    for (const StackSegment& s : segments)
-      attn.push_back(AttnSegment{s.k_caches.select(0, l), s.v_caches.select(0, l), s.start, s.mask, s.row0, s.B, s.T});
-    rows = layer_rows(rows, attn, linear, attn_norms[l], mlp_norms[l], p);
+    rows = layer_rows(rows, segments, static_cast<int64_t>(l), linear, attn_norms[l], mlp_norms[l], p);
     first += n;
   }
   return rows;
@@ -283,7 +272,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const std::vector<at::Tensor>& pa
   const PassArgs p{eps, cos, sin, scale, n_heads, n_kv_heads, isa};
   check_pass(x, p, k_caches.select(0, 0), v_caches.select(0, 0), start);
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-  const std::vector<StackSegment> segments{StackSegment{k_caches, v_caches, start, mask, 0, B, T}};
+  const std::vector<AttnSegment> segments{AttnSegment{k_caches, v_caches, start, mask, 0, B, T}};
   return run_layers(x.contiguous().view({B * T, C}), segments, packed, formats, outs, splits, biases, attn_norms,
                     mlp_norms, p)
       .view({B, T, C});
@@ -308,14 +297,14 @@ at::Tensor ragged_layers(const at::Tensor& x, const std::vector<at::Tensor>& pac
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "ragged_layers: x must be [1, R, hidden]");
   const PassArgs p{eps, cos, sin, scale, n_heads, n_kv_heads, isa};
   const std::vector<std::optional<at::Tensor>> mask = optional_list(masks);
-  std::vector<StackSegment> segments;
+  std::vector<AttnSegment> segments;
   int64_t row0 = 0;
   for (size_t i = 0; i < S; ++i) {
     TORCH_CHECK(k_caches[i].dim() == 5 && v_caches[i].dim() == 5 && k_caches[i].size(1) == 1,
                 "ragged_layers: caches must be [layers, 1, Hkv, S, D]");
     TORCH_CHECK(k_caches[i].size(3) >= starts[i] + rows[i] && v_caches[i].size(3) >= starts[i] + rows[i] && rows[i] >= 1,
                 "ragged_layers: each request's caches must hold its slots");
-    segments.push_back(StackSegment{k_caches[i], v_caches[i], starts[i], mask[i], row0, 1, rows[i]});
+    segments.push_back(AttnSegment{k_caches[i], v_caches[i], starts[i], mask[i], row0, 1, rows[i]});
     row0 += rows[i];
   }
   TORCH_CHECK(row0 <= x.size(1) && cos.dim() == 4 && cos.size(2) == x.size(1) && sin.size(2) == x.size(1),
