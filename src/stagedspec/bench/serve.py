@@ -219,7 +219,7 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult] | SoakResult:
         raise StagedSpecError("--concurrency needs at least one level >= 1")
     key = args.api_key or os.environ.get("STAGEDSPEC_API_KEY") or "none"
     theirs: list[LevelResult] = []  # llama-server's levels run first: a build or start problem shows at once
-    if getattr(args, "llamacpp", None) and not args.soak_minutes:
+    if args.llamacpp and not args.soak_minutes:
         for label, flags in _llamacpp_variants(args):
             theirs.extend(await _llamacpp_levels(args, prompts, levels, label, flags))
     async with openai.AsyncOpenAI(base_url=args.url, api_key=key, max_retries=0, timeout=600) as client:
@@ -258,13 +258,10 @@ def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 
 def _threads(args: argparse.Namespace) -> int:
-    """llama-server's thread count: `--threads`, else what this process may use (its CPU affinity)."""
-    if getattr(args, "llamacpp_threads", None):
-        return int(args.llamacpp_threads)
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """llama-server's thread count: `--llamacpp-threads`, else the CPUs this process may use (its affinity)."""
+    from stagedspec.threads import allowed_cpus
+
+    return args.llamacpp_threads or len(allowed_cpus())
 
 
 async def _llamacpp_levels(args: argparse.Namespace, prompts: list[str], levels: list[int], label: str,
