@@ -104,7 +104,7 @@ def test_tune_measures_and_caches_the_cost_curves(tmp_path: Path, capsys, monkey
 
 
 def test_show_stages_colours_tokens() -> None:
-    from stagedspec.cli import show_stages
+    from stagedspec.cli.commands import show_stages
 
     class Tok:
         def decode(self, ids, skip_special_tokens=False):  # noqa: ANN001, ANN202

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import torch
 
 from _tiny_models import save_tiny_hf
 from stagedspec import cli
-from stagedspec.cli_distill import add_commands, documented_functions, order_streams, sample_requests
+from stagedspec.cli.distill import documented_functions, order_streams, sample_requests
 from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME
 from stagedspec.models.draft_loading import load_draft
 from stagedspec.models.loading import load_model
@@ -67,17 +66,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 def run(argv: list[str]) -> int:
-    """`stagedspec.cli.main`, with the distill commands registered if cli.py does not do it (yet)."""
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "distill" not in sub.choices:
-        add_commands(sub)
-    original = cli.build_parser
-    cli.build_parser = lambda: parser
-    try:
-        return cli.main(argv)
-    finally:
-        cli.build_parser = original
+    """`stagedspec.cli.main`: the main parser registers the distill commands (`cli.distill.add_commands`)."""
+    return cli.main(argv)
 
 
 def distill_args(oracle_dir: Path, corpus: list[str], out: Path, *extra: str) -> list[str]:
@@ -165,7 +155,7 @@ def test_bad_inputs_are_one_line_errors(oracle_dir: Path, corpus: list[str], tmp
 
 def test_argument_validation(oracle_dir: Path, corpus: list[str], tmp_path: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
-    """Bad flag values are argparse's errors: exit status 2 and one line (`cli.OneLineErrorParser`)."""
+    """Bad flag values are argparse's errors: exit status 2 and one line (`cli.commands.OneLineErrorParser`)."""
     assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--layers", "0")) == 2
     assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--chat-wrap", "1.5")) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -291,7 +281,7 @@ def test_eval_draft_depths_positions_and_drafts_side_by_side(oracle_dir: Path, c
 def test_eval_draft_checks_the_draft_targets() -> None:
     """top-1 >= 60%, top-4 >= 80%, cost <= 0.10, tree-16 >= 3.5 (decoding and every position); tree targets only
     at budget 16, and only the figures a report has."""
-    from stagedspec.cli_distill import targets_met
+    from stagedspec.cli.distill import targets_met
 
     report = {"top1": 0.593, "top4": 0.81, "draft_cost_ratio": 0.088, "tree_every_position": {"mean_accepted_length": 3.5}}
     got = targets_met(report, 16)
@@ -346,7 +336,7 @@ def test_autocast_on_the_cpu_is_opt_in_and_recorded(oracle_dir: Path, corpus: li
 def test_sample_from_adds_requests_from_other_python_sources(oracle_dir: Path, corpus: list[str], tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """`--sample-from` widens the pool of oracle requests (folders walked, tests skipped), not the plain corpus."""
-    from stagedspec.cli_distill import request_files
+    from stagedspec.cli.distill import request_files
 
     pkg = tmp_path / "pkg"
     (pkg / "tests").mkdir(parents=True)

@@ -224,7 +224,7 @@ def test_cli_json_schema_and_grammar_flags(tmp_path: Path, capsys: pytest.Captur
 def test_cli_bad_flags_are_one_line_errors(tmp_path: Path) -> None:
     import argparse
 
-    from stagedspec.cli_constraints import controls_from
+    from stagedspec.cli.constraints import controls_from
 
     def args(**kw: object) -> argparse.Namespace:
         return argparse.Namespace(**{"json_schema": None, "json_object": False, "grammar": None, "logit_bias": [], **kw})

@@ -313,7 +313,7 @@ def test_cli_distill_kind_feature_and_eval_draft_side_by_side(tmp_path: Path,
     converted = tmp_path / "converted"  # an independent draft continued as a feature draft
     assert run(distill_args(oracle_dir, corpus, converted, "--kind", "feature", "--init-from", str(independent))) == 0
     assert json.loads((converted / CONFIG_NAME).read_text())["kind"] == "feature"
-    from stagedspec.cli_distill import _saved_layers  # --layers defaults to the --init-from draft's
+    from stagedspec.cli.distill import _saved_layers  # --layers defaults to the --init-from draft's
 
     assert _saved_layers(str(independent)) == 1 and _saved_layers(None) is None
     assert _saved_layers(str(tmp_path / "nothing")) is None

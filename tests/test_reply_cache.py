@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import stagedspec.distill
-from stagedspec.cli_distill import LEGACY_SAMPLES_NAME, cached_oracle_samples
+from stagedspec.cli.distill import LEGACY_SAMPLES_NAME, cached_oracle_samples
 from stagedspec.errors import StagedSpecError
 from stagedspec.reply_cache import ReplyCache
 

@@ -357,7 +357,7 @@ def test_level_growth_needs_static_passes_and_a_token_draft() -> None:
 
 def test_cuda_graphs_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from stagedspec.cli import build_parser
-    from stagedspec.cli_args import pass_options_from
+    from stagedspec.cli.args import pass_options_from
 
     args = build_parser().parse_args(["generate", "hi", "--no-cuda-graphs"])
     assert args.cuda_graphs is False
@@ -397,7 +397,7 @@ def test_bit_exact_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch) -> Non
     import os
 
     from stagedspec import hardware
-    from stagedspec.cli import _cap_isa_for_bit_exact
+    from stagedspec.cli.commands import _cap_isa_for_bit_exact
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")  # restored after the test
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))

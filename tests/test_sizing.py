@@ -46,7 +46,7 @@ def test_the_command_line_measures_sizes_unless_one_is_named() -> None:
 
 
 def test_cli_flags_set_the_sizing() -> None:
-    from stagedspec.cli_args import add_speculation_args, speculation_from
+    from stagedspec.cli.args import add_speculation_args, speculation_from
 
     p = argparse.ArgumentParser()
     p.add_argument("--oracle", default="default")

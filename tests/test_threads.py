@@ -10,7 +10,7 @@ import argparse
 import pytest
 import torch
 
-from stagedspec.cli_args import threads_value
+from stagedspec.cli.args import threads_value
 from stagedspec.threads import ThreadGovernor, allowed_cpus, governor_for, read_busy_seconds
 
 

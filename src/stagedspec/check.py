@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from stagedspec.cli_args import add_quant_arg
+from stagedspec.cli.args import add_quant_arg
 from stagedspec.drafters.base import Drafter
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.quant import resolve_quant

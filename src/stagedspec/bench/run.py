@@ -552,8 +552,8 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", default="default", type=_none_or, metavar="SPEC",
                    help="draft for chain/tree/staged/hf-assisted: 'default' (bundled distilled draft), a draft "
                         "folder, an HF folder, a .gguf, layers:N, or none")
-    from stagedspec.cli_args import add_draft_weights_arg
-    from stagedspec.cli_args import add_threads_arg
+    from stagedspec.cli.args import add_draft_weights_arg
+    from stagedspec.cli.args import add_threads_arg
 
     add_draft_weights_arg(p)
     add_threads_arg(p)
@@ -594,7 +594,7 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    from stagedspec.cli_args import pass_options_from
+    from stagedspec.cli.args import pass_options_from
 
     common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, ngram=args.ngram,
                   prompts=args.prompts,

@@ -8,7 +8,7 @@ Formats (`FORMATS`):
 - `speculators`: a feature draft as a `speculators` EAGLE config + weights; `stagedspec.export.eagle`.
 
 Each writer takes an already loaded draft and its oracle: loading (and refusing what cannot be
-exported) is `stagedspec.export.common`, the command line `stagedspec.cli_export`.
+exported) is `stagedspec.export.common`, the command line `stagedspec.cli.export`.
 """
 
 from __future__ import annotations

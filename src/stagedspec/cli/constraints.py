@@ -1,6 +1,6 @@
 """`stagedspec generate`'s structured-output flags: --json-schema, --json-object, --grammar, --logit-bias.
 
-Kept apart from `stagedspec.cli` so the flags and their checks live in one place; the command line only
+Kept apart from `stagedspec.cli.commands` so the flags and their checks live in one place; the command line only
 adds them and hands `controls_from(args)` to `Pipeline.generate`.
 """
 

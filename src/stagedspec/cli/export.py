@@ -1,6 +1,6 @@
 """`stagedspec export`: write a draft in another engine's format (transformers / vLLM), for scaling out.
 
-Kept apart from `stagedspec.cli` so the main parser only registers it; the work is in
+Kept apart from `stagedspec.cli.commands` so the main parser only registers it; the work is in
 `stagedspec.export`.  See docs/scale-out.md.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stagedspec.cli_args import positive_int
+from stagedspec.cli.args import positive_int
 from stagedspec.export import FORMATS
 
 

@@ -1,6 +1,6 @@
 """`stagedspec serve` and `stagedspec bench-serve`: the HTTP server and its load generator.
 
-Kept apart from `cli.py` so the core CLI never imports fastapi, uvicorn or
+Kept apart from `cli/commands.py` so the core CLI never imports fastapi, uvicorn or
 openai: they are imported only when one of these commands runs, and a
 missing extra is a one-line error naming the extra to install.
 """
@@ -12,13 +12,13 @@ import os
 import socket
 import sys
 
-from stagedspec.cli_args import add_quant_arg, add_threads_arg
+from stagedspec.cli.args import add_quant_arg, add_threads_arg
 from stagedspec.errors import StagedSpecError
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argparse's own type
-    from stagedspec.cli_args import add_model_args, add_speculation_args
-    from stagedspec.cli_args import positive_int
+    from stagedspec.cli.args import add_model_args, add_speculation_args
+    from stagedspec.cli.args import positive_int
 
     def _positive_float(text: str) -> float:
         try:
@@ -114,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'stagedspec[serve]'") from None
-    from stagedspec.cli_args import pass_options_from, speculation_from
+    from stagedspec.cli.args import pass_options_from, speculation_from
     from stagedspec.server.engine import Engine, parse_size
 
     oracle, drafts, spec = speculation_from(args)

@@ -1,7 +1,7 @@
 """`stagedspec distill` and `stagedspec eval-draft`: train a draft for an oracle, and measure it.
 
 `add_commands(subparsers)` registers both subcommands on the main parser
-(called from `stagedspec.cli.build_parser`).
+(called from `stagedspec.cli.commands.build_parser`).
 
 Training text (all offline, never HumanEval):
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from stagedspec.cli_args import int_at_least, pass_options_from
+from stagedspec.cli.args import int_at_least, pass_options_from
 from stagedspec.errors import StagedSpecError
 
 # Targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
@@ -185,7 +185,7 @@ def add_commands(subparsers: Any) -> None:
                    help="how the draft grows its trees, as in decoding: best-first on the host, or level by level "
                         "(EAGLE-2's, one draft pass per level; needs static passes: CUDA, or --static-passes); "
                         "auto (default): what `tree` decodes with on this device (levels on CUDA)")
-    from stagedspec.cli_args import add_static_passes_arg
+    from stagedspec.cli.args import add_static_passes_arg
 
     add_static_passes_arg(e)  # needed for --tree-growth levels on a CPU
     e.add_argument("--every-position", action=argparse.BooleanOptionalAction, default=True,
@@ -193,7 +193,7 @@ def add_commands(subparsers: Any) -> None:
                         "mean accepted length there: the same positions for every draft, far more trees "
                         "(default: on)")
     e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
-    from stagedspec.cli_args import add_draft_weights_arg
+    from stagedspec.cli.args import add_draft_weights_arg
 
     add_draft_weights_arg(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
     e.add_argument("--threads", type=int_at_least(1), default=None, metavar="N")

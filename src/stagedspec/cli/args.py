@@ -1,7 +1,8 @@
 """Command-line arguments shared by several commands, declared once (generate, tune, serve, check, bench).
 
-Here rather than in `cli.py`, so that the commands kept in modules of their own (`cli_serve`, `cli_distill`,
-`bench.run`) take them without importing `cli`, which imports those modules to build its parser."""
+Here rather than in `cli/commands.py`, so that the commands kept in modules of their own (`cli.serve`,
+`cli.distill`, `bench.run`, `check`) take them without importing `cli.commands`, which imports those modules to
+build its parser."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import NoReturn, Sequence
 
-from stagedspec.cli_args import (add_draft_weights_arg, add_model_args, add_quant_arg, add_speculation_args,
+from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_quant_arg, add_speculation_args,
                                  add_threads_arg, non_negative_int, pass_options_from, positive_int,
                                  speculation_from)
 from stagedspec.errors import StagedSpecError
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--show-stages", action="store_true",
                      help="after generating, show the text coloured by the stage that proposed each token")
-    from stagedspec.cli_constraints import add_constraint_args
+    from stagedspec.cli.constraints import add_constraint_args
 
     add_constraint_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -94,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from stagedspec.bench.run import add_bench_command
     from stagedspec.check import add_check_command
-    from stagedspec.cli_distill import add_commands as add_distill_commands
-    from stagedspec.cli_export import add_commands as add_export_commands
-    from stagedspec.cli_serve import add_commands as add_serve_commands
+    from stagedspec.cli.distill import add_commands as add_distill_commands
+    from stagedspec.cli.export import add_commands as add_export_commands
+    from stagedspec.cli.serve import add_commands as add_serve_commands
 
     add_bench_command(sub)
     add_check_command(sub)
@@ -153,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     quiet = args.json or args.show_stages
-    from stagedspec.cli_constraints import controls_from
+    from stagedspec.cli.constraints import controls_from
 
     result = pipe.generate(prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            seed=args.seed, stop_strings=args.stop, on_text=None if quiet else stream,
@@ -306,7 +306,7 @@ def _cap_isa_for_bit_exact(args: argparse.Namespace) -> None:
     """`--bit-exact` on an AMX CPU: cap oneDNN below AMX before anything runs (`hardware.cap_isa_for_bit_exact`).
 
     The one process-wide setting a flag makes; how passes run is given to the models a command loads
-    (`cli_args.pass_options_from`)."""
+    (`cli.args.pass_options_from`)."""
     if getattr(args, "bit_exact", False) and getattr(args, "device", "cpu") == "cpu":
         from stagedspec.hardware import AMX_ISA_CAP, cap_isa_for_bit_exact
 
