@@ -109,6 +109,18 @@ def test_method_lists() -> None:
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
 
 
+def test_built_in_prompt_kinds_load_by_name(tmp_path) -> None:  # noqa: ANN001
+    from stagedspec.bench.prompts import CHAT, PROSE, load_prompts
+
+    assert load_prompts("prose", None) == list(PROSE) and load_prompts("chat", 2, offset=1) == list(CHAT[1:3])
+    assert len(set(PROSE) | set(CHAT)) == len(PROSE) + len(CHAT)
+    f = tmp_path / "prose"  # a file of that name is a file only when given as a path
+    f.write_text("one\n\ntwo\n")
+    assert load_prompts(str(f), None) == ["one", "two\n"]
+    with pytest.raises(StagedSpecError, match="prompt file not found"):
+        load_prompts("poetry", None)
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="stagedspec")
     add_bench_command(parser.add_subparsers(dest="command", required=True))

