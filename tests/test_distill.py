@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagedspec.distill import (
+from stagedspec.training.distill import (
     DistillConfig,
     bucket_kl,
     check_no_human_eval,
@@ -462,7 +462,7 @@ def test_bf16_autocast_training_keeps_fp32_weights_and_learns(oracle, corpus, tm
 
 
 def test_progress_reports_tokens_per_second_and_eta(oracle, corpus, tmp_path, capsys) -> None:
-    from stagedspec.distill import _duration, _eta_seconds
+    from stagedspec.training.distill import _duration, _eta_seconds
 
     distill(oracle, None, corpus, small_cfg(tmp_path, tokens=4 * 64, eval_every=2), progress=True)
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("step ")]

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagedspec.distill import DistillConfig, distill
-from stagedspec.distill_feature import shift_features
+from stagedspec.training.distill import DistillConfig, distill
+from stagedspec.training.feature import shift_features
 from stagedspec.drafters.feature import FeatureDrafter, FeatureStage
 from stagedspec.drafters.lookup import LookupDrafter
 from stagedspec.drafters.merged import MergedDrafter
@@ -265,7 +265,7 @@ def test_save_load_round_trip_and_one_line_errors(tmp_path: Path) -> None:
 def test_distill_feature_kind_lowers_kl_saves_and_resumes(tmp_path: Path) -> None:
     oracle = tiny(6, vocab=64)
     g = torch.Generator().manual_seed(1)
-    from stagedspec.distill import oracle_continuation
+    from stagedspec.training.distill import oracle_continuation
 
     corpus = [[i] + oracle_continuation(oracle, [i], 100, SamplingParams(temperature=1.0), g) for i in range(12)]
 
@@ -336,7 +336,7 @@ def test_feature_draft_from_an_independent_draft_starts_as_it_and_learns_the_fea
     """`--kind feature --init-from INDEPENDENT`: step 0 computes the independent draft's outputs at every unrolled
     level (fc ignores the features), the held-out figure starts where that draft's ends, and training moves fc's
     feature half off zero.  Exactness in decoding holds as for any feature draft."""
-    from stagedspec.distill import oracle_continuation
+    from stagedspec.training.distill import oracle_continuation
     from stagedspec.models.draft import DraftModel
     from stagedspec.models.feature_draft import feature_draft_from
 

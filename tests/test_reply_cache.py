@@ -1,4 +1,4 @@
-"""The per-request oracle-reply cache of `distill` (`stagedspec.reply_cache`, `cached_oracle_samples`)."""
+"""The per-request oracle-reply cache of `distill` (`stagedspec.training.reply_cache`, `cached_oracle_samples`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-import stagedspec.distill
+import stagedspec.training.distill
 from stagedspec.cli.distill import LEGACY_SAMPLES_NAME, cached_oracle_samples
 from stagedspec.errors import StagedSpecError
-from stagedspec.reply_cache import ReplyCache
+from stagedspec.training.reply_cache import ReplyCache
 
 
 class FakeOracleSampler:
-    """Stands in for `stagedspec.distill.oracle_samples`: a request's stream is its characters' codes.
+    """Stands in for `stagedspec.training.distill.oracle_samples`: a request's stream is its characters' codes.
 
     It records every request it is asked, and can fail after `fail_after` batches (an interrupted run).
     """
@@ -47,7 +47,7 @@ def stream_of(request: str, n_tokens: int) -> list[int]:
 @pytest.fixture()
 def sampler(monkeypatch: pytest.MonkeyPatch) -> FakeOracleSampler:
     fake = FakeOracleSampler()
-    monkeypatch.setattr(stagedspec.distill, "oracle_samples", fake)
+    monkeypatch.setattr(stagedspec.training.distill, "oracle_samples", fake)
     return fake
 
 
@@ -82,13 +82,13 @@ def test_other_settings_do_not_reuse_replies(sampler: FakeOracleSampler, tmp_pat
 def test_an_interrupted_run_keeps_its_finished_batches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cache = tmp_path / "replies.jsonl"
     requests = ["a", "b", "c", "d", "e"]
-    monkeypatch.setattr(stagedspec.distill, "oracle_samples", FakeOracleSampler(fail_after=2))
+    monkeypatch.setattr(stagedspec.training.distill, "oracle_samples", FakeOracleSampler(fail_after=2))
     with pytest.raises(KeyboardInterrupt):
         replies(requests, cache)
     with cache.open("a") as f:
         f.write('{"key": "cut sho')  # and the process died in the middle of a write
     again = FakeOracleSampler()
-    monkeypatch.setattr(stagedspec.distill, "oracle_samples", again)
+    monkeypatch.setattr(stagedspec.training.distill, "oracle_samples", again)
     assert replies(requests, cache) == [stream_of(r, 7) for r in requests]
     assert again.asked == ["e"]  # the two finished batches (4 replies) were kept
     store = ReplyCache(cache, "fp", 7, batched=True)

@@ -209,7 +209,7 @@ def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: flo
     model = oracle if spec == "oracle" else load_draft_model(spec, oracle, tokenizer, oracle.embed.weight.dtype,
                                                              str(oracle.embed.weight.device))
     try:
-        from stagedspec.distill import stdlib_prompts
+        from stagedspec.training.distill import stdlib_prompts
 
         prompts = stdlib_prompts(256, seed=0)
     except Exception:  # noqa: BLE001 - any failure: fall back to a generic prompt

@@ -6,7 +6,7 @@
 Training text (all offline, never HumanEval):
 
 * plain files: `--corpus FILES...`, by default CPython's stdlib sources and
-  the installed Python docs (`stagedspec.distill.default_corpus_files`);
+  the installed Python docs (`stagedspec.training.distill.default_corpus_files`);
 * `--chat-wrap F`: for a fraction F of the Python files, every documented
   function becomes a chat exchange in the benchmark's style, the user asking
   to complete its signature + docstring and the assistant answering with the
@@ -17,7 +17,7 @@ Training text (all offline, never HumanEval):
   `--sample-repeat` times in the training mix.
 
 The draft is trained on the oracle's next-token distributions over all of it
-(see `stagedspec.distill`).  Checkpoints, metrics and the sample cache live in
+(see `stagedspec.training.distill`).  Checkpoints, metrics and the sample cache live in
 `--work-dir` (default: the output folder), so the output folder can hold just
 the draft (`draft_config.json` + `draft.safetensors`).
 """
@@ -48,7 +48,7 @@ TREE_TARGET_BUDGET = 16
 AT_MOST = ("draft_cost_ratio",)  # targets that are upper bounds; the others are lower bounds
 # Default --sample-batch per device type: a CPU gains little past 16 rows; an H100 sampled 256 at a time (2026-11-23).
 SAMPLE_BATCH = {"cpu": 16, "cuda": 256}
-SAMPLES_NAME = "oracle_samples.jsonl"  # per-request reply cache (stagedspec.reply_cache)
+SAMPLES_NAME = "oracle_samples.jsonl"  # per-request reply cache (stagedspec.training.reply_cache)
 LEGACY_SAMPLES_NAME = "oracle_samples.json"  # the whole-list cache of older versions
 
 
@@ -273,13 +273,13 @@ def cached_oracle_samples(oracle: Any, tokenizer: Any, requests: Sequence[str], 
     """The oracle's greedy replies to `requests` (prompt + reply streams), cached per request in `cache`.
 
     Only requests the cache has no reply for are sent to the oracle, and each
-    finished batch is appended to the cache at once (`stagedspec.reply_cache`),
+    finished batch is appended to the cache at once (`stagedspec.training.reply_cache`),
     so later rounds and interrupted runs reuse every reply made so far.  An
     older whole-list cache (`legacy`, by default `oracle_samples.json` beside
     `cache`) is imported when it was made for exactly these requests.
     """
-    from stagedspec.distill import oracle_samples
-    from stagedspec.reply_cache import ReplyCache, legacy_streams
+    from stagedspec.training.distill import oracle_samples
+    from stagedspec.training.reply_cache import ReplyCache, legacy_streams
 
     store = ReplyCache(cache, fingerprint, n_tokens, batched=batch_size > 1)
     legacy_inputs: list[Any] = [fingerprint, n_tokens, list(requests)] + ([batch_size] if batch_size > 1 else [])
@@ -324,7 +324,7 @@ def request_files(paths: Sequence[str]) -> list[Path]:
     beyond the stdlib's few thousand; their order is fixed so a seed picks
     the same requests on every machine with the same packages.
     """
-    from stagedspec.distill import check_no_human_eval
+    from stagedspec.training.distill import check_no_human_eval
 
     out: list[Path] = []
     for raw in paths:
@@ -357,7 +357,7 @@ def _check_files(paths: Sequence[str]) -> list[Path]:
 def cmd_distill(args: argparse.Namespace) -> int:
     import torch
 
-    from stagedspec.distill import (
+    from stagedspec.training.distill import (
         DistillConfig,
         check_no_human_eval,
         corpus_streams_from_files,
@@ -482,7 +482,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     import torch
 
     from stagedspec.bench.prompts import load_prompts
-    from stagedspec.distill import decode_step_seconds, oracle_greedy_continuations
+    from stagedspec.training.distill import decode_step_seconds, oracle_greedy_continuations
     from stagedspec.pipeline import Pipeline, SpeculationConfig, check_device, load_draft_model
 
     device = check_device(args.device)
@@ -536,7 +536,7 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
     """One draft's report: agreement (overall and by reply position), accepted lengths per depth, speed, cost."""
     import torch
 
-    from stagedspec.distill import depth_reach, eval_draft
+    from stagedspec.training.distill import depth_reach, eval_draft
     from stagedspec.pipeline import SpeculationConfig
     from stagedspec.sampling import SamplingParams
 

@@ -1,8 +1,8 @@
 """The distillation loss: a bucket KL between the oracle's top-k and the draft's support, and its backward
 through the draft's head in chunks of rows.
 
-Its own module because two trainers use it, the token draft's (`distill`) and the feature draft's
-(`distill_feature`), and neither should import the other for it.
+Its own module because two trainers use it, the token draft's (`training.distill`) and the feature
+draft's (`training.feature`), and neither should import the other for it.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from stagedspec.distill_losses import LOSS_CHUNK_ELEMENTS, autocast_bf16, bucket_kl, head_kl_backward
+from stagedspec.training.losses import LOSS_CHUNK_ELEMENTS, autocast_bf16, bucket_kl, head_kl_backward
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.draft import DraftModel, save_draft
 from stagedspec.models.transformer import Transformer
@@ -78,7 +78,7 @@ class DistillConfig:
     save_dtype: str = "bfloat16"
     init_from: str | None = None  # 'default' or a saved draft folder to continue training from (keeps its layers and head)
     # The draft kind: "independent" (tokens only, `DraftModel`) or "feature" (EAGLE-style: also the oracle's
-    # hidden state at the previous position, `FeatureDraftModel`; see `stagedspec.distill_feature`).
+    # hidden state at the previous position, `FeatureDraftModel`; see `stagedspec.training.feature`).
     kind: str = "independent"
     ttt_steps: int = 1  # feature drafts: steps unrolled on the draft's own predicted features (1 = none)
     ttt_decay: float = 0.8  # loss weight of unrolled step j is ttt_decay ** j
@@ -272,7 +272,7 @@ def _heldout_metrics(student: DraftModel, windows: Tensor, t_logp: Tensor, t_ids
     A feature draft (`t_hidden`: the oracle's features of the windows) is fed the oracle's features,
     i.e. measured as the root of a tree; `feature_metrics` adds its deeper levels."""
     if t_hidden is not None:
-        from stagedspec.distill_feature import feature_heldout_metrics
+        from stagedspec.training.feature import feature_heldout_metrics
 
         return feature_heldout_metrics(student, windows, t_logp, t_ids, t_cols, t_hidden)
     was_training = student.training
@@ -374,7 +374,7 @@ def distill(
                 group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
             opt.zero_grad(set_to_none=True)
             if feature:
-                from stagedspec.distill_feature import feature_loss_backward
+                from stagedspec.training.feature import feature_loss_backward
 
                 loss = feature_loss_backward(student, tokens.to(device), t_hidden[0], t_logp.flatten(0, 1),
                                              cols_dev[t_ids].flatten(0, 1), cfg, autocast=use_autocast)
@@ -955,7 +955,7 @@ def eval_draft(
 def _oracle_input_features(oracle: Transformer, seq: Sequence[int], device: torch.device) -> Tensor:
     """A feature draft's inputs for `seq` [1, T, H]: the oracle's final hidden state at the previous position
     (what verification hands it on the accepted path), zeros at position 0."""
-    from stagedspec.distill_feature import shift_features
+    from stagedspec.training.feature import shift_features
 
     odev = oracle.embed.weight.device
     _, hidden = oracle(torch.tensor([list(seq)], device=odev), torch.arange(len(seq), device=odev),

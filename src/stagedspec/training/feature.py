@@ -1,6 +1,6 @@
 """Distilling a feature draft (`stagedspec distill --kind feature`): its loss and held-out figures.
 
-The loop, data, schedule, checkpoints and teacher targets are `stagedspec.distill`'s; what differs:
+The loop, data, schedule, checkpoints and teacher targets are `stagedspec.training.distill`'s; what differs:
 
 - Inputs.  The teacher pass also returns the oracle's final hidden states
   f [B, T, H] (`teacher_topk(..., with_hidden=True)`, the same single
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stagedspec.distill_losses import autocast_bf16, bucket_kl, head_kl_backward
+from stagedspec.training.losses import autocast_bf16, bucket_kl, head_kl_backward
 
 
 def shift_features(features: Tensor) -> Tensor:
