@@ -121,6 +121,23 @@ def test_built_in_prompt_kinds_load_by_name(tmp_path) -> None:  # noqa: ANN001
         load_prompts("poetry", None)
 
 
+def test_a_failure_while_building_methods_stops_the_servers_already_started(monkeypatch) -> None:  # noqa: ANN001
+    """llama.cpp's methods come first and start servers: an error building a later one must stop them."""
+    from stagedspec.bench import run
+
+    closed = []
+
+    def build(cfg, models, max_context, methods, skipped, notes) -> None:  # noqa: ANN001
+        methods.append(Method("llamacpp", "llama.cpp", "baseline", "a started server", run=lambda *a: None,
+                              close=lambda: closed.append("llamacpp")))
+        raise ImportError("a later method failed")
+
+    monkeypatch.setattr(run, "_add_methods", build)
+    with pytest.raises(ImportError):
+        run.build_methods(BenchConfig(), None, 64)
+    assert closed == ["llamacpp"]
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="stagedspec")
     add_bench_command(parser.add_subparsers(dest="command", required=True))

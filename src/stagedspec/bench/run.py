@@ -200,15 +200,35 @@ def encode_prompts(cfg: BenchConfig, models: BenchModels) -> tuple[list[str], li
     return raw, ids, chat
 
 
+def close_methods(methods: Sequence[Method]) -> None:
+    """Stop what the methods started (llama.cpp's servers)."""
+    for m in methods:
+        if m.close is not None:
+            m.close()
+
+
 def build_methods(
     cfg: BenchConfig, models: BenchModels, max_context: int
 ) -> tuple[list[Method], list[dict], list[str]]:
-    """The methods to measure, the ones skipped (with reasons) and notes for the report."""
-    from stagedspec.pipeline import SpeculationConfig, parse_stages
+    """The methods to measure, the ones skipped (with reasons) and notes for the report.
 
+    A failure while building stops the methods already built: llama.cpp's come first and start servers,
+    which an error in a later method once left running after the bench had exited."""
     methods: list[Method] = []
     skipped: list[dict] = []
     notes: list[str] = []
+    try:
+        _add_methods(cfg, models, max_context, methods, skipped, notes)
+    except BaseException:
+        close_methods(methods)
+        raise
+    return methods, skipped, notes
+
+
+def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, methods: list[Method],
+                 skipped: list[dict], notes: list[str]) -> None:
+    from stagedspec.pipeline import SpeculationConfig, parse_stages
+
     names = expand_methods(cfg.methods)
 
     draft, draft_problem = cfg.draft, None
@@ -275,7 +295,6 @@ def build_methods(
             methods.append(ours(models, name, spec, drafts, ngram))
         except MethodSkipped as e:
             skipped.append({"name": name, "reason": str(e)})
-    return methods, skipped, notes
 
 
 def lookup_costs(models: BenchModels, prompt_ids: Sequence[Sequence[int]], chain_length: int = 6) -> list[dict]:
@@ -496,9 +515,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         costs = lookup_costs(models, prompt_ids)
         runs = measure(cfg, methods, prompt_ids)
     finally:
-        for m in methods:
-            if m.close is not None:
-                m.close()
+        close_methods(methods)
     results: dict[str, Any] = {
         "config": asdict(cfg) | {"methods": [m.name for m in methods], "chat_template": chat},
         "environment": environment(),
