@@ -89,7 +89,7 @@ def test_distill_produces_loadable_draft_and_eval_reports(oracle_dir: Path, corp
     assert cfg["training"]["complete"] is True and cfg["training"]["steps_done"] == 4
     assert cfg["training"]["corpus"]["chat_exchanges"] == 4 * 4 and cfg["training"]["corpus"]["oracle_samples"] == 2
     oracle, tok = load_model(str(oracle_dir), dtype=torch.float32)
-    from stagedspec.pipeline import tokenizer_fingerprint
+    from stagedspec.tokenizer import tokenizer_fingerprint
 
     draft = load_draft(out, oracle, expected_fingerprint=tokenizer_fingerprint(tok))
     assert draft.head_weight.shape[0] == 64

@@ -18,7 +18,7 @@ from stagedspec.cli import main
 from stagedspec.models.draft import DraftModel, save_draft
 from stagedspec.models.feature_draft import feature_draft_from
 from stagedspec.models.loading import load_model
-from stagedspec.pipeline import tokenizer_fingerprint
+from stagedspec.tokenizer import tokenizer_fingerprint
 from tests._tiny_models import save_tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")

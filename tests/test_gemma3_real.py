@@ -153,7 +153,8 @@ def test_bundled_draft_is_found_by_the_oracles_tokenizer_and_keeps_greedy_exact(
     fingerprint), and in fp32 `tree` and `staged` with it emit exactly `ar`'s tokens."""
     from stagedspec.models.draft import default_draft_dir
     from stagedspec.models.draft_loading import load_draft
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, tokenizer_fingerprint
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
+    from stagedspec.tokenizer import tokenizer_fingerprint
 
     _, model, tok = gemma
     folder = default_draft_dir(tokenizer_fingerprint(tok))

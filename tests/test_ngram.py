@@ -13,9 +13,9 @@ from stagedspec.drafters.ngram import (
     benchmark_lookup,
     build_from_token_streams,
     katz_discount,
-    vocab_fingerprint,
 )
 from stagedspec.errors import StagedSpecError
+from stagedspec.tokenizer import vocab_fingerprint
 
 # Toy corpus, one document, vocabulary {0..4} (token 4 never occurs).
 TOY = [0, 1, 2, 0, 1, 3, 0, 1, 2, 1]

@@ -28,6 +28,7 @@ from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions, PassRuntime
 from stagedspec.runner import RunnerLeases, draft_cache_len
 from stagedspec.sampling import SamplingParams
+from stagedspec.tokenizer import tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from stagedspec.constraints.grammar import GrammarCompiler
@@ -312,16 +313,6 @@ def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
             f"a truncated draft needs 1..{oracle.config.n_layers - 1} layers, got {n_layers}"
         )
     return oracle.truncated_copy(n_layers)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:  # noqa: ANN001 - any stagedspec Tokenizer
-    import hashlib
-
-    vocab = tokenizer.inner.get_vocab() if hasattr(tokenizer, "inner") else tokenizer.get_vocab()
-    h = hashlib.sha256()
-    for tok, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
-        h.update(f"{idx}\t{tok}\n".encode())
-    return h.hexdigest()[:16]
 
 
 def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001

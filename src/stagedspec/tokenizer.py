@@ -10,10 +10,11 @@ metadata of a GGUF file, which stores the vocabulary and merges but no
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -305,6 +306,35 @@ class StreamDecoder:
             del self._ids[: self._start]
             self._done -= self._start
             self._start = 0
+
+
+# Two fingerprints of a tokenizer's token -> id map.  Both identify the same thing, the vocabulary, but hash it
+# in different encodings, so their values differ; each is recorded in files that outlive a process (drafts, the
+# shipped ones included; n-gram files and their cache names), so neither encoding may change and neither can
+# replace the other.
+
+
+def tokenizer_fingerprint(tokenizer) -> str:  # noqa: ANN001 - any stagedspec Tokenizer
+    r"""The first 16 hex digits of sha256 over "id\ttoken\n" lines in id order: what a distilled draft records.
+
+    A draft's `draft_config.json` holds it (the shipped drafts in `assets/` included), `load_draft` compares it
+    with the oracle's, `models.draft.bundled_draft_for` finds a shipped draft by it, and `distill`'s reply cache
+    is keyed by it.  N-gram files record `vocab_fingerprint` instead."""
+    vocab = tokenizer.inner.get_vocab() if hasattr(tokenizer, "inner") else tokenizer.get_vocab()
+    h = hashlib.sha256()
+    for tok, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{tok}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def vocab_fingerprint(vocab: Mapping[str, int]) -> str:
+    """sha256 (64 hex digits) of the JSON list of (token, id) pairs in id order: what an n-gram file records.
+
+    An n-gram file is only valid for that exact map: `NgramModel.load` compares it, and the cached default
+    n-gram's file name holds its first 12 digits (`drafters.ngram_files`).  Called with `tokenizer.get_vocab()`.
+    Drafts record `tokenizer_fingerprint` instead."""
+    items = sorted(vocab.items(), key=lambda kv: (kv[1], kv[0]))
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def render_chat_template(template: str, messages: list[dict[str, Any]], **context: Any) -> str:

@@ -366,7 +366,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     )
     from stagedspec.models.draft import save_draft
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import check_device, resolve_dtype, tokenizer_fingerprint
+    from stagedspec.pipeline import check_device, resolve_dtype
+    from stagedspec.tokenizer import tokenizer_fingerprint
 
     device = check_device(args.device)
     if args.threads:

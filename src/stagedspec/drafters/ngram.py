@@ -67,7 +67,7 @@ File format
 -----------
 One numpy `.npz` archive (zip, deflate-compressed, no pickles).  `meta` holds a
 JSON string: format "stagedspec-ngram", version, order, vocab_size,
-fingerprint (the caller's tokenizer fingerprint, e.g. `vocab_fingerprint`),
+fingerprint (the caller's tokenizer fingerprint, e.g. `tokenizer.vocab_fingerprint`),
 top_n, discount_k, per-order discounts, n_tokens, n_documents.  Arrays:
 `unigram` (float64 [V]), `unigram_top_tok`/`unigram_top_prob` ([1, top_n]),
 and for each order m in 2..n, with C seen contexts and E seen m-grams:
@@ -80,7 +80,6 @@ at order m - 1), `o{m}_alpha` (float64 [C]), `o{m}_offsets` (int64 [C + 1]),
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -417,12 +416,6 @@ def _check_tables(
 # --------------------------------------------------------------------------- building
 
 
-def vocab_fingerprint(vocab: Mapping[str, int]) -> str:
-    """sha256 of a tokenizer's token -> id map: an n-gram file is only valid for that exact map."""
-    items = sorted(vocab.items(), key=lambda kv: (kv[1], kv[0]))
-    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()
-
-
 def build_from_token_streams(
     streams: Iterable[Sequence[int]] | Sequence[int] | np.ndarray,
     order: int,
@@ -435,7 +428,7 @@ def build_from_token_streams(
 ) -> NgramModel:
     """Train a model on documents of token ids (one flat sequence counts as one document).
 
-    `fingerprint` identifies the tokenizer (e.g. `vocab_fingerprint(tokenizer.get_vocab())`);
+    `fingerprint` identifies the tokenizer (e.g. `tokenizer.vocab_fingerprint(tok.get_vocab())`);
     `load` checks it so a file is never used with ids from another vocabulary.
     """
     if not MIN_ORDER <= order <= MAX_ORDER:

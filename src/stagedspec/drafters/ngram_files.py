@@ -12,15 +12,12 @@ import sysconfig
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from stagedspec.drafters.ngram import NgramModel, build_from_token_streams, vocab_fingerprint
+from stagedspec.drafters.ngram import NgramModel, build_from_token_streams
 from stagedspec.errors import StagedSpecError
 from stagedspec.paths import cache_root
+from stagedspec.tokenizer import vocab_fingerprint
 
 DEFAULT_ORDER = 3
-
-
-def tokenizer_vocab_fingerprint(tokenizer: Any) -> str:
-    return vocab_fingerprint(tokenizer.get_vocab())
 
 
 def stdlib_source_files(limit: int | None = None) -> list[Path]:
@@ -53,11 +50,11 @@ def token_streams_from_files(paths: Sequence[str | Path], tokenizer: Any, progre
 def build_ngram(streams: Iterable[Sequence[int]], tokenizer: Any, order: int = DEFAULT_ORDER,
                 progress: bool = True) -> NgramModel:
     return build_from_token_streams(list(streams), order, tokenizer.vocab_size,
-                                    tokenizer_vocab_fingerprint(tokenizer), progress=progress)
+                                    vocab_fingerprint(tokenizer.get_vocab()), progress=progress)
 
 
 def default_ngram_path(tokenizer: Any) -> Path:
-    return cache_root() / "ngram" / f"stdlib-{DEFAULT_ORDER}gram-{tokenizer_vocab_fingerprint(tokenizer)[:12]}.npz"
+    return cache_root() / "ngram" / f"stdlib-{DEFAULT_ORDER}gram-{vocab_fingerprint(tokenizer.get_vocab())[:12]}.npz"
 
 
 def load_ngram(spec: str, tokenizer: Any) -> NgramModel:
@@ -73,5 +70,5 @@ def load_ngram(spec: str, tokenizer: Any) -> NgramModel:
             model.save(path)
             return model
         spec = str(path)
-    return NgramModel.load(spec, expected_fingerprint=tokenizer_vocab_fingerprint(tokenizer),
+    return NgramModel.load(spec, expected_fingerprint=vocab_fingerprint(tokenizer.get_vocab()),
                            expected_vocab_size=tokenizer.vocab_size)

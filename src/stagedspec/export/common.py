@@ -45,7 +45,7 @@ def load_for_export(draft_spec: str, oracle_spec: str) -> tuple[Transformer, Any
     from stagedspec.models.draft import CONFIG_NAME, default_draft_dir
     from stagedspec.models.draft_loading import load_draft
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import tokenizer_fingerprint
+    from stagedspec.tokenizer import tokenizer_fingerprint
 
     if draft_spec.startswith("layers:"):
         raise StagedSpecError(f"draft {draft_spec} is the oracle's own first layers, not a model of its own: "

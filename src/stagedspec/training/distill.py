@@ -40,12 +40,12 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from stagedspec.training.losses import LOSS_CHUNK_ELEMENTS, autocast_bf16, bucket_kl, head_kl_backward
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.draft import DraftModel, save_draft
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import write_text_atomic
 from stagedspec.sampling import SamplingParams, probs_from_logits, sample
+from stagedspec.training.losses import LOSS_CHUNK_ELEMENTS, autocast_bf16, bucket_kl, head_kl_backward
 
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.json"
@@ -533,7 +533,7 @@ def _default_fingerprint(tokenizer: Any) -> str:
     """The fingerprint the draft loader will compare against (shared with the pipeline)."""
     if tokenizer is None:
         return "none"
-    from stagedspec.pipeline import tokenizer_fingerprint
+    from stagedspec.tokenizer import tokenizer_fingerprint
 
     return tokenizer_fingerprint(tokenizer)
 
