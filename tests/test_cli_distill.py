@@ -293,8 +293,8 @@ def test_eval_draft_checks_the_draft_targets() -> None:
 
 def test_tree_acceptance_everywhere_with_the_oracle_as_its_own_draft(oracle_dir: Path) -> None:
     """A draft that is the oracle (fp32) spells the oracle's greedy reply: every chain is accepted whole."""
-    from stagedspec.training.distill import oracle_greedy_continuations
     from stagedspec.models.loading import load_model
+    from stagedspec.training.distill import oracle_greedy_continuations
     from stagedspec.tree import TokenTree
     from stagedspec.tree_acceptance import matched_depth, tree_acceptance_everywhere
 

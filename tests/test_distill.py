@@ -16,19 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagedspec.training.distill import (
-    DistillConfig,
-    bucket_kl,
-    check_no_human_eval,
-    corpus_streams_from_files,
-    default_corpus_files,
-    distill,
-    eval_draft,
-    batched_greedy_continuations,
-    oracle_continuation,
-    oracle_samples,
-    teacher_topk,
-)
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.draft import (
@@ -42,6 +29,19 @@ from stagedspec.models.draft import (
 from stagedspec.models.draft_loading import load_draft
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.sampling import SamplingParams
+from stagedspec.training.distill import (
+    DistillConfig,
+    bucket_kl,
+    check_no_human_eval,
+    corpus_streams_from_files,
+    default_corpus_files,
+    distill,
+    eval_draft,
+    batched_greedy_continuations,
+    oracle_continuation,
+    oracle_samples,
+    teacher_topk,
+)
 
 VOCAB = 64
 

@@ -25,8 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagedspec.training.distill import DistillConfig, distill
-from stagedspec.training.feature import shift_features
 from stagedspec.drafters.feature import FeatureDrafter, FeatureStage
 from stagedspec.drafters.lookup import LookupDrafter
 from stagedspec.drafters.merged import MergedDrafter
@@ -40,6 +38,8 @@ from stagedspec.models.transformer import init_random
 from stagedspec.runner import set_pass_mode
 from stagedspec.sampling import SamplingParams
 from stagedspec.stages import StageDrafter
+from stagedspec.training.distill import DistillConfig, distill
+from stagedspec.training.feature import shift_features
 from test_distribution_exactness import (ALPHA, L, N_FAST, N_NEGATIVE, V, chi_square_pvalue, corrupt_batched_leftover,
                                          exact_distribution, use_verifier)
 from test_staged import WrongQStage
@@ -336,9 +336,9 @@ def test_feature_draft_from_an_independent_draft_starts_as_it_and_learns_the_fea
     """`--kind feature --init-from INDEPENDENT`: step 0 computes the independent draft's outputs at every unrolled
     level (fc ignores the features), the held-out figure starts where that draft's ends, and training moves fc's
     feature half off zero.  Exactness in decoding holds as for any feature draft."""
-    from stagedspec.training.distill import oracle_continuation
     from stagedspec.models.draft import DraftModel
     from stagedspec.models.feature_draft import feature_draft_from
+    from stagedspec.training.distill import oracle_continuation
 
     oracle = tiny(6, vocab=64)
     g = torch.Generator().manual_seed(1)
