@@ -743,3 +743,68 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
     speculate_at.add(explored[2] + 2)  # `len(priced)` counts from 1
     again = explorations(600)
     assert again[:3] == explored[:3] and again[3] - again[2] == EXPLORE_EVERY + 1
+
+
+def test_a_request_prices_the_arms_by_its_own_record_not_only_the_machine_s(monkeypatch) -> None:  # noqa: ANN001
+    """The machine's statistics say the prompt is always copied (learned on code that restates its prompt);
+    a request whose prompt is never copied (prose) must turn back to `ar` within some tens of steps.  The
+    control: priced by the machine's 200 observations alone (the former behaviour), the same request is
+    still on losing lookups after 60 steps.  The next request starts from the machine's statistics again."""
+    import stagedspec.auto as auto_module
+    from stagedspec.auto import REQUEST_PRIOR, AutoDrafter
+    from stagedspec.drafters.base import Drafter
+    from stagedspec.drafters.lookup import LookupDrafter
+    from stagedspec.generation import NoDrafter
+
+    class Lookup(LookupDrafter):  # a 6-token context chain every step, never what the oracle emits
+        def chains(self, context, k):  # noqa: ANN001, ANN201
+            return [("context", [9] * 6)]
+
+    class Copier(Drafter):
+        def begin(self, prompt):  # noqa: ANN001, ANN201
+            pass
+
+        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+            return TokenTree.chain(context[-1], [9] * 6)
+
+    def seconds(rows: int) -> float:
+        return 0.010 + 0.001 * rows
+
+    profile = CostProfile(oracle={r: seconds(r) for r in ROWS}, drafts=[])
+    lookup_arm = Arm("lookup", 6)
+
+    def request(policy: AutoPolicy, steps: int) -> list[str]:
+        drafter = AutoDrafter(policy, {Arm("ar"): (NoDrafter(), []), lookup_arm: (Copier(), [])},
+                              lookup=Lookup(None, context=True))
+        context = [1, 2, 3]
+        drafter.begin(context)
+        arms = []
+        for _ in range(steps):
+            drafter.propose(context, SamplingParams(), None, 64)
+            arms.append(drafter._last.arm.name)
+            context = context + [4]  # the oracle's token: the chain's first token is rejected
+        return arms
+
+    def copying_machine() -> AutoPolicy:
+        # priced by the profile alone: this test's steps take no wall time, which would teach false prices
+        policy = AutoPolicy([Arm("ar"), lookup_arm], profile, learn_times=False)
+        policy.greedy_stats = trained_stats(draft=0.5, context=0.99)
+        for _ in range(200):  # and lookup:6 yielding what its chains promised
+            policy.greedy_stats.observe_arm(lookup_arm, 6.0, 6)
+        return policy
+
+    policy = copying_machine()
+    machine_rate = policy.greedy_stats.chains["context"].rate(0)
+    first = request(policy, 60)
+    assert first[0] == "lookup:6"
+    assert first.index("ar") < 40 and first[-10:].count("ar") >= 8, first
+    assert policy.greedy_stats.chains["context"].rate(0) > 0.7 * machine_rate  # the machine's view moved less
+    assert request(policy, 1) == ["lookup:6"]  # a new request starts from the machine's statistics
+    own = policy.greedy_stats.scaled(REQUEST_PRIOR)
+    assert own.chains["context"].tries[0] == pytest.approx(REQUEST_PRIOR)
+    machine = policy.greedy_stats.chains["context"]
+    assert own.chains["context"].hits[0] / REQUEST_PRIOR == pytest.approx(machine.hits[0] / machine.tries[0])
+
+    monkeypatch.setattr(auto_module, "REQUEST_PRIOR", 1e9)  # the control: the machine's statistics alone
+    control = request(copying_machine(), 60)
+    assert control[-10:].count("lookup:6") >= 5, control

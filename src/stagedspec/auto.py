@@ -116,6 +116,14 @@ AR_PROBE_EVERY = 32  # a step runs `ar` when its time was last measured this man
 AR_PROBE_BELOW = 1.5  # ... and the best arm promises less than this many times `ar`'s rate, or `ar` ran ...
 AR_PROBE_MIN_STEPS = 8  # ... fewer steps than this (its price is then too little measured to trust)
 STATE_CAP = 200.0  # observations per series kept when the learned state is saved for the next process
+# Observations per series of the shared statistics a request starts from (`AutoDrafter.begin`): how often a
+# draft or the prompt's own text is right depends on the request (code that restates its prompt, prose that
+# does not), so a request's choices follow its own record after a dozen or two steps.  A synthetic request
+# whose prompt is never copied, priced from a machine that saw it always copied, left lookup after 23 steps
+# with 8 and ran lookup still after 60 with all 200 (`tests/test_auto.py`).  Priced from the machine's 200
+# observations, `auto` on the Qwen2.5-Coder pair ran prose at 0.78x `ar` after a run of HumanEval prompts
+# had taught it that the prompt is copied (AVX2 EPYC, 2026-11-26).
+REQUEST_PRIOR = 8.0
 
 
 @dataclass(frozen=True)
@@ -269,7 +277,7 @@ class AcceptanceStats:
         default_factory=lambda: {k: ChainStats(v) for k, v in PRIOR_ACCEPTANCE.items()})
     arm_tokens: dict[Arm, float] = field(default_factory=dict)  # sum of (tokens - 1) the arm yielded
     arm_predicted: dict[Arm, float] = field(default_factory=dict)  # sum of (predicted tokens - 1)
-    arm_steps: dict[Arm, int] = field(default_factory=dict)
+    arm_steps: dict[Arm, float] = field(default_factory=dict)
     # Family calibrations, kept until an arm is observed: every arm is priced every step.
     families: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
@@ -302,6 +310,31 @@ class AcceptanceStats:
         value = (tokens + prior) / (predicted + prior) if steps else 1.0
         self.families[family] = value
         return value
+
+    def scaled(self, cap: float) -> AcceptanceStats:
+        """A copy whose every series counts at most `cap` observations (the rates and calibrations are kept;
+        the weight of the evidence behind them is not)."""
+        out = AcceptanceStats()
+        for name, c in self.chains.items():
+            f = min(1.0, cap / c.tries[0]) if c.tries and c.tries[0] > 0 else 1.0
+            chain = ChainStats(c.prior, c.weight)
+            chain.set_counts([h * f for h in c.hits], [t * f for t in c.tries])
+            out.chains[name] = chain
+        for arm, steps in self.arm_steps.items():
+            f = min(1.0, cap / steps) if steps > 0 else 1.0
+            out.arm_steps[arm] = steps * f
+            out.arm_tokens[arm] = self.arm_tokens.get(arm, 0.0) * f
+            out.arm_predicted[arm] = self.arm_predicted.get(arm, 0.0) * f
+        return out
+
+    def observe(self, arm: Arm | None, predicted_tokens: float, tokens: int,
+                chains: Sequence[tuple[str, int, int]]) -> None:
+        """One step's lesson: `chains` (proposer, matched, length) scored against the emitted tokens, and `arm`
+        (None: no arm's step to judge) with the tokens it was predicted to and did emit."""
+        for name, matched, length in chains:
+            self.chains[name].record(matched, length)
+        if arm is not None:
+            self.observe_arm(arm, predicted_tokens, tokens)
 
     def observe_arm(self, arm: Arm, predicted_tokens: float, tokens: int) -> None:
         self.families.clear()
@@ -666,23 +699,14 @@ class AutoPolicy:
     def state(self, cap: float = STATE_CAP) -> dict[str, Any]:
         """What was learned, as JSON-able data, counts scaled down to at most `cap` observations per series
         so that a restored policy still adapts to new text."""
-        def chains(stats: AcceptanceStats) -> dict[str, Any]:
-            out = {}
-            for name, c in stats.chains.items():
-                f = min(1.0, cap / c.tries[0]) if c.tries and c.tries[0] > 0 else 1.0
-                out[name] = {"hits": [h * f for h in c.hits], "tries": [t * f for t in c.tries]}
-            return out
-
-        def arms(stats: AcceptanceStats) -> dict[str, Any]:
-            out = {}
-            for arm, steps in stats.arm_steps.items():
-                f = min(1.0, cap / steps)
-                out[arm.name] = [steps * f, stats.arm_tokens.get(arm, 0.0) * f, stats.arm_predicted.get(arm, 0.0) * f]
-            return out
+        def part(stats: AcceptanceStats) -> dict[str, Any]:
+            kept = stats.scaled(cap)
+            return {"chains": {name: {"hits": c.hits, "tries": c.tries} for name, c in kept.chains.items()},
+                    "arms": {arm.name: [steps, kept.arm_tokens.get(arm, 0.0), kept.arm_predicted.get(arm, 0.0)]
+                             for arm, steps in kept.arm_steps.items()}}
 
         with self.lock:
-            return {"version": 1, "greedy": {"chains": chains(self.greedy_stats), "arms": arms(self.greedy_stats)},
-                    "sampled": {"chains": chains(self.sampled_stats), "arms": arms(self.sampled_stats)},
+            return {"version": 1, "greedy": part(self.greedy_stats), "sampled": part(self.sampled_stats),
                     "draft_seconds": {a.name: v for a, v in self.costs.draft_seconds.items()},
                     "verify_scale": self.costs.verify_scale, "verify_scales": dict(self.costs.verify_scales),
                     "draft_scale": dict(self.costs.draft_scale), "step_scales": dict(self.costs.step_scales)}
@@ -716,7 +740,8 @@ class AutoPolicy:
 
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
                max_nodes: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False,
-               explore: bool = False, backlog: Mapping[str, int] | None = None, remaining: int = 0) -> Arm:
+               explore: bool = False, backlog: Mapping[str, int] | None = None, remaining: int = 0,
+               stats: AcceptanceStats | None = None) -> Arm:
         """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does);
         `load`: the batched round the step shares (priced alone when None); `explore`: an exploring step
         (`choose_arm`).
@@ -726,6 +751,9 @@ class AutoPolicy:
         likely hands back to `ar` (a run of `ar` steps with explorations every 32 cost SmolLM2 about 4%
         on an AVX2 EPYC, 2026-11-25), and to any other step as its share of the remaining tokens, about
         two a step, since an arm that pays keeps its draft warm from then on.
+
+        `stats`: the acceptance statistics to price with (default: the policy's own for `sampling`; a request
+        passes its own, `AutoDrafter`).
 
         `probe_plain`: `ar`'s step time has not been measured for a while (`AutoDrafter`): run `ar` now
         if the best arm's promise over it is small enough that `ar`'s true price could change the choice
@@ -737,15 +765,16 @@ class AutoPolicy:
         share = 0.5 if explore else min(1.0, 2.0 / max(1, remaining))
         catch_up = {kind: share * catch_up_seconds(Arm(kind), self.profile, n) for kind, n in (backlog or {}).items()}
         with self.lock:
-            arm = choose_arm(arms or [plain], self.profile, self.stats_for(sampling), self.costs,
+            stats = stats if stats is not None else self.stats_for(sampling)
+            arm = choose_arm(arms or [plain], self.profile, stats, self.costs,
                              lookup_lengths, not sampling.greedy, load, explore, catch_up)
             if probe_plain and not explore and arm != plain and plain in arms:
-                stats = self.stats_for(sampling)
                 rates = expected_rates([arm, plain], self.profile, stats, self.costs, lookup_lengths,
                                        not sampling.greedy, load)
                 # `ar` timed on too few steps is probed whatever its price says: one slow early step (a cold
                 # kernel) can price it far above its time, and it would never run again to show otherwise
-                if rates[arm] < AR_PROBE_BELOW * rates[plain] or stats.arm_steps.get(plain, 0) < AR_PROBE_MIN_STEPS:
+                timed = self.stats_for(sampling).arm_steps.get(plain, 0)  # the shared steps: times are shared
+                if rates[arm] < AR_PROBE_BELOW * rates[plain] or timed < AR_PROBE_MIN_STEPS:
                     arm = plain
             self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
         return arm
@@ -838,6 +867,9 @@ class AutoDrafter(Drafter):
         self.request_choices: dict[str, int] = {}  # `Drafter.request_choices`
         self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
         self._sampling = SamplingParams()
+        # This request's own acceptance statistics by sampling kind (greedy?), started from the policy's at
+        # `REQUEST_PRIOR` observations and updated with it: the arms are priced by these.
+        self._own: dict[bool, AcceptanceStats] = {}
         # Most nodes a tree may have (None: any arm), set by the server under memory pressure
         # (`stagedspec.server.pressure`): arms that could exceed it are not picked, rather than cut.
         self.node_cap: int | None = None
@@ -863,6 +895,7 @@ class AutoDrafter(Drafter):
         self._last, self._pending, self._first_step = None, [], True
         self._exploring, self._last_drafter = None, None
         self._synced = {}
+        self._own = {}
         self.request_choices = {}
 
     def propose(
@@ -900,7 +933,8 @@ class AutoDrafter(Drafter):
             backlog = {a.kind: len(context) - self._synced.get(id(self.arms[a][0]), 0)
                        for a in self.policy.arms if a.kind in ("tree", "staged")}
             arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe,
-                                     explore=explore, backlog=backlog, remaining=max_tokens)
+                                     explore=explore, backlog=backlog, remaining=max_tokens,
+                                     stats=self._own_stats(sampling))
             self._pace_exploration(arm, explore)
             if explore and arm.kind != "ar":
                 self._exploring = arm
@@ -913,13 +947,21 @@ class AutoDrafter(Drafter):
         tree = drafter.propose(context, sampling, generator, max_tokens)
         self._synced[id(drafter)] = len(context)
         with self.policy.lock:
-            predicted = expected_tokens(arm, self.policy.stats_for(sampling), lengths, calibrated=False)
+            predicted = expected_tokens(arm, self._own_stats(sampling), lengths, calibrated=False)
         ended = time.perf_counter()
         self._last = _Step(len(context), arm, tree, predicted, len(tree), ended - t0,
                            sampled=not sampling.greedy, warm=drafter is self._last_drafter, ended=ended,
                            alone=self.shared_load is None, started=t0, lookup_lengths=lengths)
         self._last_drafter = drafter
         return tree
+
+    def _own_stats(self, sampling: SamplingParams) -> AcceptanceStats:
+        """This request's acceptance statistics for `sampling`'s kind (made at its first use, under the lock)."""
+        own = self._own.get(sampling.greedy)
+        if own is None:
+            with self.policy.lock:
+                own = self._own[sampling.greedy] = self.policy.stats_for(sampling).scaled(REQUEST_PRIOR)
+        return own
 
     def _pace_exploration(self, arm: Arm, explore: bool) -> None:
         """Count down to the next exploration: the gap doubles when `ar` wins the first priced step after an
@@ -961,7 +1003,7 @@ class AutoDrafter(Drafter):
             self._learn_locked(context, now)
 
     def _learn_locked(self, context: Sequence[int], now: float) -> None:
-        stats = self.policy.stats_for(self._sampling)
+        scored: list[tuple[str, int, int]] = []  # (proposer, matched, length) of each chain decided now
         still = []
         for start, proposer, chain in self._pending:
             emitted = context[start:]
@@ -969,17 +1011,22 @@ class AutoDrafter(Drafter):
             if matched < len(chain) and matched == len(emitted):
                 still.append((start, proposer, chain))  # undecided: the next token is not known yet
             else:
-                stats.chains[proposer].record(matched, len(chain))
+                scored.append((proposer, matched, len(chain)))
         self._pending = still
         last, self._last = self._last, None
-        if last is None or len(context) <= last.context_len:
-            return
-        emitted = context[last.context_len:]
-        if last.arm.kind in ("tree", "staged"):
+        stepped = last is not None and len(context) > last.context_len
+        emitted = context[last.context_len:] if stepped else []
+        if stepped and last.arm.kind in ("tree", "staged"):
             chain = spine(last.tree)
             if chain:
-                stats.chains["draft"].record(matched_prefix(chain, emitted), len(chain))
-        stats.observe_arm(last.arm, last.predicted_tokens, len(emitted))
+                scored.append(("draft", matched_prefix(chain, emitted), len(chain)))
+        arm = last.arm if stepped else None
+        predicted = last.predicted_tokens if stepped else 0.0
+        # the machine's statistics (what the next requests start from) and this request's own (its prices)
+        self.policy.stats_for(self._sampling).observe(arm, predicted, len(emitted), scored)
+        self._own_stats(self._sampling).observe(arm, predicted, len(emitted), scored)
+        if not stepped:
+            return
         if self._first_step or last.verify_seconds is None or not self.policy.learn_times:
             self._first_step = False
             return
