@@ -63,9 +63,12 @@ def load_prompts(source: str, n: int | None, offset: int = 0) -> list[str]:
     """`source`: "humaneval", "prose", "chat", or a file (.jsonl with "prompt", else blank-line separated)."""
     if source == "humaneval":
         return humaneval_prompts(n, offset)
-    if source in BUILT_IN:
-        prompts = list(BUILT_IN[source])[offset:]
-        return prompts if n is None else prompts[:n]
+    prompts = list(BUILT_IN[source]) if source in BUILT_IN else _prompts_from_file(source)
+    prompts = prompts[offset:]
+    return prompts if n is None else prompts[:n]
+
+
+def _prompts_from_file(source: str) -> list[str]:
     path = Path(source)
     if not path.is_file():
         raise StagedSpecError(f"prompt file not found: {source}")
@@ -74,8 +77,5 @@ def load_prompts(source: str, n: int | None, offset: int = 0) -> list[str]:
     except (OSError, UnicodeDecodeError) as e:
         raise StagedSpecError(f"cannot read prompt file {source}: {e}") from None
     if path.suffix == ".jsonl":
-        prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
-    else:
-        prompts = [p for p in text.split("\n\n") if p.strip()]
-    prompts = prompts[offset:]
-    return prompts if n is None else prompts[:n]
+        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return [p for p in text.split("\n\n") if p.strip()]
