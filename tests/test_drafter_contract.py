@@ -56,21 +56,21 @@ def test_a_lookup_resizes_its_chains_and_refuses_tree_knobs() -> None:
     lookup = LookupDrafter(None, context=True, chain_length=4)
     lookup.resize(chain_length=2)
     assert lookup.chain_length == 2
-    with pytest.raises(StagedSpecError, match="budget"):
-        lookup.resize(budget=8)
+    with pytest.raises(StagedSpecError, match="tree_budget"):
+        lookup.resize(tree_budget=8)
     with pytest.raises(StagedSpecError, match=">= 1"):
         lookup.resize(chain_length=0)
     assert NoDrafter().stage_telemetry() == []  # no stage: no row in the stages table
 
 
 def test_a_tree_draft_resizes_within_the_nodes_its_cache_was_built_for() -> None:
-    tree = ModelDrafter(tiny(), method="tree", budget=8, max_depth=4)
-    tree.resize(budget=4, max_depth=3)
-    assert (tree.budget, tree.max_depth) == (4, 3)
-    tree.resize(budget=8)
+    tree = ModelDrafter(tiny(), method="tree", tree_budget=8, max_depth=4)
+    tree.resize(tree_budget=4, max_depth=3)
+    assert (tree.tree_budget, tree.max_depth) == (4, 3)
+    tree.resize(tree_budget=8)
     with pytest.raises(StagedSpecError, match="8-node"):
-        tree.resize(budget=9)
-    assert tree.budget == 8  # a refused resize changes nothing
+        tree.resize(tree_budget=9)
+    assert tree.tree_budget == 8  # a refused resize changes nothing
 
 
 def test_a_stage_resizes_its_decoded_length() -> None:

@@ -108,7 +108,7 @@ def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: i
     """Greedy tokens of ar, tree, chain, staged, staged + lookup, lookup and, on static passes, trees grown
     level by level (also used by tests/test_cuda.py)."""
     out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n).token_ids}
-    out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, budget=16, max_len=300),
+    out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, tree_budget=16, max_len=300),
                                        prompt, max_new_tokens=n).token_ids
     out["chain"] = speculative_generate(ModelOracle(oracle, 300),
                                         ModelDrafter(draft, method="chain", chain_length=4, max_len=300),
@@ -121,7 +121,7 @@ def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: i
     out["lookup"] = speculative_generate(ModelOracle(oracle, 300), LookupDrafter(None, context=True, chain_length=5),
                                          prompt, max_new_tokens=n).token_ids
     if pass_mode(draft) != "eager":  # trees grown level by level on the device
-        levels = ModelDrafter(draft, budget=16, max_len=300, growth="levels")
+        levels = ModelDrafter(draft, tree_budget=16, max_len=300, growth="levels")
         out["tree-levels"] = speculative_generate(ModelOracle(oracle, 300), levels, prompt, max_new_tokens=n).token_ids
     return out
 
@@ -230,7 +230,7 @@ def _sample_counts(oracle: Transformer, draft: Transformer, prompt: list[int], s
     with torch.inference_mode():
         for i in range(n):
             if levels:  # a tree grown level by level on the device
-                drafter = ModelDrafter(draft, budget=5, max_depth=3, branching=2, max_len=32, growth="levels")
+                drafter = ModelDrafter(draft, tree_budget=5, max_depth=3, branching=2, max_len=32, growth="levels")
             else:
                 drafter = StageDrafter(ModelOracle(draft, 32), LookupDrafter(None, context=True, chain_length=2),
                                        chain_length=2)
@@ -301,7 +301,7 @@ def test_level_growth_scores_are_the_draft_s_own_path_probabilities() -> None:
     reference = tiny(21, layers=3)
     set_pass_mode(draft, "static")
     prompt = [3, 1, 4, 1, 5, 9]
-    drafter = ModelDrafter(draft, budget=16, max_depth=5, branching=3, max_len=64, growth="levels")
+    drafter = ModelDrafter(draft, tree_budget=16, max_depth=5, branching=3, max_len=64, growth="levels")
     drafter.begin(prompt)
     with torch.inference_mode():
         tree = drafter.propose(prompt, SamplingParams(), None, 40)
@@ -335,7 +335,7 @@ def test_level_growth_with_the_oracle_as_its_own_draft_accepts_every_level() -> 
     set_pass_mode(oracle, "static")
     prompt = [2, 7, 1, 8]
     ref = generate_ar(oracle, prompt, max_new_tokens=30).token_ids
-    drafter = ModelDrafter(oracle, budget=12, max_depth=4, branching=2, max_len=300, growth="levels")
+    drafter = ModelDrafter(oracle, tree_budget=12, max_depth=4, branching=2, max_len=300, growth="levels")
     out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=30)
     assert out.token_ids == ref
     assert out.stats.mean_accepted_length >= 4.0  # 4 draft levels + the oracle's own token, nearly every step
@@ -435,7 +435,7 @@ def test_level_growth_keeps_its_levels_within_the_tree_s_cache_slots() -> None:
     m = tiny(6)
     set_pass_mode(m, "static")
     prompt = [i % 24 for i in range(1, 40)]
-    drafter = ModelDrafter(m, budget=4, max_depth=4, branching=3, width=8, max_len=len(prompt) + 1, growth="levels")
+    drafter = ModelDrafter(m, tree_budget=4, max_depth=4, branching=3, width=8, max_len=len(prompt) + 1, growth="levels")
     drafter.begin(prompt)
     with torch.inference_mode():
         tree = drafter.propose(prompt, SamplingParams(), None, 8)

@@ -510,7 +510,7 @@ def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[in
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the samples are small-tensor work: one thread avoids barrier costs
     try:
-        max_len = context_budget(loaded.model, len(context), 4, loaded.pipeline(method).speculation.max_nodes)
+        max_len = context_budget(loaded.model, len(context), 4, loaded.pipeline(method).speculation.max_tree_budget)
         real_oracle = _ReusedOracle(ModelOracle(loaded.model, max_len))
         drafter = _ReusedDrafter(loaded.pipeline(method).drafter(max_len))
         t0 = time.perf_counter()

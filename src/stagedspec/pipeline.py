@@ -231,7 +231,7 @@ class SpeculationConfig:
         return self.oracle_lookup_length or self.lookup_chain_length
 
     @property
-    def max_nodes(self) -> int:
+    def max_tree_budget(self) -> int:
         """Most tree nodes the oracle may be asked to verify in one step."""
         if self.measured:  # the biggest arm the policy may run on any device
             from stagedspec.auto import arms_for
@@ -569,10 +569,11 @@ class Pipeline:
                     raise StagedSpecError("a feature draft can only be the top draft stage, right below the oracle")
                 from stagedspec.drafters.feature import FeatureStage
 
-                stage: Oracle = FeatureStage(self.draft_models[i], draft_cache_len(max_len, s.max_nodes))
+                stage: Oracle = FeatureStage(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget))
             else:
                 # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
-                stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_nodes), fixed_width=False)
+                stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget),
+                                    fixed_width=False)
             if processor is not None:
                 from stagedspec.constraints.processor import ConstrainedOracle
 
@@ -608,11 +609,11 @@ class Pipeline:
         tree_arms = [a for a in policy.arms if a.kind == "tree"]
         if tree_arms:
             biggest = max(a.size for a in tree_arms)
-            tree = tree_drafter(self.draft_models[0], method="tree", budget=biggest,
+            tree = tree_drafter(self.draft_models[0], method="tree", tree_budget=biggest,
                                 max_depth=tree_depth_for(biggest), branching=2, max_len=max_len,
                                 growth=s.tree_growth, processor=processor)
             for arm in tree_arms:
-                arms[arm] = (tree, [partial(tree.resize, budget=arm.size, max_depth=tree_depth_for(arm.size))])
+                arms[arm] = (tree, [partial(tree.resize, tree_budget=arm.size, max_depth=tree_depth_for(arm.size))])
         stage_arms = [a for a in policy.arms if a.kind == "staged"]
         if stage_arms:
             below = (LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
@@ -658,8 +659,8 @@ class Pipeline:
                 from stagedspec.budget import AdaptiveBudget
 
                 adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
-            return tree_drafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
-                                branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive,
+            return tree_drafter(self.draft_models[0], method=s.method, tree_budget=s.tree_budget,
+                                max_depth=s.tree_depth, branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive,
                                 growth=s.tree_growth, processor=processor)
         from stagedspec.drafters.lookup import LookupDrafter
 
@@ -722,7 +723,7 @@ class Pipeline:
         if max_new_tokens < 1:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
-        max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
+        max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_tree_budget)
         if self.bit_exact and str(self.device) == "cpu" and not self._warned_amx:
             self._warned_amx = True
             _warn_amx_bit_exact()

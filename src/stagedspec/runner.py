@@ -373,13 +373,13 @@ def run_model(model: Transformer, tokens: Tensor, positions: Tensor, cache, **kw
     return router(model, tokens, positions, cache, **kwargs)
 
 
-def draft_cache_len(max_len: int, tree_nodes: int) -> int:
+def draft_cache_len(max_len: int, max_tree_budget: int) -> int:
     """Cache entries of a drafter or draft stage: the request's context, its own tree nodes and the root.
 
     The one place a draft's cache is sized (`Pipeline`, `ModelDrafter`); the
     oracle's comes from `generation.context_budget`.
     """
-    return max_len + tree_nodes + 1
+    return max_len + max_tree_budget + 1
 
 
 def runner_capacity(max_len: int) -> int:
