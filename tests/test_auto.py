@@ -421,7 +421,8 @@ def tiny_pipeline(tmp_path_factory):  # noqa: ANN001, ANN201
     from _tiny_models import save_tiny_hf
 
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
 
     folder = tmp_path_factory.mktemp("auto") / "tiny"
     save_tiny_hf("llama_gqa", folder)
@@ -453,7 +454,8 @@ def test_what_auto_learned_is_kept_for_the_next_process(tmp_path, monkeypatch) -
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.transformer import Transformer, init_random
     from stagedspec.learned_state import auto_state_path
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
                       intermediate_size=32, max_position=400)

@@ -143,7 +143,7 @@ def test_rules_without_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_layers_draft_never_quantises_the_oracles_own_layers(tmp_path: Path) -> None:
-    from stagedspec.pipeline import truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
 
     oracle = _oracle()
     draft = choose_draft_weights(lambda: truncated_copy(oracle, 1), oracle, "auto", cache_file=tmp_path / "c.json")

@@ -95,7 +95,8 @@ def test_pipeline_runs_a_feature_draft_in_tree_staged_and_auto(tmp_path: Path) -
     from stagedspec.auto import AutoPolicy, arms_for
     from stagedspec.costs import CostProfile
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
 
     save_tiny_hf("llama_gqa", tmp_path / "tiny")
     oracle, tok = load_model(tmp_path / "tiny", dtype=torch.float32)

@@ -168,7 +168,7 @@ def test_greedy_speculation_is_token_identical_to_ar(method: str) -> None:
     Gemma: greedy output equals autoregressive decoding, well past the window."""
     from stagedspec.drafters.model import ModelDrafter
     from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
-    from stagedspec.pipeline import truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
 
     model = tiny_gemma()
     prompt = [5, 9, 13, 2, 7, 40]

@@ -476,7 +476,7 @@ def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
 def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[int], continuation: list[int],
               sampling: SamplingParams, n: int) -> None:
     from stagedspec.generation import ModelOracle, context_budget
-    from stagedspec.pipeline import truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
 
     label = _sampling_label(sampling)
     method = "tree" if loaded.drafts else "lookup"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -24,6 +23,7 @@ from stagedspec.generation import (
     speculative_generate,
 )
 from stagedspec.learned_state import LearnedState
+from stagedspec.models.draft_formats import DraftSource, draft_format, load_draft_spec
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions, PassRuntime
 from stagedspec.runner import RunnerLeases, draft_cache_len
@@ -302,19 +302,6 @@ def parse_stages(specs: Sequence[str]) -> tuple[str, list[str], str | None, bool
     return specs[0], middle, ngram, context
 
 
-def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
-    """The oracle's first `n_layers` layers with its embeddings, final norm and head (shared, not copied:
-    `Transformer.truncated_copy`).
-
-    A weak but always-available draft that shares the vocabulary by construction.
-    """
-    if not 1 <= n_layers < oracle.config.n_layers:
-        raise StagedSpecError(
-            f"a truncated draft needs 1..{oracle.config.n_layers - 1} layers, got {n_layers}"
-        )
-    return oracle.truncated_copy(n_layers)
-
-
 def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
                      weights: str = "auto") -> Transformer:
     """Resolve a --draft SPEC: `layers:N`, a distilled draft folder, an HF folder or a .gguf.
@@ -336,7 +323,7 @@ def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch
     source is not one (a distilled draft, `layers:N`, an HF folder, a float GGUF)."""
     from stagedspec.models.quant import resolve_quant
 
-    if spec.startswith("layers:") or spec == "default" or (Path(spec) / "draft_config.json").exists():
+    if draft_format(spec).name != "checkpoint":
         return None
     try:
         if resolve_quant("auto", spec, device) != "mixed":
@@ -349,41 +336,8 @@ def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch
 def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
                 quant: str = "none") -> Transformer:
     """The draft `spec`, its passes run with its oracle's options: a pipeline's models share one `PassOptions`."""
-    draft = _draft_from_spec(spec, oracle, oracle_tokenizer, dtype, device, quant)
+    draft = load_draft_spec(spec, DraftSource(oracle, oracle_tokenizer, dtype, device, quant))
     draft.pass_runtime = PassRuntime(oracle.pass_runtime.options)
-    return draft
-
-
-def _draft_from_spec(spec: str, oracle: Transformer, oracle_tokenizer: Any, dtype: torch.dtype, device: str,
-                     quant: str) -> Transformer:
-    if spec.startswith("layers:"):
-        try:
-            n = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise StagedSpecError(f"bad draft spec {spec!r}: expected layers:N with an integer N") from None
-        return truncated_copy(oracle, n)
-    if spec == "default":
-        from stagedspec.models.draft import default_draft_dir
-
-        spec = str(default_draft_dir(tokenizer_fingerprint(oracle_tokenizer)))
-    path = Path(spec)
-    if (path / "draft_config.json").exists():
-        from stagedspec.models.draft_loading import load_draft
-
-        from stagedspec.models.matmul_plan import plan_matmuls
-
-        return plan_matmuls(load_draft(path, oracle, expected_fingerprint=tokenizer_fingerprint(oracle_tokenizer),
-                                       dtype=dtype, device=device))
-    from stagedspec.models.loading import load_model
-
-    draft, draft_tok = load_model(spec, dtype=dtype, device=device, quant=quant)
-    if draft.config.vocab_size != oracle.config.vocab_size or tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(
-        oracle_tokenizer
-    ):
-        raise StagedSpecError(
-            f"draft {spec} has a different vocabulary ({draft.config.vocab_size} tokens) from the oracle's "
-            f"({oracle.config.vocab_size} tokens): speculation needs a shared tokenizer"
-        )
     return draft
 
 
