@@ -24,7 +24,8 @@ from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.pass_options import PassOptions
-from stagedspec.runner import RunnerLeases, StaticRunner, acquire_runner, pass_mode, runner_capacity, set_pass_mode
+from stagedspec.runner import (PassRouter, RequestPasses, StaticRunner, acquire_runner, pass_mode, runner_capacity,
+                               set_pass_mode)
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.stages import StageDrafter
 from stagedspec.verification import VerifyResult
@@ -179,8 +180,33 @@ def test_runners_are_pooled_per_model_and_released_with_their_owner() -> None:
     assert acquire_runner(m, 100, Owner()).capacity == 256  # never a bigger one: equal widths, equal numbers
 
 
+def test_a_request_s_eager_passes_go_through_its_router() -> None:
+    """`RequestPasses.router`: the oracle and drafter a request builds with it run their eager passes through
+    it (the server's lanes), whatever thread runs them; parts built without one run theirs on the model."""
+    oracle, draft = tiny(3), tiny(4)
+    for m in (oracle, draft):
+        set_pass_mode(m, "eager")  # static passes run on their runner, never routed
+    seen: list[Transformer] = []
+
+    class Recorder(PassRouter):
+        def __call__(self, model, tokens, positions, cache, **kwargs):  # noqa: ANN001, ANN003, ANN204
+            seen.append(model)
+            return model(tokens, positions, cache, **kwargs)
+
+    prompt = list(range(3, 12))
+    request = RequestPasses(router=Recorder())
+    routed = speculative_generate(ModelOracle(oracle, 64, passes=request),
+                                  ModelDrafter(draft, tree_budget=4, max_depth=2, max_len=64, passes=request),
+                                  prompt, max_new_tokens=8).token_ids
+    assert oracle in seen and draft in seen
+    seen.clear()
+    alone = speculative_generate(ModelOracle(oracle, 64), ModelDrafter(draft, tree_budget=4, max_depth=2, max_len=64),
+                                 prompt, max_new_tokens=8).token_ids
+    assert not seen and routed == alone
+
+
 def test_a_request_s_runners_go_back_to_the_pool_when_it_ends() -> None:
-    """`RunnerLeases`: the runners leased while a request builds its parts are given back at its `release`,
+    """`RequestPasses`: the runners a request's parts lease through it are given back at its `release`,
     while those parts still exist; their owners' later collection does not free a runner leased again since."""
     m = tiny(2)
     set_pass_mode(m, "static")
@@ -189,12 +215,11 @@ def test_a_request_s_runners_go_back_to_the_pool_when_it_ends() -> None:
         pass
 
     first, other, second = Owner(), Owner(), Owner()
-    leases = RunnerLeases()
-    with leases.taking():
-        a = acquire_runner(m, 300, first)
+    request = RequestPasses()
+    a = request.acquire(m, 300, first)
     b = acquire_runner(m, 300, other)  # outside the request: only its owner's collection frees it
-    assert a.busy and b.busy and len(leases.leases) == 1
-    leases.release()
+    assert a.busy and b.busy and len(request.leases) == 1
+    request.release()
     assert not a.busy and b.busy
     assert acquire_runner(m, 300, second) is a
     del first

@@ -26,7 +26,7 @@ from stagedspec.learned_state import LearnedState
 from stagedspec.models.draft_formats import DraftSource, draft_format, load_draft_spec
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions, PassRuntime
-from stagedspec.runner import RunnerLeases, draft_cache_len
+from stagedspec.runner import RequestPasses, draft_cache_len
 from stagedspec.sampling import SamplingParams
 from stagedspec.tokenizer import tokenizer_fingerprint
 
@@ -507,10 +507,11 @@ class Pipeline:
                         sized_method(method))
         return self.learned.policy(method, arms, self.cost_profile)
 
-    def _stage_chain(self, below: Drafter, max_len: int, chain_length: int,
-                     processor: LogitsProcessor | None = None) -> Drafter:
+    def _stage_chain(self, below: Drafter, max_len: int, chain_length: int, processor: LogitsProcessor | None,
+                     passes: RequestPasses | None) -> Drafter:
         """The draft models as stages, top one first, each decoding speculatively against the one below
-        (each stage's rows biased and masked by `processor`, as the oracle's are)."""
+        (each stage's rows biased and masked by `processor`, as the oracle's are; its passes run for
+        `passes`' request)."""
         from stagedspec.models.feature_draft import is_feature_draft
         from stagedspec.stages import StageDrafter
 
@@ -523,11 +524,12 @@ class Pipeline:
                     raise StagedSpecError("a feature draft can only be the top draft stage, right below the oracle")
                 from stagedspec.drafters.feature import FeatureStage
 
-                stage: Oracle = FeatureStage(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget))
+                stage: Oracle = FeatureStage(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget),
+                                             passes)
             else:
                 # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
                 stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget),
-                                    fixed_width=False)
+                                    fixed_width=False, passes=passes)
             if processor is not None:
                 from stagedspec.constraints.processor import ConstrainedOracle
 
@@ -535,7 +537,8 @@ class Pipeline:
             below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
         return below
 
-    def _auto_drafter(self, max_len: int, reproducible: bool, processor: LogitsProcessor | None = None) -> Drafter:
+    def _auto_drafter(self, max_len: int, reproducible: bool, processor: LogitsProcessor | None,
+                      passes: RequestPasses | None) -> Drafter:
         """Every arm's drafter for `--method auto` or a measured method, sized per step by the policy (see
         `stagedspec.auto`).
 
@@ -565,14 +568,14 @@ class Pipeline:
             biggest = max(a.size for a in tree_arms)
             tree = tree_drafter(self.draft_models[0], method="tree", tree_budget=biggest,
                                 max_depth=tree_depth_for(biggest), branching=2, max_len=max_len,
-                                growth=s.tree_growth, processor=processor)
+                                growth=s.tree_growth, processor=processor, passes=passes)
             for arm in tree_arms:
                 arms[arm] = (tree, [partial(tree.resize, tree_budget=arm.size, max_depth=tree_depth_for(arm.size))])
         stage_arms = [a for a in policy.arms if a.kind == "staged"]
         if stage_arms:
             below = (LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
                      if has_lookup else NoDrafter())
-            top = self._stage_chain(below, max_len, max(STAGE_SIZES), processor)
+            top = self._stage_chain(below, max_len, max(STAGE_SIZES), processor, passes)
             staged: Drafter = top
             merged_lookup = None
             if s.context:
@@ -598,15 +601,17 @@ class Pipeline:
             raise StagedSpecError("the prompt is empty after tokenisation")
         return ids
 
-    def drafter(self, max_len: int, reproducible: bool = False, processor: LogitsProcessor | None = None) -> Drafter:
+    def drafter(self, max_len: int, reproducible: bool = False, processor: LogitsProcessor | None = None,
+                passes: RequestPasses | None = None) -> Drafter:
         """The drafter of one request; `reproducible` asks `auto` for seed-reproducible choices; `processor`
         (the request's logit bias and grammar, `logits_processor`) shapes every draft row as it shapes the
-        oracle's."""
+        oracle's; `passes`: the request its draft models run for (router and runner leases, `RequestPasses`;
+        None: a drafter of its own, whose runners go back when it is collected)."""
         s = self.speculation
         if s.method == "ar":
             return NoDrafter()
         if s.measured:
-            return self._auto_drafter(max_len, reproducible, processor)
+            return self._auto_drafter(max_len, reproducible, processor, passes)
         if s.method in ("chain", "tree"):
             adaptive = None
             if s.method == "tree" and s.adaptive_budget:
@@ -615,13 +620,13 @@ class Pipeline:
                 adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
             return tree_drafter(self.draft_models[0], method=s.method, tree_budget=s.tree_budget,
                                 max_depth=s.tree_depth, branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive,
-                                growth=s.tree_growth, processor=processor)
+                                growth=s.tree_growth, processor=processor, passes=passes)
         from stagedspec.drafters.lookup import LookupDrafter
 
         below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
         if s.method == "lookup":
             return below
-        below = self._stage_chain(below, max_len, s.stage_chain_length, processor)
+        below = self._stage_chain(below, max_len, s.stage_chain_length, processor, passes)
         if s.oracle_lookup and s.context:
             from stagedspec.drafters.merged import MergedDrafter
 
@@ -683,15 +688,6 @@ class Pipeline:
             _warn_amx_bit_exact()
         processor = self.logits_processor(controls)
         governor = self.thread_governor()
-        leases = RunnerLeases()  # the runners this request's oracle and drafters hold, given back when it ends
-        with leases.taking():
-            oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
-            if processor is not None:
-                from stagedspec.constraints.processor import ConstrainedOracle
-
-                oracle = ConstrainedOracle(oracle, processor, settles=True)
-            drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy,
-                                   processor=processor)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []
         held = ""  # decoded text held back while it could still begin a stop string
@@ -720,13 +716,21 @@ class Pipeline:
             held = held[cut:]
             return False
 
+        passes = RequestPasses()  # the runners this request's oracle and drafters hold, given back when it ends
         try:
+            oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact, passes=passes)
+            if processor is not None:
+                from stagedspec.constraints.processor import ConstrainedOracle
+
+                oracle = ConstrainedOracle(oracle, processor, settles=True)
+            drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy,
+                                   processor=processor, passes=passes)
             result = speculative_generate(
                 oracle, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                 stop_token_ids=self.tokenizer.eos_token_ids, on_tokens=on_tokens,
             )
         finally:
-            leases.release()
+            passes.release()
         if not hit_stop:
             emit(held + stream.flush())
         result.stats.stages = stage_report(result.stats, drafter)

@@ -22,7 +22,7 @@ from stagedspec.constraints.processor import LogitsProcessor
 from stagedspec.drafters.base import Drafter, check_size
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
-from stagedspec.runner import acquire_runner, draft_cache_len, pass_mode, run_model
+from stagedspec.runner import RequestPasses, draft_cache_len, pass_mode
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree, grow_tree
 from stagedspec.tree_levels import grow_levels
@@ -61,11 +61,13 @@ class ModelDrafter(Drafter):
         adaptive: AdaptiveBudget | None = None,
         growth: str = "auto",
         processor: LogitsProcessor | None = None,
+        passes: RequestPasses | None = None,
     ) -> None:
         """`adaptive`: cut each tree to the number of best nodes that maximises expected tokens per
         second (see `stagedspec.budget`); `tree_budget` is then the most it may keep.  `processor`: a request's
         logit bias and grammar (`stagedspec.constraints`), applied to every draft row by its node's path,
-        so the draft proposes under the masks the oracle is scored with; trees then grow best-first."""
+        so the draft proposes under the masks the oracle is scored with; trees then grow best-first.  `passes`:
+        the request this drafter runs for (its router and runner leases; see `runner.RequestPasses`)."""
         if method not in ("tree", "chain"):
             raise StagedSpecError(f"unknown draft method {method!r}: use 'tree' or 'chain'")
         for label, value in (("tree budget", tree_budget), ("tree depth", max_depth), ("chain length", chain_length),
@@ -73,6 +75,7 @@ class ModelDrafter(Drafter):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
         self.model = model
+        self.passes = passes if passes is not None else RequestPasses()
         self.method = method
         self.tree_budget, self.max_depth, self.branching = tree_budget, max_depth, branching
         self.chain_length, self.width, self.name = chain_length, width, name
@@ -80,7 +83,7 @@ class ModelDrafter(Drafter):
         self.node_room = self.max_tree_budget  # tree nodes the cache keeps slots for: `resize` stays within them
         self.runner = None
         if pass_mode(model) != "eager":  # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
-            self.runner = acquire_runner(model, draft_cache_len(self.max_len, self.node_room), self)
+            self.runner = self.passes.acquire(model, draft_cache_len(self.max_len, self.node_room), self)
             self.cache = self.runner.cache
         else:
             self.cache = model.new_cache(draft_cache_len(self.max_len, self.node_room))
@@ -131,8 +134,8 @@ class ModelDrafter(Drafter):
             logits = self.runner.run(tokens, positions, mask, logits_rows=rows)
         else:
             toks = torch.tensor([tokens], device=self.device)
-            logits = run_model(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
-                               logits_rows=rows)[0]
+            logits = self.passes.run(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
+                                     logits_rows=rows)[0]
         self.cache.commit()
         return logits
 

@@ -43,7 +43,7 @@ from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
 from stagedspec.threads import governor_for
 from stagedspec.pipeline import SpeculationConfig, stage_report
-from stagedspec.runner import RunnerLeases
+from stagedspec.runner import RequestPasses
 from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
 from stagedspec.server.batching import Lane, PassBatcher
@@ -92,16 +92,17 @@ class _Running:
         pipe = engine.pipeline(job.spec)
         max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         reproducible = job.seed is not None and not job.sampling.greedy
-        # The runners its oracle and drafters lease, given back when the request ends (`Scheduler._finish`).
-        self.leases = RunnerLeases()
+        # Its passes go to its lane (when batched), and the runners its oracle and drafters lease are given
+        # back when the request ends (`Scheduler._finish`).
+        self.passes = RequestPasses(router=lane)
         try:
-            with self.leases.taking():
-                self.oracle: Any = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact)
-                if job.processor is not None:  # rows biased and masked by their path, the drafts' as the oracle's
-                    self.oracle = ConstrainedOracle(self.oracle, job.processor, settles=True)
-                self.drafter = pipe.drafter(max_len, reproducible=reproducible, processor=job.processor)
+            self.oracle: Any = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact, passes=self.passes)
+            if job.processor is not None:  # rows biased and masked by their path, the drafts' as the oracle's
+                self.oracle = ConstrainedOracle(self.oracle, job.processor, settles=True)
+            self.drafter = pipe.drafter(max_len, reproducible=reproducible, processor=job.processor,
+                                        passes=self.passes)
         except BaseException:
-            self.leases.release()
+            self.passes.release()
             raise
         # `auto` prices its arms by the batched round it shares (`auto.SharedLoad`), except for a seeded
         # sampled request: its tree shapes, and so its draws, must be its solo run's.
@@ -524,7 +525,7 @@ class Scheduler:
         with self._cond:
             self._kv_in_use -= self._charge(r.job, r.level)
             self._publish()
-        r.leases.release()  # its pooled runners serve the next requests
+        r.passes.release()  # its pooled runners serve the next requests
         del r.oracle, r.drafter, r.switch, r.steps  # free the KV caches now, not when the HTTP side lets go
 
     def _release(self, job: Job, outcome: str, level: int = 0) -> None:
