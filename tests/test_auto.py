@@ -810,3 +810,113 @@ def test_a_request_prices_the_arms_by_its_own_record_not_only_the_machine_s(monk
     monkeypatch.setattr(auto_module, "REQUEST_PRIOR", 1e9)  # the control: the machine's statistics alone
     control = request(copying_machine(), 60)
     assert control[-10:].count("lookup:6") >= 5, control
+
+
+def test_an_arm_kind_that_realizes_less_than_its_price_is_dropped_and_a_slow_host_changes_nothing() -> None:
+    """A request's realized / priced rate per arm kind scales the prices (`stagedspec.realized_rates`): a
+    tree whose steps yield 0.7x what it was priced at loses to `ar` after a few steps, though the shared
+    models still price it above `ar` (the control: priced without the request's record, the tree runs).
+    `ar` itself realizing 0.7x its price (the host slower for a while) moves an untried kind alike, so the
+    choice stays; a kind that realizes its price keeps it."""
+    from stagedspec.realized_rates import PRIOR_STEPS, RealizedRates
+
+    arms = [Arm("ar"), Arm("tree", 4)]
+    stats = trained_stats(draft=0.4)
+    close = CostProfile(oracle={r: 0.010 for r in ROWS}, drafts=[{r: 0.001 for r in (1, 2, 4, 8)}])
+    rates = expected_rates(arms, close, stats, StepCosts(), NO_LOOKUP_NOW)
+    assert 1.1 < rates[Arm("tree", 4)] / rates[Arm("ar")] < 1.5, rates  # a tree priced somewhat above `ar`
+    assert choose_arm(arms, close, stats, StepCosts(), NO_LOOKUP_NOW) == Arm("tree", 4)  # the control
+
+    losing = RealizedRates()
+    picks = []
+    for _ in range(12):
+        losing.observe("tree", tokens=2, seconds=0.020, priced_tokens=2.0, priced_seconds=0.014)
+        picks.append(choose_arm(arms, close, stats, StepCosts(), NO_LOOKUP_NOW, realized=losing))
+    assert picks[0] == Arm("tree", 4) and picks[-1] == Arm("ar"), picks
+    assert picks.index(Arm("ar")) < 8, picks
+    assert losing.factor("tree") == pytest.approx((2 * 12 + 2 * PRIOR_STEPS) / (2 * 12 + 2 * PRIOR_STEPS)
+                                                  / ((0.020 * 12 + 0.014 * PRIOR_STEPS) / (0.014 * (12 + PRIOR_STEPS))))
+
+    slow_host = RealizedRates()
+    for _ in range(12):
+        slow_host.observe("ar", tokens=1, seconds=0.0143, priced_tokens=1.0, priced_seconds=0.010)
+    assert slow_host.factor("ar") < 0.8 and slow_host.factor("tree") == slow_host.factor("ar")
+    assert choose_arm(arms, close, stats, StepCosts(), NO_LOOKUP_NOW, realized=slow_host) == Arm("tree", 4)
+
+    as_priced = RealizedRates()
+    for _ in range(12):
+        as_priced.observe("tree", tokens=2, seconds=0.014, priced_tokens=2.0, priced_seconds=0.014)
+    assert as_priced.factor("tree") == pytest.approx(1.0)
+    assert choose_arm(arms, close, stats, StepCosts(), NO_LOOKUP_NOW, realized=as_priced) == Arm("tree", 4)
+
+
+def test_a_request_records_each_step_s_wall_time_against_its_price(monkeypatch) -> None:  # noqa: ANN001
+    """`AutoDrafter` records every step priced alone: its tokens and wall time (from one `propose` to the
+    next) against the tokens and seconds it was chosen for; a seeded sampled request's policy, which prices by
+    the profile alone, keeps no record, and a new request starts afresh."""
+    import stagedspec.auto as auto_module
+    from stagedspec.auto import AutoDrafter
+    from stagedspec.drafters.base import Drafter
+
+    class OneNodeDrafter(Drafter):
+        def begin(self, prompt):  # noqa: ANN001, ANN201
+            pass
+
+        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+            return TokenTree.chain(context[-1], [5])
+
+    clock = [100.0]
+    monkeypatch.setattr(auto_module.time, "perf_counter", lambda: clock[0])
+    tree = Arm("tree", 2)
+    for learn_times in (True, False):
+        policy = AutoPolicy([tree], FLAT, learn_times=learn_times)
+        drafter = AutoDrafter(policy, {tree: (OneNodeDrafter(), [])})
+        context = [1, 2, 3]
+        drafter.begin(context)
+        priced = []
+        for _ in range(6):
+            drafter.propose(context, SamplingParams(), None, 8)
+            priced.append((drafter._last.priced_tokens, drafter._last.priced_seconds))
+            drafter.verified(0.010)
+            clock[0] += 0.012  # each whole step takes 12 ms
+            context = context + [4, 5]  # two tokens a step
+        drafter.propose(context, SamplingParams(), None, 8)
+        record = drafter._realized.kinds.get("tree")
+        if not learn_times:
+            assert record is None and drafter._realized_now() is None
+            continue
+        assert record.steps == 5  # the first step (the prompt's prefill) is not a step's cost
+        assert record.tokens == 10 and record.seconds == pytest.approx(0.060)
+        assert record.priced_tokens == pytest.approx(sum(t for t, _ in priced[1:]))
+        assert record.priced_seconds == pytest.approx(sum(s for _, s in priced[1:]))
+        drafter.begin([1, 2, 3])
+        assert drafter._realized.kinds == {}
+
+
+def test_a_policy_that_prices_by_the_profile_alone_does_not_explore() -> None:
+    """A seeded sampled request's policy (`learn_times=False`) starts from the priors every request and
+    cannot carry an exploration's lesson to the next, so none of its priced steps explores; the control, a
+    policy that learns times, explores within `EXPLORE_EVERY` priced steps."""
+    from stagedspec.auto import EXPLORE_EVERY, AutoDrafter
+    from stagedspec.drafters.base import Drafter
+
+    class OneNodeDrafter(Drafter):
+        def begin(self, prompt):  # noqa: ANN001, ANN201
+            pass
+
+        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+            return TokenTree.chain(context[-1], [5])
+
+    tree, plain = Arm("tree", 2), Arm("ar")
+    for learn_times in (False, True):
+        policy = AutoPolicy([plain, tree], FLAT, learn_times=learn_times)
+        flags: list[bool] = []
+        policy.choose = lambda sampling, lengths, max_nodes=None, load=None, explore=False, **_: (  # noqa: ANN001
+            flags.append(explore) or plain)
+        drafter = AutoDrafter(policy, {plain: (OneNodeDrafter(), []), tree: (OneNodeDrafter(), [])})
+        context = [1, 2, 3]
+        drafter.begin(context)
+        for _ in range(4 * EXPLORE_EVERY):
+            drafter.propose(context, SamplingParams(temperature=1.0), None, 64)
+            context = context + [4]
+        assert any(flags) == learn_times, (learn_times, flags)

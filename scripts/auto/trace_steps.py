@@ -12,7 +12,8 @@ tokens it yielded and was expected to (the first step, with the prompt's prefill
 `--prompts KIND:N,...` runs the kinds in order (`stagedspec.bench.prompts`: humaneval, prose, chat), so the
 policy learns on the first and meets the next as a user switching tasks would.  `--request-prior X` sets
 `stagedspec.auto.REQUEST_PRIOR` for the run (a large value prices every request by the machine's statistics
-alone).  The pipeline's learned state is read from and saved to the cache as `generate` does: copy
+alone).  `--realized off` prices every request as if its steps had realized their prices
+(`stagedspec.realized_rates`; the control for that record).  The pipeline's learned state is read from and saved to the cache as `generate` does: copy
 `~/.cache/stagedspec/costs/*.auto.json` aside to repeat a run from the same state.  Timings are only
 meaningful on an otherwise idle machine.
 """
@@ -26,6 +27,7 @@ from collections import defaultdict
 from stagedspec import auto
 from stagedspec.bench.prompts import chat_instruction, load_prompts
 from stagedspec.pipeline import Pipeline, SpeculationConfig
+from stagedspec.realized_rates import RealizedRates
 from stagedspec.sampling import SamplingParams
 
 
@@ -38,9 +40,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled with top-k 50, seeded per prompt")
     ap.add_argument("--quant", default="auto")
     ap.add_argument("--request-prior", type=float, default=None)
+    ap.add_argument("--realized", choices=("on", "off"), default="on")
     args = ap.parse_args()
     if args.request_prior is not None:
         auto.REQUEST_PRIOR = args.request_prior
+    if args.realized == "off":
+        RealizedRates.factor = lambda self, kind: 1.0  # a diagnostic's control
 
     steps: list[dict] = []
     learn = auto.AutoDrafter._learn_locked

@@ -50,6 +50,13 @@ EPYC, each exploration cost about two slow steps (a model draft catching up
 on the context, then a warm repeat) in every eight priced ones: 7-9% of a
 mostly-`ar` request's time there (2026-11-26).
 
+The request's own record.  The models above are shared by every request and
+learn slowly on purpose; each request also keeps, per arm kind, the tokens and
+wall seconds its steps realized against what they were priced at
+(`stagedspec.realized_rates`), and that ratio scales the kind's price for the
+rest of the request.  An arm priced a little above `ar` that loses to its
+price is dropped within a handful of steps, whichever part of the model erred.
+
 In the batched server (`stagedspec.server`) a request's step is part of a
 round whose passes it shares with the other running requests, so an arm is
 priced by what it adds to that round (`SharedLoad`, `shared_step_seconds`):
@@ -79,6 +86,7 @@ import torch
 
 from stagedspec.costs import CostProfile
 from stagedspec.drafters.base import Drafter
+from stagedspec.realized_rates import RealizedRates
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 
@@ -630,7 +638,7 @@ def catch_up_seconds(arm: Arm, profile: CostProfile, backlog: int) -> float:
 def expected_rates(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
     lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
-    optimism: float = 0.0, catch_up: Mapping[str, float] | None = None,
+    optimism: float = 0.0, catch_up: Mapping[str, float] | None = None, realized: RealizedRates | None = None,
 ) -> dict[Arm, float]:
     """Expected tokens per second of each arm: a pure function of the costs, the statistics and the load.
 
@@ -638,6 +646,7 @@ def expected_rates(
     tokens + the arm's) / (the others' seconds + what the arm adds to the round), the others' measured.
     `optimism`: upper confidence bounds instead (`expected_tokens`), for an exploring step.
     `catch_up`: seconds each arm kind's draft must first spend catching up, charged to this step.
+    `realized`: the request's realized / priced rate per arm kind (`RealizedRates`), applied to solo prices.
     """
     rates = {}
     for arm in arms:
@@ -647,21 +656,23 @@ def expected_rates(
             seconds = shared_step_seconds(arm, profile, load, lookup_lengths, sampled) + extra
             rates[arm] = (load.tokens + tokens) / (load.seconds + seconds)
             continue
-        rates[arm] = tokens / (solo_step_seconds(arm, profile, costs, lookup_lengths, sampled) + extra)
+        rate = tokens / (solo_step_seconds(arm, profile, costs, lookup_lengths, sampled) + extra)
+        rates[arm] = rate * realized.factor(arm.kind) if realized is not None else rate
     return rates
 
 
 def choose_arm(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
     lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
-    explore: bool = False, catch_up: Mapping[str, float] | None = None,
+    explore: bool = False, catch_up: Mapping[str, float] | None = None, realized: RealizedRates | None = None,
 ) -> Arm:
     """The arm with the highest expected tokens per second; `ar` unless another beats it by `MARGIN`.
 
     `load`: the batched round this step shares (`SharedLoad`); None or no others: priced alone.
-    `explore`: rank by upper confidence bounds (`EXPLORE_WIDTH`), which favour arms that ran little."""
+    `explore`: rank by upper confidence bounds (`EXPLORE_WIDTH`), which favour arms that ran little.
+    `realized`: the request's own realized / priced rates (`RealizedRates`), which scale the solo prices."""
     rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled, load,
-                           EXPLORE_WIDTH if explore else 0.0, catch_up)
+                           EXPLORE_WIDTH if explore else 0.0, catch_up, realized)
     best = max(rates, key=lambda a: rates[a])
     plain = Arm("ar")
     # A shared round's rate moves by about 1/requests of what this request's own rate would: so does the margin.
@@ -741,7 +752,7 @@ class AutoPolicy:
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
                max_nodes: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False,
                explore: bool = False, backlog: Mapping[str, int] | None = None, remaining: int = 0,
-               stats: AcceptanceStats | None = None) -> Arm:
+               stats: AcceptanceStats | None = None, realized: RealizedRates | None = None) -> Arm:
         """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does);
         `load`: the batched round the step shares (priced alone when None); `explore`: an exploring step
         (`choose_arm`).
@@ -753,7 +764,8 @@ class AutoPolicy:
         two a step, since an arm that pays keeps its draft warm from then on.
 
         `stats`: the acceptance statistics to price with (default: the policy's own for `sampling`; a request
-        passes its own, `AutoDrafter`).
+        passes its own, `AutoDrafter`).  `realized`: the request's realized / priced rate per arm kind
+        (`stagedspec.realized_rates`), which scales each arm's solo price.
 
         `probe_plain`: `ar`'s step time has not been measured for a while (`AutoDrafter`): run `ar` now
         if the best arm's promise over it is small enough that `ar`'s true price could change the choice
@@ -767,10 +779,10 @@ class AutoPolicy:
         with self.lock:
             stats = stats if stats is not None else self.stats_for(sampling)
             arm = choose_arm(arms or [plain], self.profile, stats, self.costs,
-                             lookup_lengths, not sampling.greedy, load, explore, catch_up)
+                             lookup_lengths, not sampling.greedy, load, explore, catch_up, realized)
             if probe_plain and not explore and arm != plain and plain in arms:
                 rates = expected_rates([arm, plain], self.profile, stats, self.costs, lookup_lengths,
-                                       not sampling.greedy, load)
+                                       not sampling.greedy, load, realized=realized)
                 # `ar` timed on too few steps is probed whatever its price says: one slow early step (a cold
                 # kernel) can price it far above its time, and it would never run again to show otherwise
                 timed = self.stats_for(sampling).arm_steps.get(plain, 0)  # the shared steps: times are shared
@@ -810,6 +822,8 @@ class _Step:
     alone: bool = True  # priced alone (no batched round shared): the time until the next step is its own
     started: float = 0.0  # when `propose` began (perf_counter): the whole step runs from here to the next
     lookup_lengths: Mapping[str, int] = field(default_factory=dict)  # the chains it was priced with
+    priced_tokens: float = 1.0  # what it was chosen for: tokens (calibrated) and whole seconds, catch-up included
+    priced_seconds: float = 0.0
 
 
 def spine(tree: TokenTree) -> list[int]:
@@ -870,6 +884,9 @@ class AutoDrafter(Drafter):
         # This request's own acceptance statistics by sampling kind (greedy?), started from the policy's at
         # `REQUEST_PRIOR` observations and updated with it: the arms are priced by these.
         self._own: dict[bool, AcceptanceStats] = {}
+        # This request's realized / priced rate per arm kind (`stagedspec.realized_rates`): it scales the
+        # prices, so an arm that loses to its price is dropped within a few steps whatever part of it was wrong.
+        self._realized = RealizedRates()
         # Most nodes a tree may have (None: any arm), set by the server under memory pressure
         # (`stagedspec.server.pressure`): arms that could exceed it are not picked, rather than cut.
         self.node_cap: int | None = None
@@ -896,6 +913,7 @@ class AutoDrafter(Drafter):
         self._exploring, self._last_drafter = None, None
         self._synced = {}
         self._own = {}
+        self._realized = RealizedRates()
         self.request_choices = {}
 
     def propose(
@@ -929,12 +947,16 @@ class AutoDrafter(Drafter):
             arm = self.policy.choose_plain()
         else:
             self._until_explore -= 1
-            explore = self._until_explore <= 0
+            # A policy that prices by the profile alone (a seeded sampled request's, `Pipeline.drafter`) starts
+            # from the priors every request and cannot carry what an exploration teaches to the next one, so
+            # it does not explore: on SmolLM2 (AVX2 EPYC, 2026-11-26) seeded T=1 requests of 128 tokens tried
+            # 8-10 arms each and ran at 0.92x `ar`.
+            explore = self._until_explore <= 0 and self.policy.learn_times
             backlog = {a.kind: len(context) - self._synced.get(id(self.arms[a][0]), 0)
                        for a in self.policy.arms if a.kind in ("tree", "staged")}
             arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe,
                                      explore=explore, backlog=backlog, remaining=max_tokens,
-                                     stats=self._own_stats(sampling))
+                                     stats=self._own_stats(sampling), realized=self._realized_now())
             self._pace_exploration(arm, explore)
             if explore and arm.kind != "ar":
                 self._exploring = arm
@@ -942,18 +964,30 @@ class AutoDrafter(Drafter):
         self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
         self._since_plain = 0 if arm.kind == "ar" else self._since_plain + 1
         drafter, resizes = self.arms[arm]
+        behind = len(context) - self._synced.get(id(drafter), 0)
         for resize in resizes:
             resize()
         tree = drafter.propose(context, sampling, generator, max_tokens)
         self._synced[id(drafter)] = len(context)
         with self.policy.lock:
-            predicted = expected_tokens(arm, self._own_stats(sampling), lengths, calibrated=False)
+            own = self._own_stats(sampling)
+            predicted = expected_tokens(arm, own, lengths, calibrated=False)
+            priced_tokens = expected_tokens(arm, own, lengths)
+            priced_seconds = (solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths,
+                                                not sampling.greedy)
+                              + catch_up_seconds(arm, self.policy.profile, behind))
         ended = time.perf_counter()
         self._last = _Step(len(context), arm, tree, predicted, len(tree), ended - t0,
                            sampled=not sampling.greedy, warm=drafter is self._last_drafter, ended=ended,
-                           alone=self.shared_load is None, started=t0, lookup_lengths=lengths)
+                           alone=self.shared_load is None, started=t0, lookup_lengths=lengths,
+                           priced_tokens=priced_tokens, priced_seconds=priced_seconds)
         self._last_drafter = drafter
         return tree
+
+    def _realized_now(self) -> RealizedRates | None:
+        """This request's realized / priced rates, where its steps are timed alone by a policy that learns
+        times (not in a batched round, nor for a seeded sampled request priced by the profile alone)."""
+        return self._realized if self.policy.learn_times and self.shared_load is None else None
 
     def _own_stats(self, sampling: SamplingParams) -> AcceptanceStats:
         """This request's acceptance statistics for `sampling`'s kind (made at its first use, under the lock)."""
@@ -1049,3 +1083,4 @@ class AutoDrafter(Drafter):
             costs.observe_step(last.arm, wall,
                                solo_step_seconds(last.arm, self.policy.profile, costs, last.lookup_lengths,
                                                  last.sampled, whole=False), last.sampled)
+            self._realized.observe(last.arm.kind, len(emitted), wall, last.priced_tokens, last.priced_seconds)
