@@ -58,7 +58,7 @@ def trained_stats(draft: float, context: float = 0.5, ngram: float = 0.3, steps:
 
 def test_a_flat_cost_curve_picks_big_trees() -> None:
     arm = choose_arm(ARMS, FLAT, trained_stats(draft=0.7), StepCosts(), NO_LOOKUP_NOW)
-    assert arm.kind in ("tree", "staged") and arm.max_nodes >= 8, arm
+    assert arm.kind in ("tree", "staged") and arm.max_tree_budget >= 8, arm
 
 
 def test_a_steep_cost_curve_picks_no_speculation() -> None:
@@ -573,7 +573,7 @@ def test_long_lookup_staged_arms_are_offered_and_named() -> None:
     long_arms = [a for a in ARMS if a.kind == "staged" and a.lookup]
     assert long_arms and all(staged_lookup_length(a) == STAGE_LONG_LOOKUP for a in long_arms)
     assert Arm("staged", 3, 8).name == "staged:3+8" and Arm("staged", 3).name == "staged:3"
-    assert Arm("staged", 3, 8).max_nodes == 11 and Arm("staged", 3).max_nodes == 7
+    assert Arm("staged", 3, 8).max_tree_budget == 11 and Arm("staged", 3).max_tree_budget == 7
     assert lookup_horizon(ARMS) == STAGE_LONG_LOOKUP  # the chains scored every step reach the longest arm's
     assert verify_rows(Arm("staged", 3, 8), {"context": 5}) == 1 + 3 + 5  # a shorter chain now: its rows only
 
@@ -717,7 +717,7 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
     priced: list[bool] = []
     speculate_at: set[int] = set()
 
-    def choose(sampling, lengths, max_nodes=None, load=None, probe_plain=False, explore=False, **_):  # noqa: ANN001, ANN202
+    def choose(sampling, lengths, max_tree_budget=None, load=None, probe_plain=False, explore=False, **_):  # noqa: ANN001, ANN202
         priced.append(explore)
         return tree if explore or len(priced) in speculate_at else plain
 
@@ -911,7 +911,7 @@ def test_a_policy_that_prices_by_the_profile_alone_does_not_explore() -> None:
     for learn_times in (False, True):
         policy = AutoPolicy([plain, tree], FLAT, learn_times=learn_times)
         flags: list[bool] = []
-        policy.choose = lambda sampling, lengths, max_nodes=None, load=None, explore=False, **_: (  # noqa: ANN001
+        policy.choose = lambda sampling, lengths, max_tree_budget=None, load=None, explore=False, **_: (  # noqa: ANN001
             flags.append(explore) or plain)
         drafter = AutoDrafter(policy, {plain: (OneNodeDrafter(), []), tree: (OneNodeDrafter(), [])})
         context = [1, 2, 3]

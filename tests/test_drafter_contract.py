@@ -46,7 +46,7 @@ def test_the_base_requires_begin_and_propose_and_its_hooks_do_nothing() -> None:
     d.attach_oracle(object())
     d.verified(0.1)
     assert d.stage_telemetry() is None and d.forward_passes == 0 and d.policy is None
-    assert dict(d.request_choices) == {} and d.node_cap is None and not d.reads_shared_load
+    assert dict(d.request_choices) == {} and d.tree_budget_cap is None and not d.reads_shared_load
     with pytest.raises(StagedSpecError, match="chain_length"):
         d.resize(chain_length=2)
     d.resize()  # nothing asked: nothing refused

@@ -353,9 +353,9 @@ def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, m
     seen: list[tuple[int, SharedLoad | None]] = []
     real = AutoPolicy.choose
 
-    def choose(self, sampling, lookup_lengths, max_nodes=None, load=None, **kw):  # noqa: ANN001, ANN003, ANN202
+    def choose(self, sampling, lookup_lengths, max_tree_budget=None, load=None, **kw):  # noqa: ANN001, ANN003, ANN202
         seen.append((0 if sampling.greedy else 1, load))
-        return real(self, sampling, lookup_lengths, max_nodes, load, **kw)
+        return real(self, sampling, lookup_lengths, max_tree_budget, load, **kw)
 
     monkeypatch.setattr(AutoPolicy, "choose", choose)
     eng = dataclasses.replace(engine, learned=LearnedState(), speculation=SpeculationConfig(method="auto"))

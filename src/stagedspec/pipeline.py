@@ -236,7 +236,7 @@ class SpeculationConfig:
         if self.measured:  # the biggest arm the policy may run on any device
             from stagedspec.auto import arms_for
 
-            return max(arm.max_nodes for arm in arms_for(True, True, "cuda", sized_method(self.method)))
+            return max(arm.max_tree_budget for arm in arms_for(True, True, "cuda", sized_method(self.method)))
         lookup = self.merged_lookup_length if self.oracle_lookup else 0
         staged = self.stage_chain_length * self.stage_branching + lookup
         return max(self.tree_budget, self.chain_length, staged, self.lookup_chain_length * 3)

@@ -64,7 +64,7 @@ class Drafter(ABC):
     """Steps run per `auto` arm during the current request (the stats' `auto_choices`); empty when the
     drafter does not choose between arms."""
 
-    node_cap: int | None = None
+    tree_budget_cap: int | None = None
     """Most nodes a tree may have (None: any), set by the server under memory pressure before each step
     (`stagedspec.server.pressure`).  A drafter that chooses its tree's size (`auto`) picks one that fits
     rather than have it cut; any other ignores it, and the server cuts its tree to the cap."""

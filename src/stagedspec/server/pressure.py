@@ -145,7 +145,7 @@ class CappedDrafter(Drafter):
         self._proposed = cap != 0
         if cap == 0:
             return TokenTree([context[-1]], [-1])
-        self.inner.node_cap = cap  # `auto` picks only arms whose trees fit; the others' trees are cut below
+        self.inner.tree_budget_cap = cap  # `auto` picks only arms whose trees fit; the others' trees are cut below
         tree = self.inner.propose(context, sampling, generator, max_tokens)
         return tree if cap is None else cut_tree(tree, cap)
 
