@@ -376,7 +376,9 @@ def _draft_from_spec(spec: str, oracle: Transformer, oracle_tokenizer: Any, dtyp
                                        dtype=dtype, device=device))
     from stagedspec.models.loading import load_model
 
-    draft, draft_tok = load_model(spec, dtype=dtype, device=device, quant=quant)
+    # Under a quantised oracle the draft is quantised too (`draft_weights`): timing its fp32 kernels would be wasted
+    # (100 s for Qwen2.5-Coder-0.5B on two cores); `--draft-weights native` plans them there.
+    draft, draft_tok = load_model(spec, dtype=dtype, device=device, quant=quant, plan_kernels=not oracle.quantised)
     if draft.config.vocab_size != oracle.config.vocab_size or tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(
         oracle_tokenizer
     ):
