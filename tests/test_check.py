@@ -66,7 +66,8 @@ def biased_deterministic_verify(tree, logits, sampling, generator):  # noqa: ANN
     return walk_tree(tree, logits, sampling, generator, rule)
 
 
-def test_fp32_as_a_reference_only_measures_nothing_of_its_own_speed(tiny: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
+def test_fp32_as_a_reference_only_measures_nothing_of_its_own_speed(tiny: Path, capsys,  # noqa: ANN001
+                                                                      monkeypatch) -> None:  # noqa: ANN001
     """With int8 serving weights, the fp32 models are only the greedy reference: their kernels are not timed,
     their `auto` takes its arms by a hand-made profile, and only the serving models' costs are measured."""
     import os

@@ -331,8 +331,9 @@ class _Loaded:
     `reference_only`: these models are only the fp32 reference of the greedy test, not what the user serves
     (`--quant`, or bf16).  Then nothing about their speed is measured: they run plain `F.linear` (timing
     the fp32 kernels of the Qwen2.5-Coder 1.5B/0.5B pair took 7 minutes on two cores) and `auto` is priced
-    by `reference_profile` (their fp32 cost profile took 3.5 minutes more).  Neither changes what is tested: every
-    method still runs the same kernels as `ar`, and every speed row comes from the serving dtype's runs.
+    by `reference_profile` (their fp32 cost profile took 3.5 minutes more).  Neither changes what is
+    tested: every method still runs the same kernels as `ar`, and every speed row comes from the serving
+    dtype's runs.
     """
 
     def __init__(self, cfg: CheckConfig, dtype: torch.dtype, quant: str, ngram: Any,
