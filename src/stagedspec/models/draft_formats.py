@@ -93,7 +93,10 @@ def _load_folder(spec: str, source: DraftSource) -> Transformer:
 def _load_checkpoint(spec: str, source: DraftSource) -> Transformer:
     from stagedspec.models.loading import load_model
 
-    draft, draft_tok = load_model(spec, dtype=source.dtype, device=source.device, quant=source.quant)
+    # Under a quantised oracle the draft is quantised too (`draft_weights`): timing its fp32 kernels would be wasted
+    # (100 s for Qwen2.5-Coder-0.5B on two cores); `--draft-weights native` plans them there.
+    draft, draft_tok = load_model(spec, dtype=source.dtype, device=source.device, quant=source.quant,
+                                  plan_kernels=not source.oracle.quantised)
     vocab = source.oracle.config.vocab_size
     if draft.config.vocab_size != vocab or tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(source.tokenizer):
         raise StagedSpecError(
