@@ -30,8 +30,9 @@ from stagedspec.auto import (
     spine,
     verify_rows,
 )
-from stagedspec.sampling import SamplingParams
 from stagedspec.costs import PROFILE_VERSION, CostProfile, interpolate, load_or_measure, monotone, profile_path
+from stagedspec.drafters.base import Drafter
+from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cost_cache")
@@ -54,6 +55,16 @@ def trained_stats(draft: float, context: float = 0.5, ngram: float = 0.3, steps:
                 matched += 1
             stats.chains[name].record(matched, 8)
     return stats
+
+
+class OneNodeDrafter(Drafter):
+    """Proposes a one-node chain every step: a model drafter in miniature."""
+
+    def begin(self, prompt):  # noqa: ANN001, ANN201
+        pass
+
+    def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+        return TokenTree.chain(context[-1], [5])
 
 
 def test_a_flat_cost_curve_picks_big_trees() -> None:
@@ -623,15 +634,7 @@ def test_an_exploration_runs_its_arm_twice_and_learns_its_time_from_the_warm_ste
     what teaches the arm's drafting time."""
     import stagedspec.auto as auto_module
     from stagedspec.auto import AutoDrafter
-    from stagedspec.drafters.base import Drafter
     from stagedspec.generation import NoDrafter
-
-    class OneNodeDrafter(Drafter):  # proposes a one-node chain; a model drafter in miniature
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
-            return TokenTree.chain(context[-1], [5])
 
     monkeypatch.setattr(auto_module, "EXPLORE_EVERY", 3)
     a, b = Arm("tree", 2), Arm("tree", 4)
@@ -702,14 +705,6 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
     """While `ar` wins the priced step after each exploration, the gap between explorations doubles up to
     `EXPLORE_MAX_GAP`; a priced step that chooses a speculative arm brings it back to `EXPLORE_EVERY`."""
     from stagedspec.auto import EXPLORE_EVERY, EXPLORE_MAX_GAP, AutoDrafter
-    from stagedspec.drafters.base import Drafter
-
-    class OneNodeDrafter(Drafter):
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
-            return TokenTree.chain(context[-1], [5])
 
     tree, plain = Arm("tree", 2), Arm("ar")
     policy = AutoPolicy([plain, tree], FLAT)
@@ -754,7 +749,6 @@ def test_a_request_prices_the_arms_by_its_own_record_not_only_the_machine_s(monk
     still on losing lookups after 60 steps.  The next request starts from the machine's statistics again."""
     import stagedspec.auto as auto_module
     from stagedspec.auto import REQUEST_PRIOR, AutoDrafter
-    from stagedspec.drafters.base import Drafter
     from stagedspec.drafters.lookup import LookupDrafter
     from stagedspec.generation import NoDrafter
 
@@ -856,14 +850,6 @@ def test_a_request_records_each_step_s_wall_time_against_its_price(monkeypatch) 
     the profile alone, keeps no record, and a new request starts afresh."""
     import stagedspec.auto as auto_module
     from stagedspec.auto import AutoDrafter
-    from stagedspec.drafters.base import Drafter
-
-    class OneNodeDrafter(Drafter):
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
-            return TokenTree.chain(context[-1], [5])
 
     clock = [100.0]
     monkeypatch.setattr(auto_module.time, "perf_counter", lambda: clock[0])
@@ -898,14 +884,6 @@ def test_a_policy_that_prices_by_the_profile_alone_does_not_explore() -> None:
     cannot carry an exploration's lesson to the next, so none of its priced steps explores; the control, a
     policy that learns times, explores within `EXPLORE_EVERY` priced steps."""
     from stagedspec.auto import EXPLORE_EVERY, AutoDrafter
-    from stagedspec.drafters.base import Drafter
-
-    class OneNodeDrafter(Drafter):
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
-            return TokenTree.chain(context[-1], [5])
 
     tree, plain = Arm("tree", 2), Arm("ar")
     for learn_times in (False, True):
