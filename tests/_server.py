@@ -40,7 +40,8 @@ def tiny_engine(root: Path):  # noqa: ANN201 - an Engine; imported lazily like t
     import torch
 
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import SpeculationConfig, truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
+    from stagedspec.pipeline import SpeculationConfig
     from stagedspec.server.engine import Engine
 
     model, tok = load_model(tiny_model_folder(root), dtype=torch.float32)

@@ -30,8 +30,9 @@ from stagedspec.auto import (
     spine,
     verify_rows,
 )
-from stagedspec.sampling import SamplingParams
 from stagedspec.costs import PROFILE_VERSION, CostProfile, interpolate, load_or_measure, monotone, profile_path
+from stagedspec.drafters.base import Drafter
+from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cost_cache")
@@ -56,9 +57,19 @@ def trained_stats(draft: float, context: float = 0.5, ngram: float = 0.3, steps:
     return stats
 
 
+class OneNodeDrafter(Drafter):
+    """Proposes a one-node chain every step: a model drafter in miniature."""
+
+    def begin(self, prompt):  # noqa: ANN001, ANN201
+        pass
+
+    def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
+        return TokenTree.chain(context[-1], [5])
+
+
 def test_a_flat_cost_curve_picks_big_trees() -> None:
     arm = choose_arm(ARMS, FLAT, trained_stats(draft=0.7), StepCosts(), NO_LOOKUP_NOW)
-    assert arm.kind in ("tree", "staged") and arm.max_nodes >= 8, arm
+    assert arm.kind in ("tree", "staged") and arm.max_tree_budget >= 8, arm
 
 
 def test_a_steep_cost_curve_picks_no_speculation() -> None:
@@ -421,7 +432,8 @@ def tiny_pipeline(tmp_path_factory):  # noqa: ANN001, ANN201
     from _tiny_models import save_tiny_hf
 
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
 
     folder = tmp_path_factory.mktemp("auto") / "tiny"
     save_tiny_hf("llama_gqa", folder)
@@ -453,7 +465,8 @@ def test_what_auto_learned_is_kept_for_the_next_process(tmp_path, monkeypatch) -
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.transformer import Transformer, init_random
     from stagedspec.learned_state import auto_state_path
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
                       intermediate_size=32, max_position=400)
@@ -571,7 +584,7 @@ def test_long_lookup_staged_arms_are_offered_and_named() -> None:
     long_arms = [a for a in ARMS if a.kind == "staged" and a.lookup]
     assert long_arms and all(staged_lookup_length(a) == STAGE_LONG_LOOKUP for a in long_arms)
     assert Arm("staged", 3, 8).name == "staged:3+8" and Arm("staged", 3).name == "staged:3"
-    assert Arm("staged", 3, 8).max_nodes == 11 and Arm("staged", 3).max_nodes == 7
+    assert Arm("staged", 3, 8).max_tree_budget == 11 and Arm("staged", 3).max_tree_budget == 7
     assert lookup_horizon(ARMS) == STAGE_LONG_LOOKUP  # the chains scored every step reach the longest arm's
     assert verify_rows(Arm("staged", 3, 8), {"context": 5}) == 1 + 3 + 5  # a shorter chain now: its rows only
 
@@ -621,15 +634,7 @@ def test_an_exploration_runs_its_arm_twice_and_learns_its_time_from_the_warm_ste
     what teaches the arm's drafting time."""
     import stagedspec.auto as auto_module
     from stagedspec.auto import AutoDrafter
-    from stagedspec.drafters.base import Drafter
     from stagedspec.generation import NoDrafter
-
-    class OneNodeDrafter(Drafter):  # proposes a one-node chain; a model drafter in miniature
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
-            return TokenTree.chain(context[-1], [5])
 
     monkeypatch.setattr(auto_module, "EXPLORE_EVERY", 3)
     a, b = Arm("tree", 2), Arm("tree", 4)
@@ -700,14 +705,6 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
     """While `ar` wins the priced step after each exploration, the gap between explorations doubles up to
     `EXPLORE_MAX_GAP`; a priced step that chooses a speculative arm brings it back to `EXPLORE_EVERY`."""
     from stagedspec.auto import EXPLORE_EVERY, EXPLORE_MAX_GAP, AutoDrafter
-    from stagedspec.drafters.base import Drafter
-
-    class OneNodeDrafter(Drafter):
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
-            return TokenTree.chain(context[-1], [5])
 
     tree, plain = Arm("tree", 2), Arm("ar")
     policy = AutoPolicy([plain, tree], FLAT)
@@ -715,7 +712,7 @@ def test_explorations_that_do_not_convince_come_ever_more_rarely_and_a_win_resto
     priced: list[bool] = []
     speculate_at: set[int] = set()
 
-    def choose(sampling, lengths, max_nodes=None, load=None, probe_plain=False, explore=False, **_):  # noqa: ANN001, ANN202
+    def choose(sampling, lengths, max_tree_budget=None, load=None, probe_plain=False, explore=False, **_):  # noqa: ANN001, ANN202
         priced.append(explore)
         return tree if explore or len(priced) in speculate_at else plain
 
@@ -752,7 +749,6 @@ def test_a_request_prices_the_arms_by_its_own_record_not_only_the_machine_s(monk
     still on losing lookups after 60 steps.  The next request starts from the machine's statistics again."""
     import stagedspec.auto as auto_module
     from stagedspec.auto import REQUEST_PRIOR, AutoDrafter
-    from stagedspec.drafters.base import Drafter
     from stagedspec.drafters.lookup import LookupDrafter
     from stagedspec.generation import NoDrafter
 
@@ -854,14 +850,6 @@ def test_a_request_records_each_step_s_wall_time_against_its_price(monkeypatch) 
     the profile alone, keeps no record, and a new request starts afresh."""
     import stagedspec.auto as auto_module
     from stagedspec.auto import AutoDrafter
-    from stagedspec.drafters.base import Drafter
-
-    class OneNodeDrafter(Drafter):
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
-            return TokenTree.chain(context[-1], [5])
 
     clock = [100.0]
     monkeypatch.setattr(auto_module.time, "perf_counter", lambda: clock[0])
@@ -896,20 +884,12 @@ def test_a_policy_that_prices_by_the_profile_alone_does_not_explore() -> None:
     cannot carry an exploration's lesson to the next, so none of its priced steps explores; the control, a
     policy that learns times, explores within `EXPLORE_EVERY` priced steps."""
     from stagedspec.auto import EXPLORE_EVERY, AutoDrafter
-    from stagedspec.drafters.base import Drafter
-
-    class OneNodeDrafter(Drafter):
-        def begin(self, prompt):  # noqa: ANN001, ANN201
-            pass
-
-        def propose(self, context, sampling, generator, max_tokens):  # noqa: ANN001, ANN201
-            return TokenTree.chain(context[-1], [5])
 
     tree, plain = Arm("tree", 2), Arm("ar")
     for learn_times in (False, True):
         policy = AutoPolicy([plain, tree], FLAT, learn_times=learn_times)
         flags: list[bool] = []
-        policy.choose = lambda sampling, lengths, max_nodes=None, load=None, explore=False, **_: (  # noqa: ANN001
+        policy.choose = lambda sampling, lengths, max_tree_budget=None, load=None, explore=False, **_: (  # noqa: ANN001
             flags.append(explore) or plain)
         drafter = AutoDrafter(policy, {plain: (OneNodeDrafter(), []), tree: (OneNodeDrafter(), [])})
         context = [1, 2, 3]

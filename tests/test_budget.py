@@ -68,7 +68,7 @@ def test_adaptive_trees_keep_greedy_output_identical_to_ar() -> None:
         ref = generate_ar(oracle, prompt, max_new_tokens=30).token_ids
         # a cost curve that makes mid-sized trees worth it, so cuts of many sizes happen
         budget = AdaptiveBudget({1: 1.0, 4: 1.05, 8: 1.3, 16: 2.0})
-        drafter = ModelDrafter(draft, method="tree", budget=12, max_depth=4, branching=3, adaptive=budget)
+        drafter = ModelDrafter(draft, method="tree", tree_budget=12, max_depth=4, branching=3, adaptive=budget)
         out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=30)
         assert out.token_ids == ref, f"seed {seed}"
         assert max(out.stats.tree_sizes) <= 12 and len(budget.chosen) == len(out.stats.tree_sizes)

@@ -66,6 +66,35 @@ def biased_deterministic_verify(tree, logits, sampling, generator):  # noqa: ANN
     return walk_tree(tree, logits, sampling, generator, rule)
 
 
+def test_fp32_as_a_reference_only_measures_nothing_of_its_own_speed(tiny: Path, capsys,  # noqa: ANN001
+                                                                      monkeypatch) -> None:  # noqa: ANN001
+    """With int8 serving weights, the fp32 models are only the greedy reference: their kernels are not timed,
+    their `auto` takes its arms by a hand-made profile, and only the serving models' costs are measured."""
+    import os
+
+    import stagedspec.costs as costs
+    import stagedspec.models.matmul_plan as matmul_plan
+
+    planned, measured = [], []
+    real_measure = costs.measure_profile
+
+    def measure_profile(oracle, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        measured.append(oracle.quantised)
+        return real_measure(oracle, *args, **kwargs)
+
+    monkeypatch.setattr(matmul_plan, "apply_plan", lambda model, plans: planned.append(model))
+    monkeypatch.setattr(costs, "measure_profile", measure_profile)
+    code, out, err = run_check(["--oracle", str(tiny), "--draft", "layers:1", "--quick", "--quant", "int8",
+                                "--samples", "300"], capsys)
+    assert code == 0, out + err
+    greedy = rows(out, "greedy")
+    assert len(greedy) == 10 and all(" PASS " in r for r in greedy), greedy  # fp32, then int8 bit-exact
+    assert planned == []  # the fp32 reference ran plain F.linear (the int8 oracle and its layers:1 have no fp32 layers)
+    assert matmul_plan.OFF_ENV not in os.environ  # and the switch was put back
+    assert measured and all(measured), measured  # profiles of the int8 oracle only
+    assert "fp32 is the reference here" in out
+
+
 def test_a_wrong_verifier_in_the_real_path_fails(tiny: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr("stagedspec.generation.verify", biased_deterministic_verify)
     code, out, err = run_check(["--oracle", str(tiny), "--draft", "layers:1", "--quick"], capsys)

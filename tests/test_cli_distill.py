@@ -302,7 +302,7 @@ def test_tree_acceptance_everywhere_with_the_oracle_as_its_own_draft(oracle_dir:
     prompts = [[1, 5, 9, 3], [2, 2, 7]]
     replies = oracle_greedy_continuations(oracle, prompts, 10)
     depth = 3
-    got = tree_acceptance_everywhere(oracle, prompts, replies, budget=depth, max_depth=depth, branching=1)
+    got = tree_acceptance_everywhere(oracle, prompts, replies, tree_budget=depth, max_depth=depth, branching=1)
     lengths = [min(depth, len(r) - i) for r in replies for i in range(len(r))]
     assert got["trees"] == len(lengths)
     assert abs(got["mean_accepted_length"] - (1 + sum(lengths) / len(lengths))) < 1e-9
@@ -313,7 +313,7 @@ def test_tree_acceptance_everywhere_with_the_oracle_as_its_own_draft(oracle_dir:
     from stagedspec.runner import set_pass_mode
 
     set_pass_mode(oracle, "static")
-    by_level = tree_acceptance_everywhere(oracle, prompts, replies, budget=depth, max_depth=depth, branching=1,
+    by_level = tree_acceptance_everywhere(oracle, prompts, replies, tree_budget=depth, max_depth=depth, branching=1,
                                           growth="levels")
     assert by_level["growth"] == "levels" and by_level["trees"] == got["trees"]
     assert abs(by_level["mean_accepted_length"] - got["mean_accepted_length"]) < 1e-9

@@ -41,7 +41,8 @@ def pipelines(tiny, private: bool = True) -> dict:  # noqa: ANN001
     """One pipeline per method over the same tiny oracle and its one-layer draft."""
     from stagedspec.auto import AutoPolicy, arms_for
     from stagedspec.costs import CostProfile
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
 
     model, tok = tiny
     draft = truncated_copy(model, 1)

@@ -195,10 +195,10 @@ def run(sampling: SamplingParams, tree_kw: dict, n: int = N, processor_cls: type
 
 
 CONFIGS = {
-    "topk-tree-T1": (SamplingParams(1.0), dict(mode="topk", budget=6, max_depth=3, branching=2)),
+    "topk-tree-T1": (SamplingParams(1.0), dict(mode="topk", tree_budget=6, max_depth=3, branching=2)),
     "sampled-tree-T0.8-topk3": (SamplingParams(0.8, top_k=3), dict(mode="sampled", branching=[2, 2, 1])),
     "sampled-chain-mixed-T1.3": (SamplingParams(1.3), dict(mode="sampled", branching=[1, 1, 1])),
-    "ar-T1": (SamplingParams(1.0), dict(mode="topk", budget=0)),
+    "ar-T1": (SamplingParams(1.0), dict(mode="topk", tree_budget=0)),
 }
 
 

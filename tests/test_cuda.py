@@ -92,7 +92,7 @@ def test_sampled_methods_run_end_to_end_on_cuda_and_reproduce_their_seed() -> No
                                         sampling=sampling, seed=seed).token_ids
 
     factories = {
-        "tree": lambda: ModelDrafter(draft, budget=16, max_len=300),
+        "tree": lambda: ModelDrafter(draft, tree_budget=16, max_len=300),
         "staged": lambda: StageDrafter(ModelOracle(draft, 300), LookupDrafter(None, context=True, chain_length=4),
                                        chain_length=4, branching=2),
         "lookup": lambda: LookupDrafter(None, context=True, chain_length=5),
@@ -150,7 +150,7 @@ def test_feature_draft_greedy_fp32_tree_and_staged_identical_to_ar(mode: str) ->
         set_pass_mode(draft, mode)
         prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
         ref = generate_ar(oracle, prompt, max_new_tokens=40).token_ids
-        for drafter in (FeatureDrafter(draft, budget=16, max_depth=5, branching=4, max_len=300),
+        for drafter in (FeatureDrafter(draft, tree_budget=16, max_depth=5, branching=4, max_len=300),
                         StageDrafter(FeatureStage(draft, 300), LookupDrafter(None, True, chain_length=4),
                                      chain_length=3, branching=2)):
             out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=40)

@@ -168,7 +168,7 @@ def test_gemma3_distilled_draft_trains_saves_loads_and_keeps_greedy_exact(tmp_pa
     assert loaded.config.local_layers == [True, True]  # layers 0 and 2, both sliding-window
     prompt = [3, 17, 9]
     want = generate_ar(oracle, prompt, max_new_tokens=30).token_ids  # 33 tokens, past the window of 5
-    drafter = ModelDrafter(loaded, method="tree", budget=8, max_depth=4)
+    drafter = ModelDrafter(loaded, method="tree", tree_budget=8, max_depth=4)
     got = speculative_generate(ModelOracle(oracle, len(prompt) + 30 + 8 + 1), drafter, prompt, max_new_tokens=30)
     assert got.token_ids == want
     assert got.stats.token_origins.count("draft") > 0
@@ -229,7 +229,7 @@ def test_restricted_draft_missing_oracle_tokens_keeps_greedy_output_exact(oracle
     keep = [t for t in range(VOCAB) if t not in set(banned.tolist())]
     draft = DraftModel(oracle, [0, 3], keep)
 
-    drafter = ModelDrafter(draft, method="tree", budget=8, max_depth=4)
+    drafter = ModelDrafter(draft, method="tree", tree_budget=8, max_depth=4)
     result = speculative_generate(ModelOracle(oracle, len(prompt) + 24 + 8 + 1), drafter, prompt, max_new_tokens=24)
     assert result.token_ids == reference
     assert "draft" in result.stats.token_origins  # some proposals were accepted, some tokens were not proposable

@@ -291,15 +291,15 @@ def S(temperature: float, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
 
 CONFIGS = [
     # Deterministic (top-k, best-first) trees.
-    Config("topk-bushy-T0.7-good", S(0.7), "good", dict(mode="topk", budget=8, max_depth=4, branching=3), seed=1),
+    Config("topk-bushy-T0.7-good", S(0.7), "good", dict(mode="topk", tree_budget=8, max_depth=4, branching=3), seed=1),
     Config("topk-bestfirst-w1-T1-topp0.8-bad", S(1.0, top_p=0.8), "bad",
-           dict(mode="topk", budget=5, branching=2, width=1), seed=2),
-    Config("topk-disjoint-T1-topk2", S(1.0, top_k=2), "disjoint", dict(mode="topk", budget=4, branching=2), seed=3),
-    Config("chain-topk-3-T1.5-topk4-bad", S(1.5, top_k=4), "bad", dict(mode="topk", budget=3, branching=1), seed=4),
+           dict(mode="topk", tree_budget=5, branching=2, width=1), seed=2),
+    Config("topk-disjoint-T1-topk2", S(1.0, top_k=2), "disjoint", dict(mode="topk", tree_budget=4, branching=2), seed=3),
+    Config("chain-topk-3-T1.5-topk4-bad", S(1.5, top_k=4), "bad", dict(mode="topk", tree_budget=3, branching=1), seed=4),
     # Sampled (without replacement) trees.
     Config("sampled-321-T1-bad", S(1.0), "bad", dict(mode="sampled", branching=[3, 2, 1]), seed=5),
     Config("sampled-222-budget6-T1.5-good", S(1.5), "good",
-           dict(mode="sampled", branching=[2, 2, 2], budget=6), seed=6),
+           dict(mode="sampled", branching=[2, 2, 2], tree_budget=6), seed=6),
     Config("sampled-disjoint-T1-topk2", S(1.0, top_k=2), "disjoint", dict(mode="sampled", branching=[2, 1]), seed=7),
     Config("sampled-wide-T1-topk4-topp0.85", S(1.0, top_k=4, top_p=0.85), "good",
            dict(mode="sampled", branching=[4, 1]), seed=8),
@@ -311,9 +311,9 @@ CONFIGS = [
     Config("mixed-sampled-chain-fixed1-T0.7-topk3-good", S(0.7, top_k=3), "good",
            dict(mode="sampled", branching=[1, 1, 1], fixed_chains=1), seed=12),
     Config("mixed-topk-fixed2-T1-topp0.9-bad", S(1.0, top_p=0.9), "bad",
-           dict(mode="topk", budget=4, branching=2, fixed_chains=2), seed=13),
+           dict(mode="topk", tree_budget=4, branching=2, fixed_chains=2), seed=13),
     # Best-first trees cut to their best nodes by a draft-only rule (the adaptive budget).
-    Config("topk-cut-T1-good", S(1.0), "good", dict(mode="topk", budget=8, branching=3, max_depth=3, cut=3), seed=14),
+    Config("topk-cut-T1-good", S(1.0), "good", dict(mode="topk", tree_budget=8, branching=3, max_depth=3, cut=3), seed=14),
     # Trees cut to a node cap that moves with history (the server under memory pressure): sampled trees and
     # mixed ones keep their first nodes in index order (pre-order: earlier siblings' subtrees decide the cut).
     Config("sampled-321-capped-T1-bad", S(1.0), "bad", dict(mode="sampled", branching=[3, 2, 1], caps=(2, 4, 1, 3)),
@@ -321,7 +321,7 @@ CONFIGS = [
     Config("mixed-sampled-22-fixed2-capped-T1-topk4-good", S(1.0, top_k=4), "good",
            dict(mode="sampled", branching=[2, 2], fixed_chains=2, caps=(3, 5, 2)), seed=16),
     # The autoregressive baseline (root-only trees) through the same loop.
-    Config("autoregressive-T1-topk3", S(1.0, top_k=3), "good", dict(mode="topk", budget=0), seed=10),
+    Config("autoregressive-T1-topk3", S(1.0, top_k=3), "good", dict(mode="topk", tree_budget=0), seed=10),
 ]
 
 
@@ -405,7 +405,7 @@ def fixed_first_verifier(tree: TokenTree, logits: Tensor, sampling: SamplingPara
 
 NEGATIVE_CONTROLS = [  # (name, verifier, record draft q in top-k trees, configuration where the bias is large)
     ("a-topk-tree-as-sampled", topk_tree_as_if_sampled, True,
-     Config("neg-a", S(1.0), "bad", dict(mode="topk", budget=6, branching=2, max_depth=3), seed=21)),
+     Config("neg-a", S(1.0), "bad", dict(mode="topk", tree_budget=6, branching=2, max_depth=3), seed=21)),
     ("b-best-branch", _with_rule(best_branch_rule), False,
      Config("neg-b", S(1.0), "bad", dict(mode="sampled", branching=[4, 2]), seed=22)),
     ("c-stale-q", _with_rule(stale_q_rule), False,
@@ -456,7 +456,7 @@ def toy_auto_drafter(draft_lm: TableLM, sampled: bool) -> AutoDrafter:
         if sampled:
             kw = dict(mode="sampled", branching=branching)
         else:
-            kw = dict(mode="topk", budget=arm.size, branching=branching[0], max_depth=len(branching))
+            kw = dict(mode="topk", tree_budget=arm.size, branching=branching[0], max_depth=len(branching))
         arms[arm] = (ToyDrafter(draft_lm, kw), [])
     return FreshAutoDrafter(AutoPolicy(list(arms), TOY_PROFILE), arms)
 
@@ -701,10 +701,10 @@ def test_power_of_the_test(n: int, tv: float) -> None:
 
 
 GREEDY_TREES = [
-    ("good", dict(mode="topk", budget=8, max_depth=4, branching=3)),
-    ("bad", dict(mode="topk", budget=16, max_depth=6, branching=4, width=1)),
-    ("good", dict(mode="topk", budget=3, branching=1)),  # a greedy chain
-    ("bad", dict(mode="topk", budget=0)),  # autoregressive
+    ("good", dict(mode="topk", tree_budget=8, max_depth=4, branching=3)),
+    ("bad", dict(mode="topk", tree_budget=16, max_depth=6, branching=4, width=1)),
+    ("good", dict(mode="topk", tree_budget=3, branching=1)),  # a greedy chain
+    ("bad", dict(mode="topk", tree_budget=0)),  # autoregressive
 ]
 
 

@@ -143,7 +143,7 @@ def test_rules_without_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_layers_draft_never_quantises_the_oracles_own_layers(tmp_path: Path) -> None:
-    from stagedspec.pipeline import truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
 
     oracle = _oracle()
     draft = choose_draft_weights(lambda: truncated_copy(oracle, 1), oracle, "auto", cache_file=tmp_path / "c.json")
@@ -288,3 +288,31 @@ def test_a_quantised_gguf_draft_under_a_quantised_oracle_runs_its_own_formats_or
     assert asked.weight_format == "mixed" and asked.from_source
     with pytest.raises(StagedSpecError, match="needs a draft GGUF with quantised weights"):
         choose_draft_weights(load, oracle, "mixed", measure=no_timing, cache_file=cache)
+
+
+def test_a_draft_under_a_quantised_oracle_times_no_fp32_kernels_unless_it_stays_fp32(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its fp32 kernels would be timed for nothing: the draft is quantised too (for a 0.5B draft on two cores
+    that timing took 100 s).  Asked to stay native, it runs the planned fp32 kernels as under an fp32 oracle."""
+    import stagedspec.models.matmul_plan as matmul_plan
+    from stagedspec.models.loading import load_model
+    from stagedspec.pipeline import load_draft_model
+
+    from _tiny_models import save_tiny_hf
+
+    folder = tmp_path / "tiny"
+    save_tiny_hf("llama_gqa", folder)
+    oracle, tok = load_model(folder, dtype=torch.float32, quant="int8")
+    planned = []
+    real_apply = matmul_plan.apply_plan
+
+    def apply_plan(model, plans) -> None:  # noqa: ANN001
+        planned.append(model)
+        real_apply(model, plans)
+
+    monkeypatch.setattr(matmul_plan, "apply_plan", apply_plan)
+    draft = load_draft_model(str(folder), oracle, tok, torch.float32, "cpu")
+    assert draft.weight_format == "int8" and planned == []
+    native = load_draft_model(str(folder), oracle, tok, torch.float32, "cpu", weights="native")
+    assert native.weight_format == "native" and planned == [native]
+    assert any(isinstance(m, matmul_plan.PlannedLinear) for m in native.modules())

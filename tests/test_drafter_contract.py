@@ -46,7 +46,7 @@ def test_the_base_requires_begin_and_propose_and_its_hooks_do_nothing() -> None:
     d.attach_oracle(object())
     d.verified(0.1)
     assert d.stage_telemetry() is None and d.forward_passes == 0 and d.policy is None
-    assert dict(d.request_choices) == {} and d.node_cap is None and not d.reads_shared_load
+    assert dict(d.request_choices) == {} and d.tree_budget_cap is None and not d.reads_shared_load
     with pytest.raises(StagedSpecError, match="chain_length"):
         d.resize(chain_length=2)
     d.resize()  # nothing asked: nothing refused
@@ -56,21 +56,21 @@ def test_a_lookup_resizes_its_chains_and_refuses_tree_knobs() -> None:
     lookup = LookupDrafter(None, context=True, chain_length=4)
     lookup.resize(chain_length=2)
     assert lookup.chain_length == 2
-    with pytest.raises(StagedSpecError, match="budget"):
-        lookup.resize(budget=8)
+    with pytest.raises(StagedSpecError, match="tree_budget"):
+        lookup.resize(tree_budget=8)
     with pytest.raises(StagedSpecError, match=">= 1"):
         lookup.resize(chain_length=0)
     assert NoDrafter().stage_telemetry() == []  # no stage: no row in the stages table
 
 
 def test_a_tree_draft_resizes_within_the_nodes_its_cache_was_built_for() -> None:
-    tree = ModelDrafter(tiny(), method="tree", budget=8, max_depth=4)
-    tree.resize(budget=4, max_depth=3)
-    assert (tree.budget, tree.max_depth) == (4, 3)
-    tree.resize(budget=8)
+    tree = ModelDrafter(tiny(), method="tree", tree_budget=8, max_depth=4)
+    tree.resize(tree_budget=4, max_depth=3)
+    assert (tree.tree_budget, tree.max_depth) == (4, 3)
+    tree.resize(tree_budget=8)
     with pytest.raises(StagedSpecError, match="8-node"):
-        tree.resize(budget=9)
-    assert tree.budget == 8  # a refused resize changes nothing
+        tree.resize(tree_budget=9)
+    assert tree.tree_budget == 8  # a refused resize changes nothing
 
 
 def test_a_stage_resizes_its_decoded_length() -> None:

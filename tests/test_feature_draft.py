@@ -75,7 +75,7 @@ def test_tree_chain_and_staged_greedy_equal_ar(mode: str) -> None:
         draft = feature_draft(oracle, seed, head)
         set_pass_mode(draft, mode)
         drafters = {
-            "tree": FeatureDrafter(draft, budget=8, max_depth=4, branching=2, max_len=300),
+            "tree": FeatureDrafter(draft, tree_budget=8, max_depth=4, branching=2, max_len=300),
             "chain": FeatureDrafter(draft, method="chain", chain_length=4, max_len=300),
             "staged": StageDrafter(FeatureStage(draft, 300), LookupDrafter(None, True, chain_length=4),
                                    chain_length=3, branching=2),
@@ -95,7 +95,8 @@ def test_pipeline_runs_a_feature_draft_in_tree_staged_and_auto(tmp_path: Path) -
     from stagedspec.auto import AutoPolicy, arms_for
     from stagedspec.costs import CostProfile
     from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
 
     save_tiny_hf("llama_gqa", tmp_path / "tiny")
     oracle, tok = load_model(tmp_path / "tiny", dtype=torch.float32)
@@ -128,7 +129,7 @@ def test_root_predictions_read_the_oracle_features_of_the_committed_context() ->
             return logits
 
     prompt = [5, 2, 7, 7, 1]
-    speculative_generate(ModelOracle(oracle, 300), Recording(draft, budget=6, max_depth=3, max_len=300), prompt,
+    speculative_generate(ModelOracle(oracle, 300), Recording(draft, tree_budget=6, max_depth=3, max_len=300), prompt,
                          max_new_tokens=30)
     assert len(seen) > 3
     with torch.no_grad():
@@ -184,7 +185,7 @@ def sampled_pvalue(build: str, sampling: SamplingParams, n: int, stage_cls: type
     draft = feature_draft(oracle, 21)
     prompt = [1, 3, 0]
     if build == "tree":  # best-first top-k tree: deterministic proposals
-        drafter = FeatureDrafter(draft, budget=4, max_depth=2, branching=2, max_len=64)
+        drafter = FeatureDrafter(draft, tree_budget=4, max_depth=2, branching=2, max_len=64)
     elif build == "chain":  # sampled chain: draws from the feature draft's q
         drafter = FeatureDrafter(draft, method="chain", chain_length=2, max_len=64)
     else:
@@ -375,6 +376,6 @@ def test_feature_draft_from_an_independent_draft_starts_as_it_and_learns_the_fea
     # a greedy feature tree from the trained, converted draft still emits the oracle's own tokens
     prompt = [1, 5, 9]
     ref_tokens = generate_ar(oracle, prompt, max_new_tokens=30).token_ids
-    drafter = FeatureDrafter(saved.eval(), budget=6, max_depth=3, branching=2, max_len=300)
+    drafter = FeatureDrafter(saved.eval(), tree_budget=6, max_depth=3, branching=2, max_len=300)
     out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=30)
     assert out.token_ids == ref_tokens

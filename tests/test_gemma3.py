@@ -168,12 +168,12 @@ def test_greedy_speculation_is_token_identical_to_ar(method: str) -> None:
     Gemma: greedy output equals autoregressive decoding, well past the window."""
     from stagedspec.drafters.model import ModelDrafter
     from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
-    from stagedspec.pipeline import truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
 
     model = tiny_gemma()
     prompt = [5, 9, 13, 2, 7, 40]
     ar = generate_ar(model, prompt, max_new_tokens=24).token_ids
-    drafter = ModelDrafter(truncated_copy(model, 1), method=method, budget=8, max_depth=4, branching=2,
+    drafter = ModelDrafter(truncated_copy(model, 1), method=method, tree_budget=8, max_depth=4, branching=2,
                            chain_length=3, max_len=64)
     spec = speculative_generate(ModelOracle(model, 64), drafter, prompt, max_new_tokens=24).token_ids
     assert spec == ar and len(ar) == 24

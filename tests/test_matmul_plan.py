@@ -166,7 +166,7 @@ def test_an_untied_head_and_a_drafts_own_head_are_planned_as_heads(tmp_path: Pat
 
 
 def test_a_layers_draft_keeps_the_oracles_plan(tmp_path: Path) -> None:
-    from stagedspec.pipeline import truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
 
     oracle = mp.plan_matmuls(_model(), measure=_measure({1, 2})[0], cache_file=tmp_path / "p.json")
     draft = truncated_copy(oracle, 2)

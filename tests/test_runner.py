@@ -24,7 +24,8 @@ from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.pass_options import PassOptions
-from stagedspec.runner import RunnerLeases, StaticRunner, acquire_runner, pass_mode, runner_capacity, set_pass_mode
+from stagedspec.runner import (PassRouter, RequestPasses, StaticRunner, acquire_runner, pass_mode, runner_capacity,
+                               set_pass_mode)
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.stages import StageDrafter
 from stagedspec.verification import VerifyResult
@@ -108,7 +109,7 @@ def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: i
     """Greedy tokens of ar, tree, chain, staged, staged + lookup, lookup and, on static passes, trees grown
     level by level (also used by tests/test_cuda.py)."""
     out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n).token_ids}
-    out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, budget=16, max_len=300),
+    out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, tree_budget=16, max_len=300),
                                        prompt, max_new_tokens=n).token_ids
     out["chain"] = speculative_generate(ModelOracle(oracle, 300),
                                         ModelDrafter(draft, method="chain", chain_length=4, max_len=300),
@@ -121,7 +122,7 @@ def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: i
     out["lookup"] = speculative_generate(ModelOracle(oracle, 300), LookupDrafter(None, context=True, chain_length=5),
                                          prompt, max_new_tokens=n).token_ids
     if pass_mode(draft) != "eager":  # trees grown level by level on the device
-        levels = ModelDrafter(draft, budget=16, max_len=300, growth="levels")
+        levels = ModelDrafter(draft, tree_budget=16, max_len=300, growth="levels")
         out["tree-levels"] = speculative_generate(ModelOracle(oracle, 300), levels, prompt, max_new_tokens=n).token_ids
     return out
 
@@ -179,8 +180,33 @@ def test_runners_are_pooled_per_model_and_released_with_their_owner() -> None:
     assert acquire_runner(m, 100, Owner()).capacity == 256  # never a bigger one: equal widths, equal numbers
 
 
+def test_a_request_s_eager_passes_go_through_its_router() -> None:
+    """`RequestPasses.router`: the oracle and drafter a request builds with it run their eager passes through
+    it (the server's lanes), whatever thread runs them; parts built without one run theirs on the model."""
+    oracle, draft = tiny(3), tiny(4)
+    for m in (oracle, draft):
+        set_pass_mode(m, "eager")  # static passes run on their runner, never routed
+    seen: list[Transformer] = []
+
+    class Recorder(PassRouter):
+        def __call__(self, model, tokens, positions, cache, **kwargs):  # noqa: ANN001, ANN003, ANN204
+            seen.append(model)
+            return model(tokens, positions, cache, **kwargs)
+
+    prompt = list(range(3, 12))
+    request = RequestPasses(router=Recorder())
+    routed = speculative_generate(ModelOracle(oracle, 64, passes=request),
+                                  ModelDrafter(draft, tree_budget=4, max_depth=2, max_len=64, passes=request),
+                                  prompt, max_new_tokens=8).token_ids
+    assert oracle in seen and draft in seen
+    seen.clear()
+    alone = speculative_generate(ModelOracle(oracle, 64), ModelDrafter(draft, tree_budget=4, max_depth=2, max_len=64),
+                                 prompt, max_new_tokens=8).token_ids
+    assert not seen and routed == alone
+
+
 def test_a_request_s_runners_go_back_to_the_pool_when_it_ends() -> None:
-    """`RunnerLeases`: the runners leased while a request builds its parts are given back at its `release`,
+    """`RequestPasses`: the runners a request's parts lease through it are given back at its `release`,
     while those parts still exist; their owners' later collection does not free a runner leased again since."""
     m = tiny(2)
     set_pass_mode(m, "static")
@@ -189,12 +215,11 @@ def test_a_request_s_runners_go_back_to_the_pool_when_it_ends() -> None:
         pass
 
     first, other, second = Owner(), Owner(), Owner()
-    leases = RunnerLeases()
-    with leases.taking():
-        a = acquire_runner(m, 300, first)
+    request = RequestPasses()
+    a = request.acquire(m, 300, first)
     b = acquire_runner(m, 300, other)  # outside the request: only its owner's collection frees it
-    assert a.busy and b.busy and len(leases.leases) == 1
-    leases.release()
+    assert a.busy and b.busy and len(request.leases) == 1
+    request.release()
     assert not a.busy and b.busy
     assert acquire_runner(m, 300, second) is a
     del first
@@ -230,7 +255,7 @@ def _sample_counts(oracle: Transformer, draft: Transformer, prompt: list[int], s
     with torch.inference_mode():
         for i in range(n):
             if levels:  # a tree grown level by level on the device
-                drafter = ModelDrafter(draft, budget=5, max_depth=3, branching=2, max_len=32, growth="levels")
+                drafter = ModelDrafter(draft, tree_budget=5, max_depth=3, branching=2, max_len=32, growth="levels")
             else:
                 drafter = StageDrafter(ModelOracle(draft, 32), LookupDrafter(None, context=True, chain_length=2),
                                        chain_length=2)
@@ -301,7 +326,7 @@ def test_level_growth_scores_are_the_draft_s_own_path_probabilities() -> None:
     reference = tiny(21, layers=3)
     set_pass_mode(draft, "static")
     prompt = [3, 1, 4, 1, 5, 9]
-    drafter = ModelDrafter(draft, budget=16, max_depth=5, branching=3, max_len=64, growth="levels")
+    drafter = ModelDrafter(draft, tree_budget=16, max_depth=5, branching=3, max_len=64, growth="levels")
     drafter.begin(prompt)
     with torch.inference_mode():
         tree = drafter.propose(prompt, SamplingParams(), None, 40)
@@ -335,7 +360,7 @@ def test_level_growth_with_the_oracle_as_its_own_draft_accepts_every_level() -> 
     set_pass_mode(oracle, "static")
     prompt = [2, 7, 1, 8]
     ref = generate_ar(oracle, prompt, max_new_tokens=30).token_ids
-    drafter = ModelDrafter(oracle, budget=12, max_depth=4, branching=2, max_len=300, growth="levels")
+    drafter = ModelDrafter(oracle, tree_budget=12, max_depth=4, branching=2, max_len=300, growth="levels")
     out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=30)
     assert out.token_ids == ref
     assert out.stats.mean_accepted_length >= 4.0  # 4 draft levels + the oracle's own token, nearly every step
@@ -435,7 +460,7 @@ def test_level_growth_keeps_its_levels_within_the_tree_s_cache_slots() -> None:
     m = tiny(6)
     set_pass_mode(m, "static")
     prompt = [i % 24 for i in range(1, 40)]
-    drafter = ModelDrafter(m, budget=4, max_depth=4, branching=3, width=8, max_len=len(prompt) + 1, growth="levels")
+    drafter = ModelDrafter(m, tree_budget=4, max_depth=4, branching=3, width=8, max_len=len(prompt) + 1, growth="levels")
     drafter.begin(prompt)
     with torch.inference_mode():
         tree = drafter.propose(prompt, SamplingParams(), None, 8)

@@ -24,8 +24,9 @@ openai = pytest.importorskip("openai")
 
 from _server import ServerProcess, tiny_model_folder  # noqa: E402
 
+from stagedspec.models.draft_formats import truncated_copy  # noqa: E402
 from stagedspec.models.loading import load_model  # noqa: E402
-from stagedspec.pipeline import Pipeline, SpeculationConfig, truncated_copy  # noqa: E402
+from stagedspec.pipeline import Pipeline, SpeculationConfig  # noqa: E402
 from stagedspec.sampling import SamplingParams  # noqa: E402
 
 MODEL = "tiny-llama"

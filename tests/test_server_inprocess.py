@@ -82,7 +82,7 @@ def test_failed_load_is_reported(engine):
 
 def test_memory_budget_admission(engine):
     mem = engine.memory_model()
-    one = mem.request_kv(engine.cache_slots(2, 3, engine.speculation), engine.speculation.max_nodes, True)
+    one = mem.request_kv(engine.cache_slots(2, 3, engine.speculation), engine.speculation.max_tree_budget, True)
     budget = mem.weights + mem.scratch + one  # room for exactly one small request's KV
     # interleaved steps: tree scratch is counted once, so the rest is KV only
     with local_client(create_app(engine, max_memory=budget, log=lambda s: None, batch_passes=False)) as c:
@@ -144,14 +144,14 @@ def job(prompt_ids, max_tokens=8, spec=None):  # noqa: ANN001, ANN201
 def kv_of(engine, j: Job) -> int:  # noqa: ANN001
     spec = j.spec
     mem = engine.memory_model()
-    return mem.request_kv(engine.cache_slots(len(j.prompt_ids), j.max_tokens, spec), spec.max_nodes, True)
+    return mem.request_kv(engine.cache_slots(len(j.prompt_ids), j.max_tokens, spec), spec.max_tree_budget, True)
 
 
 def test_memory_pressure_shrinks_tree_budgets_in_steps_and_regrows(engine):
     """Admission under a small budget: a newcomer shrinks running trees a level (half the nodes) at a time,
     newest first, only as far as it needs; leftovers go back oldest first; a finish restores full trees."""
     spec = engine.speculation
-    N = spec.max_nodes  # 12: levels cap 12 (full), 6, 3, 1, 0 (root-only); rows charged = nodes + 2
+    N = spec.max_tree_budget  # 12: levels cap 12 (full), 6, 3, 1, 0 (root-only); rows charged = nodes + 2
     assert N == 12
     jobs = [job([5 + i, 6, 7], max_tokens=8) for i in range(4)]
     for j in jobs:
@@ -207,7 +207,7 @@ def test_capped_drafter_cuts_every_tree_to_its_level():
 
     lookup = LookupDrafter(None, True, chain_length=6)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
-    capped = CappedDrafter(lookup, max_nodes=12)
+    capped = CappedDrafter(lookup, max_tree_budget=12)
     capped.begin(prompt)
     greedy = SamplingParams(temperature=0.0)
     sizes = []
@@ -353,9 +353,9 @@ def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, m
     seen: list[tuple[int, SharedLoad | None]] = []
     real = AutoPolicy.choose
 
-    def choose(self, sampling, lookup_lengths, max_nodes=None, load=None, **kw):  # noqa: ANN001, ANN003, ANN202
+    def choose(self, sampling, lookup_lengths, max_tree_budget=None, load=None, **kw):  # noqa: ANN001, ANN003, ANN202
         seen.append((0 if sampling.greedy else 1, load))
-        return real(self, sampling, lookup_lengths, max_nodes, load, **kw)
+        return real(self, sampling, lookup_lengths, max_tree_budget, load, **kw)
 
     monkeypatch.setattr(AutoPolicy, "choose", choose)
     eng = dataclasses.replace(engine, learned=LearnedState(), speculation=SpeculationConfig(method="auto"))

@@ -219,7 +219,7 @@ def test_developer_role_is_rendered_as_system(client):
 
 def test_memory_error_names_the_tree_budget_that_caused_it(engine):
     mem = engine.memory_model()
-    fits = mem.request_kv(engine.cache_slots(3, 3, engine.speculation), engine.speculation.max_nodes, True)
+    fits = mem.request_kv(engine.cache_slots(3, 3, engine.speculation), engine.speculation.max_tree_budget, True)
     budget = mem.weights + mem.scratch + fits  # the default tree fits, a 100-node one does not
     with local_client(create_app(engine, max_memory=budget, log=lambda s: None, batch_passes=False)) as c:
         err = error_of(post(c, "completions", {**COMP, "speculation": {"tree_budget": 100}}))

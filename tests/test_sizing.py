@@ -72,8 +72,8 @@ def test_a_measured_method_prices_only_ar_and_its_own_arms() -> None:
         assert kinds == {"ar", method}
     assert arms_for(True, True, "cpu", None) == arms_for(True, True, "cpu")
     s = SpeculationConfig(method="tree", sizing="measured")
-    assert s.max_nodes == max(a.size for a in arms_for(True, True, "cuda", "tree"))
-    assert SpeculationConfig(method="tree").max_nodes < s.max_nodes  # fixed: its own sizes, as before
+    assert s.max_tree_budget == max(a.size for a in arms_for(True, True, "cuda", "tree"))
+    assert SpeculationConfig(method="tree").max_tree_budget < s.max_tree_budget  # fixed: its own sizes, as before
 
 
 @pytest.fixture(scope="module")

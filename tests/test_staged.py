@@ -56,7 +56,7 @@ def chain(levels: int, seed: int, sampling: SamplingParams, stage_cls=StageDraft
     """oracle <- (levels - 1) model stages <- toy tree drafter, over toy tables."""
     oracle_lm = TableLM(salt=seed)
     below = ToyDrafter(TableLM(salt=seed + 100, kind="good", oracle=oracle_lm),
-                       dict(mode="topk", budget=3, max_depth=2, branching=2))
+                       dict(mode="topk", tree_budget=3, max_depth=2, branching=2))
     for level in range(levels - 1, 0, -1):
         stage_lm = TableLM(salt=seed + 10 * level, kind="good", oracle=oracle_lm)
         below = stage_cls(ToyOracle(stage_lm), below, name=f"draft{level}", chain_length=k, branching=b)
@@ -68,7 +68,7 @@ def merged(levels: int, seed: int, sampling: SamplingParams, stage_cls=StageDraf
     `--method staged` merging prompt lookup): a sampled spine plus fixed nodes."""
     oracle, below, oracle_lm = chain(levels, seed, sampling, stage_cls, **kw)
     lookup_like = ToyDrafter(TableLM(salt=seed + 200, kind="bad", oracle=oracle_lm),
-                             dict(mode="topk", budget=3, max_depth=3, branching=1))
+                             dict(mode="topk", tree_budget=3, max_depth=3, branching=1))
     return oracle, MergedDrafter(below, lookup_like), oracle_lm
 
 
@@ -208,6 +208,6 @@ def test_merged_lookup_length_follows_the_machines_bf16(monkeypatch: pytest.Monk
     assert tuned("staged", device="cuda", dtype="bf16").merged_lookup_length == 8  # CUDA's own lookup length
     assert tuned("staged", dtype="bf16", lookup_chain_length=3).merged_lookup_length == 3
     assert tuned("staged", dtype="bf16", oracle_lookup_length=5).merged_lookup_length == 5
-    assert tuned("staged", dtype="bf16").max_nodes >= 3 + wide
+    assert tuned("staged", dtype="bf16").max_tree_budget >= 3 + wide
     with pytest.raises(Exception, match="oracle-lookup-length"):
         SpeculationConfig(method="staged", oracle_lookup_length=0)

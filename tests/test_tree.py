@@ -61,7 +61,7 @@ def all_candidates(draft: TableDraft, root: int, branching: int, max_depth: int)
 
 
 def test_mask_positions_and_paths_of_a_grown_tree() -> None:
-    tree = grow_tree(3, TableDraft(1), sampling=T1, generator=None, budget=12, max_depth=4, branching=3)
+    tree = grow_tree(3, TableDraft(1), sampling=T1, generator=None, tree_budget=12, max_depth=4, branching=3)
     n = len(tree)
     mask = tree.attention_mask()
     depths = tree.depths
@@ -89,12 +89,14 @@ def test_chain_and_root_only_geometry() -> None:
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("budget, max_depth, branching", [(1, 1, 1), (5, 2, 2), (16, 6, 4), (30, 3, 3), (40, 2, 3)])
-def test_topk_respects_budget_depth_and_branching(budget: int, max_depth: int, branching: int) -> None:
+@pytest.mark.parametrize("tree_budget, max_depth, branching",
+                         [(1, 1, 1), (5, 2, 2), (16, 6, 4), (30, 3, 3), (40, 2, 3)])
+def test_topk_respects_budget_depth_and_branching(tree_budget: int, max_depth: int, branching: int) -> None:
     draft = TableDraft(2)
-    tree = grow_tree(0, draft, sampling=T1, generator=None, budget=budget, max_depth=max_depth, branching=branching)
+    tree = grow_tree(0, draft, sampling=T1, generator=None, tree_budget=tree_budget, max_depth=max_depth,
+                     branching=branching)
     capacity = sum(branching**d for d in range(1, max_depth + 1))
-    assert len(tree) - 1 == min(budget, capacity)
+    assert len(tree) - 1 == min(tree_budget, capacity)
     assert tree.depth <= max_depth
     assert not tree.sampled and tree.proposer == ["root"] + ["draft"] * (len(tree) - 1)
     for u in range(len(tree)):
@@ -107,17 +109,18 @@ def test_topk_respects_budget_depth_and_branching(budget: int, max_depth: int, b
 
 
 @pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("budget", [1, 4, 9, 20])
-def test_topk_width_one_is_exact_best_first(seed: int, budget: int) -> None:
-    """width=1 yields the `budget` candidates of largest cumulative probability (brute force)."""
+@pytest.mark.parametrize("tree_budget", [1, 4, 9, 20])
+def test_topk_width_one_is_exact_best_first(seed: int, tree_budget: int) -> None:
+    """width=1 yields the `tree_budget` candidates of largest cumulative probability (brute force)."""
     draft = TableDraft(seed)
-    tree = grow_tree(4, draft, sampling=GREEDY, generator=None, budget=budget, max_depth=3, branching=3, width=1)
+    tree = grow_tree(4, draft, sampling=GREEDY, generator=None, tree_budget=tree_budget, max_depth=3, branching=3,
+                     width=1)
     scores = all_candidates(draft, 4, branching=3, max_depth=3)
-    best = set(sorted(scores, key=scores.get, reverse=True)[:budget])
+    best = set(sorted(scores, key=scores.get, reverse=True)[:tree_budget])
     assert node_paths(tree) == best
 
 
-def reference_rounds(draft: TableDraft, root: int, budget: int, max_depth: int, branching: int, width: int) -> set:
+def reference_rounds(draft: TableDraft, root: int, tree_budget: int, max_depth: int, branching: int, width: int) -> set:
     """The round-based growth, restated on paths with plain sorting: each round admits the `width`
     best candidates whose parents were expanded in earlier rounds."""
     probs = {(root,): 1.0}
@@ -129,30 +132,31 @@ def reference_rounds(draft: TableDraft, root: int, budget: int, max_depth: int, 
             values, tokens = draft.logits_at(path).softmax(-1).topk(branching)
             for q, t in zip(values.tolist(), tokens.tolist()):
                 frontier[path + (t,)] = probs[path] * q
-        take = sorted(frontier, key=lambda p: (-frontier[p], len(p)))[: min(width, budget - len(tree))]
+        take = sorted(frontier, key=lambda p: (-frontier[p], len(p)))[: min(width, tree_budget - len(tree))]
         if not take:
             break
         for path in take:
             probs[path] = frontier.pop(path)
             tree.add(path)
-        left = budget - len(tree) > 0
+        left = tree_budget - len(tree) > 0
         expanded = [p for p in take if len(p) - 1 < max_depth] if left else []
     return tree
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("budget, max_depth, width", [(8, 3, 2), (16, 6, None), (12, 2, 5), (10, 4, 10)])
-def test_topk_rounds_admit_the_best_of_the_frontier(seed: int, budget: int, max_depth: int, width: int | None) -> None:
+@pytest.mark.parametrize("tree_budget, max_depth, width", [(8, 3, 2), (16, 6, None), (12, 2, 5), (10, 4, 10)])
+def test_topk_rounds_admit_the_best_of_the_frontier(seed: int, tree_budget: int, max_depth: int,
+                                                    width: int | None) -> None:
     draft = TableDraft(seed + 10)
-    tree = grow_tree(1, draft, sampling=GREEDY, generator=None, budget=budget, max_depth=max_depth, branching=3,
-                     width=width)
-    w = width or math.ceil(budget / max_depth)
-    assert node_paths(tree) == reference_rounds(draft, 1, budget, max_depth, 3, w)
+    tree = grow_tree(1, draft, sampling=GREEDY, generator=None, tree_budget=tree_budget, max_depth=max_depth,
+                     branching=3, width=width)
+    w = width or math.ceil(tree_budget / max_depth)
+    assert node_paths(tree) == reference_rounds(draft, 1, tree_budget, max_depth, 3, w)
 
 
 def test_topk_batches_one_expand_per_round() -> None:
     draft = TableDraft(3)
-    tree = grow_tree(0, draft, sampling=T1, generator=None, budget=16, max_depth=6, branching=4)
+    tree = grow_tree(0, draft, sampling=T1, generator=None, tree_budget=16, max_depth=6, branching=4)
     width = math.ceil(16 / 6)
     assert draft.calls[0] == [0]
     assert tree.draft_passes == len(draft.calls) <= 1 + math.ceil(16 / width)
@@ -162,29 +166,29 @@ def test_topk_batches_one_expand_per_round() -> None:
     assert all(tree.depths[n] < 6 for n in expanded)
     # width=1 is best-first one node per pass; budget 0 never calls the draft.
     one = TableDraft(3)
-    grow_tree(0, one, sampling=T1, generator=None, budget=5, max_depth=6, branching=4, width=1)
+    grow_tree(0, one, sampling=T1, generator=None, tree_budget=5, max_depth=6, branching=4, width=1)
     assert len(one.calls) == 5 and all(len(c) == 1 for c in one.calls)
     none = TableDraft(3)
-    root_only = grow_tree(9, none, sampling=T1, generator=None, budget=0)
+    root_only = grow_tree(9, none, sampling=T1, generator=None, tree_budget=0)
     assert len(root_only) == 1 and root_only.tokens == [9] and none.calls == []
 
 
 def test_topk_scores_with_temperature_one_softmax_when_greedy() -> None:
-    greedy = grow_tree(2, TableDraft(5), sampling=GREEDY, generator=None, budget=10, max_depth=3, branching=3)
-    t1 = grow_tree(2, TableDraft(5), sampling=T1, generator=None, budget=10, max_depth=3, branching=3)
+    greedy = grow_tree(2, TableDraft(5), sampling=GREEDY, generator=None, tree_budget=10, max_depth=3, branching=3)
+    t1 = grow_tree(2, TableDraft(5), sampling=T1, generator=None, tree_budget=10, max_depth=3, branching=3)
     assert (greedy.tokens, greedy.parents) == (t1.tokens, t1.parents)
 
 
 def test_topk_skips_tokens_the_draft_cannot_produce() -> None:
     """Under top-k sampling a token outside the draft's top-k has q = 0 and gets no slot."""
     tree = grow_tree(0, TableDraft(6), sampling=SamplingParams(temperature=1.0, top_k=2), generator=None,
-                     budget=20, max_depth=2, branching=4)
+                     tree_budget=20, max_depth=2, branching=4)
     assert len(tree) - 1 == 2 + 4
     assert all(len(tree.children(u)) <= 2 for u in range(len(tree)))
 
 
 def test_topk_branching_per_depth() -> None:
-    tree = grow_tree(0, TableDraft(7), sampling=T1, generator=None, budget=50, max_depth=5, branching=[3, 2])
+    tree = grow_tree(0, TableDraft(7), sampling=T1, generator=None, tree_budget=50, max_depth=5, branching=[3, 2])
     assert tree.depth == 2 and len(tree) - 1 == 3 + 6
 
 
@@ -194,16 +198,16 @@ def test_topk_branching_per_depth() -> None:
 
 
 @pytest.mark.parametrize(
-    "branching, budget, max_depth",
+    "branching, tree_budget, max_depth",
     [([3, 2, 1], 16, 6), ([2, 2, 2], 6, 6), ([1, 1, 1], 16, 6), (2, 16, 3), ([4, 3], 10, 1)],
 )
-def test_sampled_shape_is_fixed_in_advance(branching: int | list[int], budget: int, max_depth: int) -> None:
+def test_sampled_shape_is_fixed_in_advance(branching: int | list[int], tree_budget: int, max_depth: int) -> None:
     """Whatever is drawn, the shape (parents) is the same: it depends on the parameters alone."""
     shapes = set()
     for seed in range(30):
         gen = torch.Generator().manual_seed(seed)
         draft = TableDraft(seed, scale=1.0)  # a different draft each time: full support, varying draws
-        tree = grow_tree(0, draft, sampling=T1, generator=gen, mode="sampled", budget=budget,
+        tree = grow_tree(0, draft, sampling=T1, generator=gen, mode="sampled", tree_budget=tree_budget,
                          max_depth=max_depth, branching=branching)
         shapes.add(tuple(tree.parents))
         assert tree.sampled
@@ -215,7 +219,7 @@ def test_sampled_shape_is_fixed_in_advance(branching: int | list[int], budget: i
         assert tree.draft_passes == len(draft.calls) == tree.depth  # one pass per level
     assert len(shapes) == 1
     bs = [branching] * max_depth if isinstance(branching, int) else branching[:max_depth]
-    template = _sampled_template(budget, bs)
+    template = _sampled_template(tree_budget, bs)
     assert len(tree) == len(template)
 
 
@@ -270,7 +274,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(StagedSpecError, match="mode"):
         grow_tree(0, TableDraft(), sampling=T1, generator=None, mode="beam")
     with pytest.raises(StagedSpecError):
-        grow_tree(0, TableDraft(), sampling=T1, generator=None, budget=-1)
+        grow_tree(0, TableDraft(), sampling=T1, generator=None, tree_budget=-1)
     with pytest.raises(StagedSpecError):
         grow_tree(0, TableDraft(), sampling=T1, generator=None, width=0)
     with pytest.raises(ValueError, match="shape"):

@@ -155,7 +155,7 @@ class Arm:
         return f"{self.kind}+" if self.lookup else self.kind
 
     @property
-    def max_nodes(self) -> int:
+    def max_tree_budget(self) -> int:
         """Most non-root nodes this arm can put in the oracle's tree."""
         if self.kind == "lookup":
             return 3 * self.size  # the context chain and two n-gram chains
@@ -750,10 +750,10 @@ class AutoPolicy:
         return self.greedy_stats if sampling.greedy else self.sampled_stats
 
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
-               max_nodes: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False,
+               max_tree_budget: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False,
                explore: bool = False, backlog: Mapping[str, int] | None = None, remaining: int = 0,
                stats: AcceptanceStats | None = None, realized: RealizedRates | None = None) -> Arm:
-        """The arm to run; `max_nodes`: only arms whose trees fit that many nodes (`ar` always does);
+        """The arm to run; `max_tree_budget`: only arms whose trees fit that many nodes (`ar` always does);
         `load`: the batched round the step shares (priced alone when None); `explore`: an exploring step
         (`choose_arm`).
 
@@ -772,7 +772,7 @@ class AutoPolicy:
         (`AR_PROBE_BELOW`).  The other arms' times are measured whenever they run; without probes, `ar`
         would be priced by a scale the others taught once it stopped running.
         """
-        arms = self.arms if max_nodes is None else [a for a in self.arms if a.max_nodes <= max_nodes]
+        arms = self.arms if max_tree_budget is None else [a for a in self.arms if a.max_tree_budget <= max_tree_budget]
         plain = Arm("ar")
         share = 0.5 if explore else min(1.0, 2.0 / max(1, remaining))
         catch_up = {kind: share * catch_up_seconds(Arm(kind), self.profile, n) for kind, n in (backlog or {}).items()}
@@ -889,7 +889,7 @@ class AutoDrafter(Drafter):
         self._realized = RealizedRates()
         # Most nodes a tree may have (None: any arm), set by the server under memory pressure
         # (`stagedspec.server.pressure`): arms that could exceed it are not picked, rather than cut.
-        self.node_cap: int | None = None
+        self.tree_budget_cap: int | None = None
         # The batched round this request's next step shares, set by the server's scheduler between rounds
         # (never for a seeded sampled request, whose choices must not depend on its neighbours): see
         # `SharedLoad`.  None: priced alone.
@@ -938,7 +938,7 @@ class AutoDrafter(Drafter):
             with self.policy.lock:
                 probe = self.policy.stats_for(sampling).arm_steps.get(Arm("ar"), 0) < AR_PROBE_MIN_STEPS
         again, self._exploring = self._exploring, None
-        if again is not None and (self.node_cap is None or again.max_nodes <= self.node_cap):
+        if again is not None and (self.tree_budget_cap is None or again.max_tree_budget <= self.tree_budget_cap):
             arm = self.policy.choose_again(again)  # an exploration's second step: its time is measured warm
         elif not due and self.shared_load is None:
             # Deep in a run of `ar` steps, between lookup probes: nothing new to weigh (no chains looked at,
@@ -954,7 +954,7 @@ class AutoDrafter(Drafter):
             explore = self._until_explore <= 0 and self.policy.learn_times
             backlog = {a.kind: len(context) - self._synced.get(id(self.arms[a][0]), 0)
                        for a in self.policy.arms if a.kind in ("tree", "staged")}
-            arm = self.policy.choose(sampling, lengths, self.node_cap, self.shared_load, probe_plain=probe,
+            arm = self.policy.choose(sampling, lengths, self.tree_budget_cap, self.shared_load, probe_plain=probe,
                                      explore=explore, backlog=backlog, remaining=max_tokens,
                                      stats=self._own_stats(sampling), realized=self._realized_now())
             self._pace_exploration(arm, explore)

@@ -26,12 +26,13 @@ then a deterministic function of the context).  Every sample still goes through 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -325,15 +326,27 @@ class CheckConfig:
 
 
 class _Loaded:
-    """The oracle in one dtype, its drafts and the n-gram: what every pipeline of that dtype shares."""
+    """The oracle in one dtype, its drafts and the n-gram: what every pipeline of that dtype shares.
 
-    def __init__(self, cfg: CheckConfig, dtype: torch.dtype, quant: str, ngram: Any, tokenizer: Any = None) -> None:
+    `reference_only`: these models are only the fp32 reference of the greedy test, not what the user serves
+    (`--quant`, or bf16).  Then nothing about their speed is measured: they run plain `F.linear` (timing
+    the fp32 kernels of the Qwen2.5-Coder 1.5B/0.5B pair took 7 minutes on two cores) and `auto` is priced
+    by `reference_profile` (their fp32 cost profile took 3.5 minutes more).  Neither changes what is
+    tested: every method still runs the same kernels as `ar`, and every speed row comes from the serving
+    dtype's runs.
+    """
+
+    def __init__(self, cfg: CheckConfig, dtype: torch.dtype, quant: str, ngram: Any,
+                 reference_only: bool = False) -> None:
         from stagedspec.models.loading import load_model
         from stagedspec.pipeline import load_draft_model
 
-        self.model, self.tokenizer = load_model(cfg.oracle, dtype=dtype, device=cfg.device, quant=quant)
-        self.drafts = [load_draft_model(cfg.draft, self.model, self.tokenizer, dtype, cfg.device)] if cfg.draft else []
-        self.ngram, self.quant = ngram, quant
+        with _plain_matmuls() if reference_only else contextlib.nullcontext():
+            self.model, self.tokenizer = load_model(cfg.oracle, dtype=dtype, device=cfg.device, quant=quant)
+            self.drafts = [load_draft_model(cfg.draft, self.model, self.tokenizer, dtype, cfg.device)] \
+                if cfg.draft else []
+        self.ngram, self.quant, self.device = ngram, quant, cfg.device
+        self.auto_profile = reference_profile() if reference_only else None
 
     def pipeline(self, method: str, bit_exact: bool = False) -> Any:
         from stagedspec.pipeline import Pipeline, SpeculationConfig
@@ -342,7 +355,44 @@ class _Loaded:
         drafts = [] if method in ("ar", "lookup") else self.drafts
         pipe = Pipeline(self.model, self.tokenizer, drafts, spec, self.ngram)
         pipe.bit_exact = bit_exact
+        if method == "auto" and self.auto_profile is not None:
+            from stagedspec.auto import AutoPolicy, arms_for
+
+            arms = arms_for(self.ngram is not None or spec.context, bool(drafts), self.device)
+            pipe.learned.set_policy("auto", AutoPolicy(arms, self.auto_profile, learn_times=False))
         return pipe
+
+    def release_models(self) -> None:
+        """Drop the models (the tokenizer and n-gram stay): the fp32 reference of a 1.5B pair is 8 GB, and the
+        serving models are loaded after it."""
+        self.model, self.drafts = None, []
+
+
+@contextlib.contextmanager
+def _plain_matmuls() -> Iterator[None]:
+    """Models loaded inside run every fp32 linear layer as `F.linear`, untimed (`models.matmul_plan`'s switch)."""
+    import os
+
+    from stagedspec.models.matmul_plan import OFF_ENV
+
+    before = os.environ.get(OFF_ENV)
+    os.environ[OFF_ENV] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[OFF_ENV]
+        else:
+            os.environ[OFF_ENV] = before
+
+
+def reference_profile() -> Any:
+    """Prices for `auto` on reference-only models: every pass nearly free, so it takes every arm (lookup,
+    trees, staged) in turn by acceptance alone rather than settling on one; a hand-made profile is never
+    saved, so nothing learned here reaches the user's cache."""
+    from stagedspec.costs import CostProfile
+
+    return CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
 
 
 def methods_for(has_draft: bool) -> list[tuple[str, str | None]]:
@@ -366,7 +416,8 @@ def run_check(cfg: CheckConfig, out: Callable[[str], None] = print) -> Report:
     report = Report()
     t_start = time.perf_counter()
 
-    fp32 = _Loaded(cfg, torch.float32, "none", None)
+    serving_is_fp32 = serve_dtype == torch.float32 and cfg.quant == "none"
+    fp32 = _Loaded(cfg, torch.float32, "none", None, reference_only=not serving_is_fp32)
     tok = fp32.tokenizer
     if cfg.ngram:
         from stagedspec.drafters.ngram_files import load_ngram
@@ -388,10 +439,12 @@ def run_check(cfg: CheckConfig, out: Callable[[str], None] = print) -> Report:
         f"{len(prompts)} {'chat-formatted ' if chat else ''}HumanEval prompts x {budget.new_tokens} tokens; "
         f"{budget.samples} samples per sampling row")
 
-    serving_is_fp32 = serve_dtype == torch.float32 and cfg.quant == "none"
     speeds = _greedy(report, fp32, "fp32", prompts, budget.new_tokens, cfg.draft is not None, bit_exact=False)
     serve = fp32
     if not serving_is_fp32:
+        report.notes.append("fp32 is the reference here, not the serving dtype: its auto run priced every arm as "
+                            "nearly free (each takes turns), and its speed was not measured")
+        fp32.release_models()
         serve = _Loaded(cfg, serve_dtype, cfg.quant, fp32.ngram)
         label = dtype_name(serve_dtype) + (f"+{cfg.quant}" if cfg.quant != "none" else "") + " bit-exact"
         _greedy(report, serve, label, prompts, budget.new_tokens, cfg.draft is not None, bit_exact=True)
@@ -476,7 +529,7 @@ def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
 def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[int], continuation: list[int],
               sampling: SamplingParams, n: int) -> None:
     from stagedspec.generation import ModelOracle, context_budget
-    from stagedspec.pipeline import truncated_copy
+    from stagedspec.models.draft_formats import truncated_copy
 
     label = _sampling_label(sampling)
     method = "tree" if loaded.drafts else "lookup"
@@ -510,7 +563,7 @@ def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[in
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the samples are small-tensor work: one thread avoids barrier costs
     try:
-        max_len = context_budget(loaded.model, len(context), 4, loaded.pipeline(method).speculation.max_nodes)
+        max_len = context_budget(loaded.model, len(context), 4, loaded.pipeline(method).speculation.max_tree_budget)
         real_oracle = _ReusedOracle(ModelOracle(loaded.model, max_len))
         drafter = _ReusedDrafter(loaded.pipeline(method).drafter(max_len))
         t0 = time.perf_counter()

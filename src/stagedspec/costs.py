@@ -431,7 +431,7 @@ def draft_pass_overhead(draft: Transformer, curve: Mapping[int, float], repeats:
             # over the curve's 256-token context: a shorter one made the passes cheaper than the curve says,
             # and the host work came out too small
             length = max(2, min(256, draft.config.max_position - repeats - 16))
-            drafter = ModelDrafter(draft, method="tree", budget=8, max_depth=4, branching=2,
+            drafter = ModelDrafter(draft, method="tree", tree_budget=8, max_depth=4, branching=2,
                                    max_len=length + repeats + 16)
             context = torch.randint(0, vocab, (length,), generator=g).tolist()
             drafter.begin(context)

@@ -241,7 +241,7 @@ def generate_ar(
     )
 
 
-def context_budget(model: Transformer, prompt_len: int, max_new_tokens: int, tree_nodes: int) -> int:
+def context_budget(model: Transformer, prompt_len: int, max_new_tokens: int, max_tree_budget: int) -> int:
     """Cache slots for a request, after checking it fits the model's context window.
 
     The size depends on the method only through trees of over `TREE_SLACK`
@@ -255,7 +255,7 @@ def context_budget(model: Transformer, prompt_len: int, max_new_tokens: int, tre
             f"context of {limit} tokens"
         )
     used = prompt_len + max_new_tokens + 1
-    slack = TREE_SLACK * max(1, -(-tree_nodes // TREE_SLACK))
+    slack = TREE_SLACK * max(1, -(-max_tree_budget // TREE_SLACK))
     return -(-used // TREE_SLACK) * TREE_SLACK + slack
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -24,9 +23,10 @@ from stagedspec.generation import (
     speculative_generate,
 )
 from stagedspec.learned_state import LearnedState
+from stagedspec.models.draft_formats import DraftSource, draft_format, load_draft_spec
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions, PassRuntime
-from stagedspec.runner import RunnerLeases, draft_cache_len
+from stagedspec.runner import RequestPasses, draft_cache_len
 from stagedspec.sampling import SamplingParams
 from stagedspec.tokenizer import tokenizer_fingerprint
 
@@ -231,12 +231,12 @@ class SpeculationConfig:
         return self.oracle_lookup_length or self.lookup_chain_length
 
     @property
-    def max_nodes(self) -> int:
+    def max_tree_budget(self) -> int:
         """Most tree nodes the oracle may be asked to verify in one step."""
         if self.measured:  # the biggest arm the policy may run on any device
             from stagedspec.auto import arms_for
 
-            return max(arm.max_nodes for arm in arms_for(True, True, "cuda", sized_method(self.method)))
+            return max(arm.max_tree_budget for arm in arms_for(True, True, "cuda", sized_method(self.method)))
         lookup = self.merged_lookup_length if self.oracle_lookup else 0
         staged = self.stage_chain_length * self.stage_branching + lookup
         return max(self.tree_budget, self.chain_length, staged, self.lookup_chain_length * 3)
@@ -302,19 +302,6 @@ def parse_stages(specs: Sequence[str]) -> tuple[str, list[str], str | None, bool
     return specs[0], middle, ngram, context
 
 
-def truncated_copy(oracle: Transformer, n_layers: int) -> Transformer:
-    """The oracle's first `n_layers` layers with its embeddings, final norm and head (shared, not copied:
-    `Transformer.truncated_copy`).
-
-    A weak but always-available draft that shares the vocabulary by construction.
-    """
-    if not 1 <= n_layers < oracle.config.n_layers:
-        raise StagedSpecError(
-            f"a truncated draft needs 1..{oracle.config.n_layers - 1} layers, got {n_layers}"
-        )
-    return oracle.truncated_copy(n_layers)
-
-
 def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
                      weights: str = "auto") -> Transformer:
     """Resolve a --draft SPEC: `layers:N`, a distilled draft folder, an HF folder or a .gguf.
@@ -336,7 +323,7 @@ def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch
     source is not one (a distilled draft, `layers:N`, an HF folder, a float GGUF)."""
     from stagedspec.models.quant import resolve_quant
 
-    if spec.startswith("layers:") or spec == "default" or (Path(spec) / "draft_config.json").exists():
+    if draft_format(spec).name != "checkpoint":
         return None
     try:
         if resolve_quant("auto", spec, device) != "mixed":
@@ -349,41 +336,8 @@ def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch
 def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
                 quant: str = "none") -> Transformer:
     """The draft `spec`, its passes run with its oracle's options: a pipeline's models share one `PassOptions`."""
-    draft = _draft_from_spec(spec, oracle, oracle_tokenizer, dtype, device, quant)
+    draft = load_draft_spec(spec, DraftSource(oracle, oracle_tokenizer, dtype, device, quant))
     draft.pass_runtime = PassRuntime(oracle.pass_runtime.options)
-    return draft
-
-
-def _draft_from_spec(spec: str, oracle: Transformer, oracle_tokenizer: Any, dtype: torch.dtype, device: str,
-                     quant: str) -> Transformer:
-    if spec.startswith("layers:"):
-        try:
-            n = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise StagedSpecError(f"bad draft spec {spec!r}: expected layers:N with an integer N") from None
-        return truncated_copy(oracle, n)
-    if spec == "default":
-        from stagedspec.models.draft import default_draft_dir
-
-        spec = str(default_draft_dir(tokenizer_fingerprint(oracle_tokenizer)))
-    path = Path(spec)
-    if (path / "draft_config.json").exists():
-        from stagedspec.models.draft_loading import load_draft
-
-        from stagedspec.models.matmul_plan import plan_matmuls
-
-        return plan_matmuls(load_draft(path, oracle, expected_fingerprint=tokenizer_fingerprint(oracle_tokenizer),
-                                       dtype=dtype, device=device))
-    from stagedspec.models.loading import load_model
-
-    draft, draft_tok = load_model(spec, dtype=dtype, device=device, quant=quant)
-    if draft.config.vocab_size != oracle.config.vocab_size or tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(
-        oracle_tokenizer
-    ):
-        raise StagedSpecError(
-            f"draft {spec} has a different vocabulary ({draft.config.vocab_size} tokens) from the oracle's "
-            f"({oracle.config.vocab_size} tokens): speculation needs a shared tokenizer"
-        )
     return draft
 
 
@@ -553,10 +507,11 @@ class Pipeline:
                         sized_method(method))
         return self.learned.policy(method, arms, self.cost_profile)
 
-    def _stage_chain(self, below: Drafter, max_len: int, chain_length: int,
-                     processor: LogitsProcessor | None = None) -> Drafter:
+    def _stage_chain(self, below: Drafter, max_len: int, chain_length: int, processor: LogitsProcessor | None,
+                     passes: RequestPasses | None) -> Drafter:
         """The draft models as stages, top one first, each decoding speculatively against the one below
-        (each stage's rows biased and masked by `processor`, as the oracle's are)."""
+        (each stage's rows biased and masked by `processor`, as the oracle's are; its passes run for
+        `passes`' request)."""
         from stagedspec.models.feature_draft import is_feature_draft
         from stagedspec.stages import StageDrafter
 
@@ -569,10 +524,12 @@ class Pipeline:
                     raise StagedSpecError("a feature draft can only be the top draft stage, right below the oracle")
                 from stagedspec.drafters.feature import FeatureStage
 
-                stage: Oracle = FeatureStage(self.draft_models[i], draft_cache_len(max_len, s.max_nodes))
+                stage: Oracle = FeatureStage(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget),
+                                             passes)
             else:
                 # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
-                stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_nodes), fixed_width=False)
+                stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget),
+                                    fixed_width=False, passes=passes)
             if processor is not None:
                 from stagedspec.constraints.processor import ConstrainedOracle
 
@@ -580,7 +537,8 @@ class Pipeline:
             below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
         return below
 
-    def _auto_drafter(self, max_len: int, reproducible: bool, processor: LogitsProcessor | None = None) -> Drafter:
+    def _auto_drafter(self, max_len: int, reproducible: bool, processor: LogitsProcessor | None,
+                      passes: RequestPasses | None) -> Drafter:
         """Every arm's drafter for `--method auto` or a measured method, sized per step by the policy (see
         `stagedspec.auto`).
 
@@ -608,16 +566,16 @@ class Pipeline:
         tree_arms = [a for a in policy.arms if a.kind == "tree"]
         if tree_arms:
             biggest = max(a.size for a in tree_arms)
-            tree = tree_drafter(self.draft_models[0], method="tree", budget=biggest,
+            tree = tree_drafter(self.draft_models[0], method="tree", tree_budget=biggest,
                                 max_depth=tree_depth_for(biggest), branching=2, max_len=max_len,
-                                growth=s.tree_growth, processor=processor)
+                                growth=s.tree_growth, processor=processor, passes=passes)
             for arm in tree_arms:
-                arms[arm] = (tree, [partial(tree.resize, budget=arm.size, max_depth=tree_depth_for(arm.size))])
+                arms[arm] = (tree, [partial(tree.resize, tree_budget=arm.size, max_depth=tree_depth_for(arm.size))])
         stage_arms = [a for a in policy.arms if a.kind == "staged"]
         if stage_arms:
             below = (LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
                      if has_lookup else NoDrafter())
-            top = self._stage_chain(below, max_len, max(STAGE_SIZES), processor)
+            top = self._stage_chain(below, max_len, max(STAGE_SIZES), processor, passes)
             staged: Drafter = top
             merged_lookup = None
             if s.context:
@@ -643,30 +601,32 @@ class Pipeline:
             raise StagedSpecError("the prompt is empty after tokenisation")
         return ids
 
-    def drafter(self, max_len: int, reproducible: bool = False, processor: LogitsProcessor | None = None) -> Drafter:
+    def drafter(self, max_len: int, reproducible: bool = False, processor: LogitsProcessor | None = None,
+                passes: RequestPasses | None = None) -> Drafter:
         """The drafter of one request; `reproducible` asks `auto` for seed-reproducible choices; `processor`
         (the request's logit bias and grammar, `logits_processor`) shapes every draft row as it shapes the
-        oracle's."""
+        oracle's; `passes`: the request its draft models run for (router and runner leases, `RequestPasses`;
+        None: a drafter of its own, whose runners go back when it is collected)."""
         s = self.speculation
         if s.method == "ar":
             return NoDrafter()
         if s.measured:
-            return self._auto_drafter(max_len, reproducible, processor)
+            return self._auto_drafter(max_len, reproducible, processor, passes)
         if s.method in ("chain", "tree"):
             adaptive = None
             if s.method == "tree" and s.adaptive_budget:
                 from stagedspec.budget import AdaptiveBudget
 
                 adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
-            return tree_drafter(self.draft_models[0], method=s.method, budget=s.tree_budget, max_depth=s.tree_depth,
-                                branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive,
-                                growth=s.tree_growth, processor=processor)
+            return tree_drafter(self.draft_models[0], method=s.method, tree_budget=s.tree_budget,
+                                max_depth=s.tree_depth, branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive,
+                                growth=s.tree_growth, processor=processor, passes=passes)
         from stagedspec.drafters.lookup import LookupDrafter
 
         below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
         if s.method == "lookup":
             return below
-        below = self._stage_chain(below, max_len, s.stage_chain_length, processor)
+        below = self._stage_chain(below, max_len, s.stage_chain_length, processor, passes)
         if s.oracle_lookup and s.context:
             from stagedspec.drafters.merged import MergedDrafter
 
@@ -722,21 +682,12 @@ class Pipeline:
         if max_new_tokens < 1:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
-        max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_nodes)
+        max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_tree_budget)
         if self.bit_exact and str(self.device) == "cpu" and not self._warned_amx:
             self._warned_amx = True
             _warn_amx_bit_exact()
         processor = self.logits_processor(controls)
         governor = self.thread_governor()
-        leases = RunnerLeases()  # the runners this request's oracle and drafters hold, given back when it ends
-        with leases.taking():
-            oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact)
-            if processor is not None:
-                from stagedspec.constraints.processor import ConstrainedOracle
-
-                oracle = ConstrainedOracle(oracle, processor, settles=True)
-            drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy,
-                                   processor=processor)
         stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []
         held = ""  # decoded text held back while it could still begin a stop string
@@ -765,13 +716,21 @@ class Pipeline:
             held = held[cut:]
             return False
 
+        passes = RequestPasses()  # the runners this request's oracle and drafters hold, given back when it ends
         try:
+            oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact, passes=passes)
+            if processor is not None:
+                from stagedspec.constraints.processor import ConstrainedOracle
+
+                oracle = ConstrainedOracle(oracle, processor, settles=True)
+            drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy,
+                                   processor=processor, passes=passes)
             result = speculative_generate(
                 oracle, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                 stop_token_ids=self.tokenizer.eos_token_ids, on_tokens=on_tokens,
             )
         finally:
-            leases.release()
+            passes.release()
         if not hit_stop:
             emit(held + stream.flush())
         result.stats.stages = stage_report(result.stats, drafter)

@@ -36,11 +36,9 @@ it) and "graphs" (the CUDA default).
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -345,41 +343,20 @@ class StaticRunner:
         return graph
 
 
-_route = threading.local()
-
-
 class PassRouter:
-    """Where a thread's eager model passes go instead of straight to the model (see `routed_passes`)."""
+    """Where a request's eager model passes go instead of straight to the model (`RequestPasses.router`)."""
 
     def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache, **kwargs) -> Tensor:  # noqa: ANN001
         raise NotImplementedError
 
 
-def routed_passes(router: PassRouter | None) -> None:
-    """Send this thread's eager passes (`run_model`) to `router` from now on (None: to the model again).
-
-    Why: the server's batched scheduler runs each request's decoding loop on
-    its own thread and gathers their passes into one ragged pass
-    (`stagedspec.server.batching`); the loop itself stays the solo code.
-    """
-    _route.router = router
-
-
-def run_model(model: Transformer, tokens: Tensor, positions: Tensor, cache, **kwargs) -> Tensor:  # noqa: ANN001
-    """`model(tokens, positions, cache, **kwargs)`, or through this thread's router when one is set."""
-    router = getattr(_route, "router", None)
-    if router is None:
-        return model(tokens, positions, cache, **kwargs)
-    return router(model, tokens, positions, cache, **kwargs)
-
-
-def draft_cache_len(max_len: int, tree_nodes: int) -> int:
+def draft_cache_len(max_len: int, max_tree_budget: int) -> int:
     """Cache entries of a drafter or draft stage: the request's context, its own tree nodes and the root.
 
     The one place a draft's cache is sized (`Pipeline`, `ModelDrafter`); the
     oracle's comes from `generation.context_budget`.
     """
-    return max_len + tree_nodes + 1
+    return max_len + max_tree_budget + 1
 
 
 def runner_capacity(max_len: int) -> int:
@@ -400,7 +377,7 @@ class RunnerLease:
 
     def __init__(self, runner: StaticRunner, owner: object) -> None:
         self.runner = runner
-        # The fallback: an owner dropped without its request's `RunnerLeases.release` (an oracle or drafter built
+        # The fallback: an owner dropped without its request's `RequestPasses.release` (an oracle or drafter built
         # by hand, as library code and tests do; a request that failed half-built) gives its runner back when it
         # is collected, so that a pool never fills with runners nobody holds.
         self._on_collect = weakref.finalize(owner, self._give_back)
@@ -417,45 +394,11 @@ class RunnerLease:
             self.runner.lease = None
 
 
-_taking = threading.local()  # the `RunnerLeases` that records this thread's new leases (`RunnerLeases.taking`)
-
-
-class RunnerLeases:
-    """The runners one request's oracle, drafters and stages lease, given back together when it ends.
-
-    Why the request and not each part: the parts lease a runner when they
-    are built, deep inside the drafter a pipeline builds for the request
-    (`Pipeline.drafter`), and none of them knows when the request is over;
-    the request's own code does.  It builds them inside `taking()`, on its
-    thread, and calls `release()` when it is done with them (`Pipeline.generate`,
-    the server's scheduler).
-    """
-
-    def __init__(self) -> None:
-        self.leases: list[RunnerLease] = []
-
-    @contextlib.contextmanager
-    def taking(self) -> Iterator[RunnerLeases]:
-        """Record here every runner leased on this thread inside the block."""
-        outer = getattr(_taking, "leases", None)
-        _taking.leases = self
-        try:
-            yield self
-        finally:
-            _taking.leases = outer
-
-    def release(self) -> None:
-        """Give every recorded runner back to its pool; the parts that held them must not run passes after."""
-        leases, self.leases = self.leases, []
-        for lease in leases:
-            lease.release()
-
-
 def acquire_runner(model: Transformer, max_len: int, owner: object, *, min_rows: int = 1) -> StaticRunner:
     """A free pooled runner of `model` with room for `max_len` entries, leased to `owner`.
 
-    The lease ends with the `RunnerLeases` taking it (the request's end), or
-    when `owner` is collected, whichever comes first.
+    The lease ends when `owner` is collected, or earlier with the request that
+    recorded it (`RequestPasses.acquire`, `RequestPasses.release`).
     """
     mode = pass_mode(model)
     cap = runner_capacity(max_len)
@@ -471,13 +414,56 @@ def acquire_runner(model: Transformer, max_len: int, owner: object, *, min_rows:
                     pool.remove(idle)
             if len(pool) < POOL_LIMIT:
                 pool.append(runner)
-        lease = runner.lease = RunnerLease(runner, owner)
-    taking: RunnerLeases | None = getattr(_taking, "leases", None)
-    if taking is not None:
-        taking.leases.append(lease)
+        runner.lease = RunnerLease(runner, owner)
     runner.cache.reset()
     runner.keep_hidden = False  # a new lease asks for hidden states again if it wants them
     return runner
+
+
+class RequestPasses:
+    """One request's way to its models: where its eager passes go, and the pooled runners its parts lease.
+
+    The request's own code makes one, hands it to every part that runs
+    passes while it builds them (`ModelOracle`, the drafters and draft stages
+    `Pipeline.drafter` builds), and calls `release()` when it is done with
+    them (`Pipeline.generate`, the server's scheduler when it finishes a
+    request).  Why the request and not each part: the parts are built deep
+    inside the drafter a pipeline builds for the request, and none of them
+    knows when the request is over; the request's code does.  Why an object
+    and not the thread: the parts hold what they run through, so whichever
+    thread runs them, and however many requests a process runs at once,
+    nothing is looked up in process-wide state.
+
+    A part built without one (by hand, as library code and tests do) gets
+    one of its own: its passes go straight to the model, and its runner goes
+    back to the pool when the part is collected.
+    """
+
+    def __init__(self, router: PassRouter | None = None) -> None:
+        """`router`: where the eager passes go (None: to the model).  The server's batched scheduler gives
+        each request its lane (`stagedspec.server.batching`), which gathers the passes of all running
+        requests into one ragged pass while the request's loop stays the solo code."""
+        self.router = router
+        self.leases: list[RunnerLease] = []
+
+    def run(self, model: Transformer, tokens: Tensor, positions: Tensor, cache, **kwargs) -> Tensor:  # noqa: ANN001
+        """`model(tokens, positions, cache, **kwargs)`, or through this request's router when it has one."""
+        if self.router is None:
+            return model(tokens, positions, cache, **kwargs)
+        return self.router(model, tokens, positions, cache, **kwargs)
+
+    def acquire(self, model: Transformer, max_len: int, owner: object, *, min_rows: int = 1) -> StaticRunner:
+        """`acquire_runner`, the lease recorded here so that `release` gives it back."""
+        runner = acquire_runner(model, max_len, owner, min_rows=min_rows)
+        assert runner.lease is not None
+        self.leases.append(runner.lease)
+        return runner
+
+    def release(self) -> None:
+        """Give every recorded runner back to its pool; the parts that held them must not run passes after."""
+        leases, self.leases = self.leases, []
+        for lease in leases:
+            lease.release()
 
 
 def wants_fixed_width(model: Transformer) -> bool:
@@ -498,7 +484,7 @@ class ModelOracle:
     """
 
     def __init__(self, model: Transformer, max_len: int, fixed_width: bool | None = None,
-                 bit_exact: bool = False) -> None:
+                 bit_exact: bool = False, passes: RequestPasses | None = None) -> None:
         """`fixed_width` (default: on for bf16/fp16 weights): run every pass over the whole cache's key
         width, with at least two rows, and the uncached prompt in a pass of its own, so that a row's
         logits depend as little as possible on the pass it is in (see `Transformer.forward` and
@@ -511,8 +497,11 @@ class ModelOracle:
         `bit_exact` (with the fixed width): attention runs one token at a time, and greedy steps
         drop what was accepted off the tree's first-child chain (`keep_slot_aligned`), so every
         method's output is bit-identical to one-token decoding with the same flag; it costs about
-        10-20% of `ar`'s speed and most of what speculation gains (docs/benchmarks.md)."""
+        10-20% of `ar`'s speed and most of what speculation gains (docs/benchmarks.md).
+
+        `passes`: the request this oracle runs for (its router and runner leases; see `RequestPasses`)."""
         self.model = model
+        self.passes = passes if passes is not None else RequestPasses()
         if fixed_width is None:
             fixed_width = wants_fixed_width(model)
         # Attention runs one token at a time (`Transformer.forward`, row_independent), and greedy
@@ -523,7 +512,7 @@ class ModelOracle:
         self.runner = None
         if pass_mode(model) != "eager" and not self.bit_exact:
             min_rows = 2 if fixed_width and model.embed.weight.device.type == "cpu" else 1
-            self.runner = acquire_runner(model, max_len, self, min_rows=min_rows)
+            self.runner = self.passes.acquire(model, max_len, self, min_rows=min_rows)
             self.cache = self.runner.cache
         else:
             self.cache = model.new_cache(max_len)
@@ -620,9 +609,9 @@ class ModelOracle:
         self._tree = tree
         toks = torch.tensor([tokens], device=self.device)
         mask = None if mask is None else mask.to(self.device)
-        out = run_model(self.model, toks, pos.to(self.device), self.cache, tree_mask=mask,
-                        logits_rows=slice(P, P + N), key_width=self.key_width, row_independent=self.bit_exact,
-                        return_hidden="all" if self.features is not None else False)
+        out = self.passes.run(self.model, toks, pos.to(self.device), self.cache, tree_mask=mask,
+                              logits_rows=slice(P, P + N), key_width=self.key_width, row_independent=self.bit_exact,
+                              return_hidden="all" if self.features is not None else False)
         if self.features is None:
             return out[0]
         self._hidden = out[1][0, : P + N]
@@ -644,10 +633,10 @@ class ModelOracle:
         else:
             toks = torch.tensor([lead], device=self.device)
             pos = torch.arange(start, start + len(lead), device=self.device)
-            out = run_model(self.model, toks, pos, self.cache,
-                            tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
-                            logits_rows=slice(-1, None), key_width=self.key_width,
-                            return_hidden="all" if self.features is not None else False)
+            out = self.passes.run(self.model, toks, pos, self.cache,
+                                  tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
+                                  logits_rows=slice(-1, None), key_width=self.key_width,
+                                  return_hidden="all" if self.features is not None else False)
             self._hidden = out[1][0] if self.features is not None else None
         self.forward_passes += 1  # counted: the bench's passes per token and memory traffic include it
         self.cache.commit()

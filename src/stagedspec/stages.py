@@ -117,10 +117,10 @@ class StageDrafter(Drafter):
         if hasattr(self.stage, "attach_oracle"):
             self.stage.attach_oracle(oracle)
 
-    def resize(self, *, chain_length: int | None = None, budget: int | None = None,
+    def resize(self, *, chain_length: int | None = None, tree_budget: int | None = None,
                max_depth: int | None = None) -> None:
         """`chain_length`: the tokens this stage decodes per proposal (`--method auto`'s `staged:k` arms)."""
-        super().resize(budget=budget, max_depth=max_depth)  # a stage has neither: refused
+        super().resize(tree_budget=tree_budget, max_depth=max_depth)  # a stage has neither: refused
         check_size("stage chain length", chain_length)
         if chain_length is not None:
             self.chain_length = chain_length

@@ -228,7 +228,7 @@ def grow_tree(
     sampling: SamplingParams,
     generator: torch.Generator | None,
     mode: str = "topk",
-    budget: int = 16,
+    tree_budget: int = 16,
     max_depth: int = 6,
     branching: int | list[int] = 4,
     width: int | None = None,
@@ -237,7 +237,7 @@ def grow_tree(
     """Grow a token tree rooted at `root_token` by calling the draft `expand` in rounds.
 
     The tree comes back in pre-order (`TokenTree.depth_first`).
-    `budget` counts proposed nodes (the root excluded); `max_depth` bounds
+    `tree_budget` counts proposed nodes (the root excluded); `max_depth` bounds
     path length; `branching` is the number of children a node may get (an int,
     or a list indexed by the parent's depth; depths past its end get none).
 
@@ -246,21 +246,21 @@ def grow_tree(
         a node's candidate children being its top-`branching` draft tokens.
         Each round admits the `width` best candidates of the frontier and
         expands (in one `expand` call) those that may still get children.
-        `width=1` is exact best-first (the `budget` highest-scoring nodes); a
+        `width=1` is exact best-first (the `tree_budget` highest-scoring nodes); a
         larger width trades a little of that for fewer draft passes (default
-        ceil(budget / max_depth): about one pass per level of a full-depth
+        ceil(tree_budget / max_depth): about one pass per level of a full-depth
         path).  Scores use the draft softmax at temperature 1 when greedy, else
         `probs_from_logits(logits, sampling)`.  Verification treats every child
         as a one-hot proposal, so any deterministic rule is exact.
     mode="sampled" (sampling only): see `_grow_sampled`; the children of a node
         are draws without replacement from its draft distribution, and how
         many there are is fixed in advance by (`branching`, `max_depth`,
-        `budget`) alone.
+        `tree_budget`) alone.
     """
     if mode not in ("topk", "sampled"):
         raise StagedSpecError(f"unknown tree mode {mode!r}: expected 'topk' or 'sampled'")
-    if budget < 0 or max_depth < 0:
-        raise StagedSpecError(f"tree budget and depth must be >= 0, got {budget} and {max_depth}")
+    if tree_budget < 0 or max_depth < 0:
+        raise StagedSpecError(f"tree budget and depth must be >= 0, got {tree_budget} and {max_depth}")
     if isinstance(branching, int):
         branching = [branching] * max_depth
     branching = list(branching)[:max_depth]
@@ -272,9 +272,9 @@ def grow_tree(
     if mode == "sampled":
         if sampling.greedy:
             raise StagedSpecError("sampled trees need temperature > 0; use mode='topk' for greedy decoding")
-        return _grow_sampled(tree, expand, sampling, generator, budget, branching, proposer).depth_first()
-    width = width or max(1, math.ceil(budget / max(1, max_depth)))
-    return _grow_topk(tree, expand, sampling, budget, branching, width, proposer).depth_first()
+        return _grow_sampled(tree, expand, sampling, generator, tree_budget, branching, proposer).depth_first()
+    width = width or max(1, math.ceil(tree_budget / max(1, max_depth)))
+    return _grow_topk(tree, expand, sampling, tree_budget, branching, width, proposer).depth_first()
 
 
 def _expand_checked(tree: TokenTree, expand: Expand, nodes: list[int]) -> Tensor:
@@ -289,7 +289,7 @@ def _grow_topk(
     tree: TokenTree,
     expand: Expand,
     sampling: SamplingParams,
-    budget: int,
+    tree_budget: int,
     branching: list[int],
     width: int,
     proposer: str,
@@ -304,7 +304,7 @@ def _grow_topk(
     def can_have_children(node: int) -> bool:
         return depth[node] < len(branching) and branching[depth[node]] > 0
 
-    to_expand = [0] if budget > 0 and can_have_children(0) else []
+    to_expand = [0] if tree_budget > 0 and can_have_children(0) else []
     while to_expand or frontier:
         if to_expand:
             logits = _expand_checked(tree, expand, to_expand)
@@ -320,7 +320,7 @@ def _grow_topk(
                     if q > 0:  # a token the draft cannot produce is never worth a slot
                         heapq.heappush(frontier, (-score[node] * q, depth[node] + 1, arrivals, node, tok))
                         arrivals += 1
-        quota = min(width, budget - (len(tree) - 1))
+        quota = min(width, tree_budget - (len(tree) - 1))
         if quota <= 0:
             break
         admitted = []
@@ -329,7 +329,7 @@ def _grow_topk(
             admitted.append(tree.add(parent, tok, proposer))
             depth.append(d)
             score.append(-neg_score)
-        budget_left = budget - (len(tree) - 1) > 0
+        budget_left = tree_budget - (len(tree) - 1) > 0
         to_expand = [n for n in admitted if can_have_children(n)] if budget_left else []
     tree.scores = score
     return tree
@@ -340,7 +340,7 @@ def _grow_sampled(
     expand: Expand,
     sampling: SamplingParams,
     generator: torch.Generator | None,
-    budget: int,
+    tree_budget: int,
     branching: list[int],
     proposer: str,
 ) -> TokenTree:
@@ -357,7 +357,7 @@ def _grow_sampled(
     longer distributed as q_i: e.g. "a second child only if the first draw was
     token a" makes the first child of a two-child node always a, and the
     acceptance rule then over- or under-emits a.  So the shape here is a fixed
-    template computed from (`branching`, max depth, `budget`) alone, filled
+    template computed from (`branching`, max depth, `tree_budget`) alone, filled
     breadth-first, parents in node order; the only deviation is that a node
     whose q has fewer nonzero tokens than its planned children gets only those
     (which depends on the path to it, never on the children drawn).
@@ -367,7 +367,7 @@ def _grow_sampled(
     k successive draws without replacement, in draw order, in one pass.
     """
     tree.sampled = True
-    template = _sampled_template(budget, branching)  # planned child counts per template node
+    template = _sampled_template(tree_budget, branching)  # planned child counts per template node
     level = [(0, 0)]  # (tree node, template node) pairs of the current depth
     while level:
         parents = [(node, t) for node, t in level if template[t]]
@@ -424,14 +424,14 @@ def _exponential_noise(like: Tensor, generator: torch.Generator | None) -> Tenso
     return noise.clamp_min_(torch.finfo(torch.float32).tiny).to(like.device)
 
 
-def _sampled_template(budget: int, branching: list[int]) -> list[list[int]]:
+def _sampled_template(tree_budget: int, branching: list[int]) -> list[list[int]]:
     """The planned tree: `template[t]` lists template node t's children (breadth-first indices).
 
     Nodes at depth d get `branching[d]` children each, in order, until the
     budget runs out; it depends on nothing else.
     """
     template: list[list[int]] = [[]]
-    level, left = [0], budget
+    level, left = [0], tree_budget
     for b in branching:
         next_level = []
         for t in level:

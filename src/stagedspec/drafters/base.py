@@ -64,7 +64,7 @@ class Drafter(ABC):
     """Steps run per `auto` arm during the current request (the stats' `auto_choices`); empty when the
     drafter does not choose between arms."""
 
-    node_cap: int | None = None
+    tree_budget_cap: int | None = None
     """Most nodes a tree may have (None: any), set by the server under memory pressure before each step
     (`stagedspec.server.pressure`).  A drafter that chooses its tree's size (`auto`) picks one that fits
     rather than have it cut; any other ignores it, and the server cuts its tree to the cap."""
@@ -108,7 +108,7 @@ class Drafter(ABC):
         stages (`StageDrafter`, `MergedDrafter`) returns one row per stage."""
         return None
 
-    def resize(self, *, chain_length: int | None = None, budget: int | None = None,
+    def resize(self, *, chain_length: int | None = None, tree_budget: int | None = None,
                max_depth: int | None = None) -> None:
         """Change this drafter's size between steps; None leaves a knob as it is.
 
@@ -116,10 +116,10 @@ class Drafter(ABC):
         draft's cache is caught up once, not once per arm size) and sizes it
         for the arm it runs before each step.  The knobs are the drafters' own:
         `chain_length` (a lookup's chains, a stage's decoded tokens, a chain
-        draft's length), `budget` and `max_depth` (a tree draft's nodes and
+        draft's length), `tree_budget` and `max_depth` (a tree draft's nodes and
         depth).  A drafter accepts the knobs it has and refuses the others, so
         a wrong sizing fails loudly instead of being ignored."""
-        refuse_knobs(self, chain_length=chain_length, budget=budget, max_depth=max_depth)
+        refuse_knobs(self, chain_length=chain_length, tree_budget=tree_budget, max_depth=max_depth)
 
 
 def refuse_knobs(drafter: Drafter, **knobs: int | None) -> None:

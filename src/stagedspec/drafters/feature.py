@@ -33,18 +33,19 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.feature_draft import is_feature_draft
 from stagedspec.models.transformer import Transformer
 from stagedspec.cache import KVCache
-from stagedspec.runner import StaticRunner, acquire_runner, pass_mode, run_model
+from stagedspec.runner import RequestPasses, StaticRunner, pass_mode
 from stagedspec.tree import TokenTree
 
 
 class FeatureInputs:
     """A feature draft's KV cache, the tokens its committed entries hold, and the oracle it reads features from."""
 
-    def __init__(self, model: Transformer, cache: KVCache, runner: StaticRunner | None = None) -> None:
-        """`runner`: run the passes through this static runner (whose cache is `cache`), else eagerly."""
+    def __init__(self, model: Transformer, cache: KVCache, runner: StaticRunner | None, passes: RequestPasses) -> None:
+        """`runner`: run the passes through this static runner (whose cache is `cache`), else eagerly, through
+        `passes` (the request's router)."""
         if not is_feature_draft(model):
             raise StagedSpecError("a feature drafter needs a feature draft (draft_config.json kind 'feature')")
-        self.model, self.cache, self.runner = model, cache, runner
+        self.model, self.cache, self.runner, self.passes = model, cache, runner, passes
         self.tokens: list[int] = []  # the token of each committed cache entry
         self.real = 0  # leading committed entries whose input feature was the oracle's own
         self.source: Any = None  # the oracle: `committed_features` [m, H] are f_0..f_{m-1}
@@ -95,9 +96,9 @@ class FeatureInputs:
             self.cache.commit()
             return logits, hidden if rows is None else hidden[rows]
         toks = torch.tensor([tokens], device=self.device)
-        # through `run_model`, so that the batched server runs it in one ragged pass with other requests' passes
-        logits, hidden = run_model(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
-                                   logits_rows=rows, return_hidden=True, features=features[None])
+        # through the request's passes, so that the batched server runs it in one ragged pass with other requests'
+        logits, hidden = self.passes.run(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
+                                         logits_rows=rows, return_hidden=True, features=features[None])
         self.cache.commit()
         return logits[0], hidden[0]
 
@@ -125,7 +126,7 @@ class FeatureDrafter(ModelDrafter):
         super().__init__(model, **kwargs)
         if self.runner is not None:
             self.runner.keep_hidden = True
-        self.inputs = FeatureInputs(model, self.cache, self.runner)
+        self.inputs = FeatureInputs(model, self.cache, self.runner, self.passes)
         self._out: dict[int, Tensor] = {}  # output feature of each node of the tree being grown
 
     def attach_oracle(self, oracle: Any) -> None:
@@ -160,12 +161,15 @@ class FeatureStage:
 
     bit_exact = False
 
-    def __init__(self, model: Transformer, max_len: int) -> None:
+    def __init__(self, model: Transformer, max_len: int, passes: RequestPasses | None = None) -> None:
+        """`passes`: the request this stage runs for (its router and runner leases; see `runner.RequestPasses`)."""
+        passes = passes if passes is not None else RequestPasses()
         runner = None
         if pass_mode(model) != "eager":  # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
-            runner = acquire_runner(model, max_len, self)
+            runner = passes.acquire(model, max_len, self)
             runner.keep_hidden = True
-        self.inputs = FeatureInputs(model, runner.cache if runner is not None else model.new_cache(max_len), runner)
+        self.inputs = FeatureInputs(model, runner.cache if runner is not None else model.new_cache(max_len), runner,
+                                    passes)
         self.forward_passes = 0
         self._lead: list[int] = []  # context tokens to run in front of the next root
         self._out: dict[int, Tensor] = {}  # output feature per position of this stage's own committed tokens

@@ -22,7 +22,7 @@ from stagedspec.constraints.processor import LogitsProcessor
 from stagedspec.drafters.base import Drafter, check_size
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
-from stagedspec.runner import acquire_runner, draft_cache_len, pass_mode, run_model
+from stagedspec.runner import RequestPasses, draft_cache_len, pass_mode
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree, grow_tree
 from stagedspec.tree_levels import grow_levels
@@ -51,7 +51,7 @@ class ModelDrafter(Drafter):
         model: Transformer,
         *,
         method: str = "tree",
-        budget: int = 16,
+        tree_budget: int = 16,
         max_depth: int = 6,
         branching: int = 4,
         chain_length: int = 4,
@@ -61,26 +61,29 @@ class ModelDrafter(Drafter):
         adaptive: AdaptiveBudget | None = None,
         growth: str = "auto",
         processor: LogitsProcessor | None = None,
+        passes: RequestPasses | None = None,
     ) -> None:
         """`adaptive`: cut each tree to the number of best nodes that maximises expected tokens per
-        second (see `stagedspec.budget`); `budget` is then the most it may keep.  `processor`: a request's
+        second (see `stagedspec.budget`); `tree_budget` is then the most it may keep.  `processor`: a request's
         logit bias and grammar (`stagedspec.constraints`), applied to every draft row by its node's path,
-        so the draft proposes under the masks the oracle is scored with; trees then grow best-first."""
+        so the draft proposes under the masks the oracle is scored with; trees then grow best-first.  `passes`:
+        the request this drafter runs for (its router and runner leases; see `runner.RequestPasses`)."""
         if method not in ("tree", "chain"):
             raise StagedSpecError(f"unknown draft method {method!r}: use 'tree' or 'chain'")
-        for label, value in (("tree budget", budget), ("tree depth", max_depth), ("chain length", chain_length),
+        for label, value in (("tree budget", tree_budget), ("tree depth", max_depth), ("chain length", chain_length),
                              ("branching", branching)):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
         self.model = model
+        self.passes = passes if passes is not None else RequestPasses()
         self.method = method
-        self.budget, self.max_depth, self.branching = budget, max_depth, branching
+        self.tree_budget, self.max_depth, self.branching = tree_budget, max_depth, branching
         self.chain_length, self.width, self.name = chain_length, width, name
         self.max_len = max_len or model.config.max_position
-        self.node_room = self.max_nodes  # tree nodes the cache keeps slots for: `resize` stays within them
+        self.node_room = self.max_tree_budget  # tree nodes the cache keeps slots for: `resize` stays within them
         self.runner = None
         if pass_mode(model) != "eager":  # static-shape passes, CUDA graphs on a GPU (`stagedspec.runner`)
-            self.runner = acquire_runner(model, draft_cache_len(self.max_len, self.node_room), self)
+            self.runner = self.passes.acquire(model, draft_cache_len(self.max_len, self.node_room), self)
             self.cache = self.runner.cache
         else:
             self.cache = model.new_cache(draft_cache_len(self.max_len, self.node_room))
@@ -100,21 +103,21 @@ class ModelDrafter(Drafter):
         self._last_step: tuple[int, float] | None = None  # (context length, predicted tokens) of the last tree
 
     @property
-    def max_nodes(self) -> int:
-        return self.chain_length if self.method == "chain" else self.budget
+    def max_tree_budget(self) -> int:
+        return self.chain_length if self.method == "chain" else self.tree_budget
 
-    def resize(self, *, chain_length: int | None = None, budget: int | None = None,
+    def resize(self, *, chain_length: int | None = None, tree_budget: int | None = None,
                max_depth: int | None = None) -> None:
-        """`budget` and `max_depth`: a tree's nodes and depth (`--method auto`'s `tree:n` arms); `chain_length`:
+        """`tree_budget` and `max_depth`: a tree's nodes and depth (`--method auto`'s `tree:n` arms); `chain_length`:
         a chain's length.  The cache was sized for the nodes this drafter was built with, so no resize may
         ask for more."""
-        for label, value in (("tree budget", budget), ("tree depth", max_depth), ("chain length", chain_length)):
+        for label, value in (("tree budget", tree_budget), ("tree depth", max_depth), ("chain length", chain_length)):
             check_size(label, value)
-        nodes = budget if self.method == "tree" else chain_length
+        nodes = tree_budget if self.method == "tree" else chain_length
         if nodes is not None and nodes > self.node_room:
             raise StagedSpecError(f"a draft built for {self.node_room}-node trees cannot propose {nodes} nodes")
-        if budget is not None:
-            self.budget = budget
+        if tree_budget is not None:
+            self.tree_budget = tree_budget
         if max_depth is not None:
             self.max_depth = max_depth
         if chain_length is not None:
@@ -131,8 +134,8 @@ class ModelDrafter(Drafter):
             logits = self.runner.run(tokens, positions, mask, logits_rows=rows)
         else:
             toks = torch.tensor([tokens], device=self.device)
-            logits = run_model(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
-                               logits_rows=rows)[0]
+            logits = self.passes.run(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
+                                     logits_rows=rows)[0]
         self.cache.commit()
         return logits
 
@@ -193,10 +196,10 @@ class ModelDrafter(Drafter):
             k = min(self.chain_length, depth)
             if sampling.greedy:
                 tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="topk",
-                                 budget=k, max_depth=k, branching=1, width=1, proposer=self.name)
+                                 tree_budget=k, max_depth=k, branching=1, width=1, proposer=self.name)
             else:
                 tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="sampled",
-                                 budget=k, max_depth=k, branching=[1] * k, proposer=self.name)
+                                 tree_budget=k, max_depth=k, branching=[1] * k, proposer=self.name)
         elif self.growth == "levels" and self.processor is None:  # levels read raw rows on the device
             def run_level(tokens: Tensor, level: int, tree_mask: Tensor) -> Tensor:
                 self.forward_passes += 1
@@ -204,14 +207,14 @@ class ModelDrafter(Drafter):
                 self.cache.commit()
                 return logits
 
-            # Levels 1..depth-1 are expanded `width` nodes each; their cache entries must fit the `budget`
+            # Levels 1..depth-1 are expanded `width` nodes each; their cache entries must fit the `tree_budget`
             # slots the cache keeps for a tree (`draft_cache_len`).
-            width = max(1, min(self.width or -(-self.budget // depth), self.budget // max(1, depth - 1)))
-            tree = grow_levels(context[-1], root_logits, run_level, sampling=sampling, budget=self.budget,
+            width = max(1, min(self.width or -(-self.tree_budget // depth), self.tree_budget // max(1, depth - 1)))
+            tree = grow_levels(context[-1], root_logits, run_level, sampling=sampling, tree_budget=self.tree_budget,
                                max_depth=depth, width=width, branching=self.branching, proposer=self.name)
         else:
             tree = grow_tree(context[-1], expand, sampling=sampling, generator=generator, mode="topk",
-                             budget=self.budget, max_depth=depth, branching=self.branching, width=self.width,
+                             tree_budget=self.tree_budget, max_depth=depth, branching=self.branching, width=self.width,
                              proposer=self.name)
         self.cache.truncate(base)
         if self.adaptive is not None:

@@ -42,24 +42,25 @@ def load_for_export(draft_spec: str, oracle_spec: str) -> tuple[Transformer, Any
     the native reference a test compares against is not rounded twice.  No kernel planning or
     weight-format timing: nothing is decoded here.
     """
-    from stagedspec.models.draft import CONFIG_NAME, default_draft_dir
+    from stagedspec.models.draft import CONFIG_NAME
+    from stagedspec.models.draft_formats import draft_folder, draft_format
     from stagedspec.models.draft_loading import load_draft
     from stagedspec.models.loading import load_model
     from stagedspec.tokenizer import tokenizer_fingerprint
 
-    if draft_spec.startswith("layers:"):
+    fmt = draft_format(draft_spec).name
+    if fmt == "layers":
         raise StagedSpecError(f"draft {draft_spec} is the oracle's own first layers, not a model of its own: "
                               "nothing to export (serve the oracle, or distil a draft with `stagedspec distill`)")
     oracle, tokenizer = load_model(oracle_spec, dtype=torch.float32, device="cpu", plan_kernels=False)
     if oracle.config.arch != "llama":
         raise StagedSpecError(f"drafts for a {oracle.config.arch} oracle cannot be exported: the export formats "
                               "are Llama-family layouts (Llama, SmolLM2, Qwen2-style attention biases)")
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    folder = default_draft_dir(fingerprint) if draft_spec == "default" else Path(draft_spec)
-    if not (folder / CONFIG_NAME).is_file():
+    if fmt != "folder":
         raise StagedSpecError(f"{draft_spec} is not a stagedspec draft folder (no {CONFIG_NAME}); an HF folder "
                               "or a GGUF draft is already a standalone model: serve it as it is")
-    draft = load_draft(folder, oracle, expected_fingerprint=fingerprint, dtype=torch.float32, device="cpu")
+    draft = load_draft(draft_folder(draft_spec, tokenizer), oracle,
+                       expected_fingerprint=tokenizer_fingerprint(tokenizer), dtype=torch.float32, device="cpu")
     return oracle, tokenizer, draft
 
 

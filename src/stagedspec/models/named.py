@@ -86,18 +86,21 @@ PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
 def paired_draft(oracle_spec: str) -> str | None:
     """The named draft paired with `oracle_spec`, where its files are installed (or already joined), else None."""
-    draft = PARTS_MODELS.get(PAIRED_DRAFTS.get(str(oracle_spec), ""))
-    if draft is None:
-        return None
+    draft = PAIRED_DRAFTS.get(str(oracle_spec))
+    return draft if draft is not None and parts_model_available(draft) else None
 
-    joined = cache_root() / "gguf" / draft.gguf_name
-    if joined.is_file() and joined.stat().st_size == draft.size:
-        return draft.name
+
+def parts_model_available(name: str) -> bool:
+    """Whether `parts_model_path(name)` can succeed without a pip install: the joined GGUF is in the cache,
+    or every part package is importable (their contents are checked only when joined)."""
+    spec = PARTS_MODELS[name]
+    joined = cache_root() / "gguf" / spec.gguf_name
+    if joined.is_file() and joined.stat().st_size == spec.size:
+        return True
     try:
-        found = all(importlib.util.find_spec(f"{draft.part_prefix}{i}") is not None for i in range(1, draft.parts + 1))
+        return all(importlib.util.find_spec(f"{spec.part_prefix}{i}") is not None for i in range(1, spec.parts + 1))
     except (ImportError, ValueError):
-        found = False
-    return draft.name if found else None
+        return False
 
 
 def parts_model_path(name: str) -> Path:

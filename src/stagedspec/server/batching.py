@@ -5,9 +5,10 @@ commit) calls its models deep inside drafters and verification, a different
 number of times per method.  Rewriting every drafter as resumable phases
 would duplicate the solo loop; instead each running request gets a *lane*:
 a thread that runs its step with the solo code, and whose eager model passes
-(`stagedspec.runner.run_model`: the oracle's, a draft's or a draft stage's,
-feature drafts included, hidden states and input features and all) are
-routed here instead of to the model.
+(`stagedspec.runner.RequestPasses.run`: the oracle's, a draft's or a draft
+stage's, feature drafts included, hidden states and input features and all)
+are routed here instead of to the model: the request's `RequestPasses` has
+its lane as router.
 
 The scheduler thread is the batcher.  A round dispatches one step to every
 lane, then repeats: wait until no lane is computing (each is either waiting
@@ -44,7 +45,7 @@ from torch import Tensor
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.ragged import PAD_BY_DEFAULT, Segment, forward_ragged
 from stagedspec.models.transformer import Transformer
-from stagedspec.runner import PassRouter, routed_passes
+from stagedspec.runner import PassRouter
 
 IDLE, RUNNING, WAITING, DONE, ABANDONED = "idle", "running", "waiting", "done", "abandoned"
 IDLE_LANES = 16  # finished lanes kept for reuse (above the largest --max-batch in practice: the rest end)
@@ -228,7 +229,6 @@ class Lane(PassRouter):
         self._wake.release()
 
     def _loop(self) -> None:
-        routed_passes(self)
         while True:
             self._wake.acquire()
             if self._closed:
@@ -245,7 +245,8 @@ class Lane(PassRouter):
                  tree_mask: Tensor | None = None, logits_rows: slice | None = None,
                  return_hidden: bool | str = False, key_width: int | None = None, row_independent: bool = False,
                  features: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        if tokens.shape[0] != 1 or positions.dim() != 1:  # not a lane pass: run it here
+        # Not a lane pass (a batch, or a pass run off this lane's thread, where no step waits for it): run it here.
+        if tokens.shape[0] != 1 or positions.dim() != 1 or threading.current_thread() is not self._thread:
             return model(tokens, positions, cache, tree_mask=tree_mask, logits_rows=logits_rows,
                          return_hidden=return_hidden, key_width=key_width, row_independent=row_independent,
                          features=features)

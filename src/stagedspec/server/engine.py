@@ -83,21 +83,21 @@ class MemoryModel:
         """One row of the pass's activations (attention scores, hidden and MLP states, logits)."""
         return self.scratch // max(1, self.scratch_rows)
 
-    def tree_scratch(self, tree_nodes: int) -> int:
-        """The activations of a tree of `tree_nodes` proposed nodes: its rows, the root and a spare."""
-        return (tree_nodes + 2) * self.row_bytes
+    def tree_scratch(self, tree_budget: int) -> int:
+        """The activations of a tree of `tree_budget` proposed nodes: its rows, the root and a spare."""
+        return (tree_budget + 2) * self.row_bytes
 
-    def request_kv(self, cache_slots: int, tree_nodes: int, uses_drafts: bool) -> int:
-        draft_slots = cache_slots + tree_nodes + 1 if uses_drafts else 0
+    def request_kv(self, cache_slots: int, max_tree_budget: int, uses_drafts: bool) -> int:
+        draft_slots = cache_slots + max_tree_budget + 1 if uses_drafts else 0
         return self.oracle_kv_per_token * cache_slots + self.draft_kv_per_token * draft_slots
 
-    def describe(self, budget: int, max_batch: int, full_slots: int, tree_nodes: int) -> str:
-        per_seq = self.request_kv(full_slots, tree_nodes, self.draft_kv_per_token > 0)
-        fits = max(0, (budget - self.weights - self.scratch) // max(1, per_seq))
+    def describe(self, memory_budget: int, max_batch: int, full_slots: int, max_tree_budget: int) -> str:
+        per_seq = self.request_kv(full_slots, max_tree_budget, self.draft_kv_per_token > 0)
+        fits = max(0, (memory_budget - self.weights - self.scratch) // max(1, per_seq))
         return (f"memory model: weights {format_size(self.weights)} + KV "
                 f"{format_size(self.oracle_kv_per_token + self.draft_kv_per_token)}/token x tokens + tree scratch "
                 f"{format_size(self.scratch)}; one full-context sequence ({full_slots} slots) "
-                f"{format_size(per_seq)}; budget {format_size(budget)} holds {fits} full-context sequences "
+                f"{format_size(per_seq)}; budget {format_size(memory_budget)} holds {fits} full-context sequences "
                 f"(--max-batch {max_batch})")
 
 
@@ -212,7 +212,7 @@ class Engine:
         return self.model.config.max_position
 
     def cache_slots(self, prompt_len: int, max_tokens: int, spec: SpeculationConfig) -> int:
-        return context_budget(self.model, prompt_len, max_tokens, spec.max_nodes)
+        return context_budget(self.model, prompt_len, max_tokens, spec.max_tree_budget)
 
     # ---------------------------------------------------------------- memory
     def memory_model(self) -> MemoryModel:
@@ -221,7 +221,7 @@ class Engine:
         shared = {id(p) for p in self.model.parameters()}
         for d in self.draft_models:  # a truncated draft shares the oracle's tensors: count only its own
             weights += sum(p.numel() * p.element_size() for p in d.parameters() if id(p) not in shared)
-        rows = self.speculation.max_nodes + 2
+        rows = self.speculation.max_tree_budget + 2
         width = cfg.max_position + TREE_SLACK
         elem = self.model.embed.weight.element_size()
         # one pass: attention scores (fp32) + hidden/MLP activations + logits rows (fp32)
@@ -231,7 +231,7 @@ class Engine:
                            sum(kv_bytes_per_token(d) for d in self.draft_models), int(scratch), rows)
 
     def full_context_slots(self) -> int:
-        return context_budget(self.model, 1, self.max_context - 1, self.speculation.max_nodes)
+        return context_budget(self.model, 1, self.max_context - 1, self.speculation.max_tree_budget)
 
 
 def default_model_name(oracle: str, quant: str = "none") -> str:

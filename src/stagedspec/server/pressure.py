@@ -3,7 +3,7 @@
 With batched passes every running request's tree rows share one pass, so the
 pass's activations (the memory model's tree scratch) grow with the number of
 requests and their tree sizes.  Each request therefore has a *shrink level*:
-level 0 is its full tree (`SpeculationConfig.max_nodes` nodes), each level
+level 0 is its full tree (`SpeculationConfig.max_tree_budget` nodes), each level
 halves the node cap (full, 1/2, 1/4, ...) and the last level, where the cap
 reaches 0, is root-only (no speculation: one row a step).  The memory model
 prices every level (`MemoryModel.tree_scratch`).  When a waiting request's KV
@@ -81,20 +81,20 @@ from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 
 
-def root_only_level(max_nodes: int) -> int:
+def root_only_level(max_tree_budget: int) -> int:
     """The last shrink level: the one whose halved cap reaches 0 (no speculation)."""
-    return max(1, max_nodes.bit_length())
+    return max(1, max_tree_budget.bit_length())
 
 
-def node_cap(max_nodes: int, level: int) -> int | None:
-    """Most proposed nodes at shrink `level`: None (no cap) at 0, else `max_nodes` halved `level` times."""
-    return None if level <= 0 else max_nodes >> level
+def tree_budget_cap(max_tree_budget: int, level: int) -> int | None:
+    """Most proposed nodes at shrink `level`: None (no cap) at 0, else `max_tree_budget` halved `level` times."""
+    return None if level <= 0 else max_tree_budget >> level
 
 
-def level_nodes(max_nodes: int, level: int) -> int:
+def level_tree_budget(max_tree_budget: int, level: int) -> int:
     """The tree nodes the memory model charges at `level` (the cap, or the full tree)."""
-    cap = node_cap(max_nodes, level)
-    return max_nodes if cap is None else min(cap, max_nodes)
+    cap = tree_budget_cap(max_tree_budget, level)
+    return max_tree_budget if cap is None else min(cap, max_tree_budget)
 
 
 def cut_tree(tree: TokenTree, cap: int) -> TokenTree:
@@ -110,17 +110,17 @@ def cut_tree(tree: TokenTree, cap: int) -> TokenTree:
 class CappedDrafter(Drafter):
     """A request's drafter whose trees the scheduler caps by shrink level (see the module docstring)."""
 
-    def __init__(self, inner: Drafter, max_nodes: int, level: int = 0) -> None:
+    def __init__(self, inner: Drafter, max_tree_budget: int, level: int = 0) -> None:
         self.inner = inner
-        self.max_nodes = max_nodes
-        self.floor = root_only_level(max_nodes)
+        self.max_tree_budget = max_tree_budget
+        self.floor = root_only_level(max_tree_budget)
         self.level = level
         self.level_steps: Counter[int] = Counter()  # steps proposed at each level
         self._proposed = False
 
     @property
     def cap(self) -> int | None:
-        return node_cap(self.max_nodes, self.level)
+        return tree_budget_cap(self.max_tree_budget, self.level)
 
     @property
     def skipped_steps(self) -> int:
@@ -145,7 +145,7 @@ class CappedDrafter(Drafter):
         self._proposed = cap != 0
         if cap == 0:
             return TokenTree([context[-1]], [-1])
-        self.inner.node_cap = cap  # `auto` picks only arms whose trees fit; the others' trees are cut below
+        self.inner.tree_budget_cap = cap  # `auto` picks only arms whose trees fit; the others' trees are cut below
         tree = self.inner.propose(context, sampling, generator, max_tokens)
         return tree if cap is None else cut_tree(tree, cap)
 

@@ -43,12 +43,12 @@ from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
 from stagedspec.threads import governor_for
 from stagedspec.pipeline import SpeculationConfig, stage_report
-from stagedspec.runner import RunnerLeases
+from stagedspec.runner import RequestPasses
 from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
 from stagedspec.server.batching import Lane, PassBatcher
 from stagedspec.server.metrics import Metrics
-from stagedspec.server.pressure import CappedDrafter, level_nodes, root_only_level
+from stagedspec.server.pressure import CappedDrafter, level_tree_budget, root_only_level
 from stagedspec.server.schemas import APIError
 from stagedspec.server.text import StopTextStream
 
@@ -92,21 +92,22 @@ class _Running:
         pipe = engine.pipeline(job.spec)
         max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         reproducible = job.seed is not None and not job.sampling.greedy
-        # The runners its oracle and drafters lease, given back when the request ends (`Scheduler._finish`).
-        self.leases = RunnerLeases()
+        # Its passes go to its lane (when batched), and the runners its oracle and drafters lease are given
+        # back when the request ends (`Scheduler._finish`).
+        self.passes = RequestPasses(router=lane)
         try:
-            with self.leases.taking():
-                self.oracle: Any = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact)
-                if job.processor is not None:  # rows biased and masked by their path, the drafts' as the oracle's
-                    self.oracle = ConstrainedOracle(self.oracle, job.processor, settles=True)
-                self.drafter = pipe.drafter(max_len, reproducible=reproducible, processor=job.processor)
+            self.oracle: Any = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact, passes=self.passes)
+            if job.processor is not None:  # rows biased and masked by their path, the drafts' as the oracle's
+                self.oracle = ConstrainedOracle(self.oracle, job.processor, settles=True)
+            self.drafter = pipe.drafter(max_len, reproducible=reproducible, processor=job.processor,
+                                        passes=self.passes)
         except BaseException:
-            self.leases.release()
+            self.passes.release()
             raise
         # `auto` prices its arms by the batched round it shares (`auto.SharedLoad`), except for a seeded
         # sampled request: its tree shapes, and so its draws, must be its solo run's.
         self.load_aware = self.drafter.reads_shared_load and not reproducible
-        self.switch = CappedDrafter(self.drafter, job.spec.max_nodes, level)
+        self.switch = CappedDrafter(self.drafter, job.spec.max_tree_budget, level)
         self.stats = GenerationStats()
         self.steps = iter_steps(self.oracle, self.switch, job.prompt_ids, max_new_tokens=job.max_tokens,
                                 sampling=job.sampling, seed=job.seed,
@@ -166,7 +167,7 @@ class _Running:
             "speculation_off_steps": self.switch.skipped_steps,
             # steps proposed at each shrink level (0: full trees; see `server.pressure`), and their node caps
             "tree_levels": {str(k): v for k, v in sorted(self.switch.level_steps.items())},
-            "tree_caps": {str(k): level_nodes(self.job.spec.max_nodes, k)
+            "tree_caps": {str(k): level_tree_budget(self.job.spec.max_tree_budget, k)
                           for k in sorted(self.switch.level_steps)},
             "method": self.job.spec.method,
             "mean_accepted_length": st.mean_accepted_length,
@@ -282,7 +283,7 @@ class Scheduler:
         self.governor = governor_for(model, getattr(engine, "threads", "auto")) if model is not None else None
         engine.batched_passes = batch_passes
         self.memory = engine.memory_model()
-        nodes = engine.speculation.max_nodes
+        nodes = engine.speculation.max_tree_budget
         # Tree scratch: one pass's activations.  Interleaved, one request's pass runs at a time, so it is
         # counted once; batched, every running request's tree rows share the pass, so each request is
         # charged for its own rows (`_charge`), and those are what shrink under pressure (`server.pressure`).
@@ -312,7 +313,7 @@ class Scheduler:
 
     def describe(self) -> str:
         text = self.memory.describe(self.max_memory, self.max_batch, self.engine.full_context_slots(),
-                                    self.engine.speculation.max_nodes)
+                                    self.engine.speculation.max_tree_budget)
         if self.batch_passes:
             text += (f"; batched passes: tree scratch {format_size(self.row_bytes)}/row charged per request "
                      "(tree budgets shrink by halves under memory pressure)")
@@ -333,10 +334,10 @@ class Scheduler:
         """Queue a job; a job that could never fit the memory budget is refused (400) at once."""
         uses_drafts = job.spec.method in ("chain", "tree", "staged")
         slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
-        job.kv_bytes = self.memory.request_kv(slots, job.spec.max_nodes, uses_drafts)
+        job.kv_bytes = self.memory.request_kv(slots, job.spec.max_tree_budget, uses_drafts)
         if self.base_bytes + self._charge(job, self._floor(job)) > self.max_memory:
             # a request whose own tree is bigger than the server's trees is told to shrink the tree
-            tree = job.spec.max_nodes > self.engine.speculation.max_nodes
+            tree = job.spec.max_tree_budget > self.engine.speculation.max_tree_budget
             param, advice = (("speculation.tree_budget", "lower speculation.tree_budget") if tree
                              else ("max_tokens", "lower max_tokens or the prompt"))
             raise APIError(400, f"this request's KV cache ({format_size(job.kv_bytes)}) does not fit the server's "
@@ -356,13 +357,13 @@ class Scheduler:
     @staticmethod
     def _floor(job: Job) -> int:
         """A job's last shrink level: root-only trees."""
-        return root_only_level(job.spec.max_nodes)
+        return root_only_level(job.spec.max_tree_budget)
 
     def _charge(self, job: Job, level: int = 0) -> int:
         """What a request holds: its KV, plus (batched) its tree rows of the shared pass at shrink `level`."""
         if not self.batch_passes:
             return job.kv_bytes
-        return job.kv_bytes + self.memory.tree_scratch(level_nodes(job.spec.max_nodes, level))
+        return job.kv_bytes + self.memory.tree_scratch(level_tree_budget(job.spec.max_tree_budget, level))
 
     def _free(self) -> int:
         return self.max_memory - self.base_bytes - self._kv_in_use
@@ -524,7 +525,7 @@ class Scheduler:
         with self._cond:
             self._kv_in_use -= self._charge(r.job, r.level)
             self._publish()
-        r.leases.release()  # its pooled runners serve the next requests
+        r.passes.release()  # its pooled runners serve the next requests
         del r.oracle, r.drafter, r.switch, r.steps  # free the KV caches now, not when the HTTP side lets go
 
     def _release(self, job: Job, outcome: str, level: int = 0) -> None:
