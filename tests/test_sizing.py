@@ -16,12 +16,12 @@ from stagedspec.auto import AutoDrafter, AutoPolicy, arms_for
 from stagedspec.costs import CostProfile
 from stagedspec.errors import StagedSpecError
 from stagedspec.learned_state import auto_state_path
+from stagedspec.models.draft_formats import truncated_copy
 from stagedspec.pipeline import (
     MEASURED_METHODS,
     Pipeline,
     SpeculationConfig,
     choose_sizing,
-    truncated_copy,
 )
 from stagedspec.sampling import SamplingParams
 
