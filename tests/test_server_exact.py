@@ -14,6 +14,7 @@ each attends over its own cache); the interleaved scheduler
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -40,32 +41,79 @@ def folder(tmp_path_factory):
     return tiny_model_folder(tmp_path_factory.mktemp("serve-exact"))
 
 
-def start_server(folder, dtype: str, *extra: str):  # noqa: ANN001, ANN201
+@pytest.fixture(scope="module")
+def server_env(shared_cost_cache, isolated_cache_env):  # noqa: ANN001, ANN201
+    """The servers' environment: they and this process's solo runs read cost profiles from one folder."""
+    return {**isolated_cache_env, "STAGEDSPEC_SERVE_ROUND_PAUSE": "0.01"}
+
+
+@contextlib.contextmanager
+def one_torch_thread():  # noqa: ANN201
+    """Load models as the servers run them, on one thread.
+
+    Why: the fp32 kernel plan and the cost profile are keyed by the thread count (`hardware.fingerprint`).
+    A solo model loaded at the machine's thread count gets the plan timed for that count, whose kernels can
+    round the last bit of a logit differently from the one-thread server's, and a seeded sample near a
+    boundary then differs (seen in about one run in ten on 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def pin_cost_profile(folder, dtype: str, quant: str) -> None:  # noqa: ANN001
+    """Measure the cost profile a server of this configuration and its solo runs price arms by, and write it
+    where both read it, before the server starts.
+
+    Why: `auto` and measured sizing price arms by the machine's cost profile, and a seeded request's sample
+    depends on the arms chosen.  Left to each process, the server and this test process measure a profile of
+    their own, and one measured while the machine is busy is used for that process only and not cached
+    (`costs.load_or_measure`): the two then price by different timings and a seeded `auto` request chooses
+    other arms than its solo run.  One written profile gives both the same prices."""
+    from stagedspec import costs
+    from stagedspec.paths import write_text_atomic
+
+    with one_torch_thread():
+        # the models as the server loads them (a quantised oracle's draft is planned and formatted there)
+        pipe = Pipeline.load(str(folder), "layers:1", speculation=SpeculationConfig(method="tree"), dtype=dtype,
+                             quant=quant)
+        path = costs.profile_path(costs.profile_key(pipe.model, pipe.draft_models, "cpu"))
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            profile = costs.measure_profile(pipe.model, pipe.draft_models, "cpu", quiet=True)
+            write_text_atomic(path, profile.to_json())
+
+
+def start_server(folder, env: dict[str, str], dtype: str, *extra: str):  # noqa: ANN001, ANN201
+    quant = extra[extra.index("--quant") + 1] if "--quant" in extra else "none"
+    pin_cost_profile(folder, dtype, quant)
     srv = ServerProcess(["--oracle", str(folder), "--draft", "layers:1", "--method", "tree", "--dtype", dtype,
-                         "--max-batch", "8", *extra], env={"STAGEDSPEC_SERVE_ROUND_PAUSE": "0.01"})
+                         "--max-batch", "8", *extra], env=env)
     yield srv
     log = srv.stop()
     assert "Traceback" not in log, log
 
 
 @pytest.fixture(scope="module")
-def server(folder):
-    yield from start_server(folder, "fp32")
+def server(folder, server_env):  # noqa: ANN001, ANN201
+    yield from start_server(folder, server_env, "fp32")
 
 
 @pytest.fixture(scope="module")
-def server_bf16(folder):
-    yield from start_server(folder, "bf16")
+def server_bf16(folder, server_env):  # noqa: ANN001, ANN201
+    yield from start_server(folder, server_env, "bf16")
 
 
 @pytest.fixture(scope="module")
-def server_bit_exact(folder):
-    yield from start_server(folder, "bf16", "--bit-exact")
+def server_bit_exact(folder, server_env):  # noqa: ANN001, ANN201
+    yield from start_server(folder, server_env, "bf16", "--bit-exact")
 
 
 @pytest.fixture(scope="module")
-def server_interleaved(folder):
-    yield from start_server(folder, "fp32", "--no-batch-passes")
+def server_interleaved(folder, server_env):  # noqa: ANN001, ANN201
+    yield from start_server(folder, server_env, "fp32", "--no-batch-passes")
 
 
 # A case's request extension and the solo configuration it must equal.  The servers start with no size flag,
@@ -86,8 +134,9 @@ def solo_spec(case: str) -> SpeculationConfig:
 
 
 def solo_runner(folder, dtype: torch.dtype, bit_exact: bool = False):  # noqa: ANN001, ANN201
-    model, tok = load_model(folder, dtype=dtype)
-    draft = truncated_copy(model, 1)
+    with one_torch_thread():
+        model, tok = load_model(folder, dtype=dtype)
+        draft = truncated_copy(model, 1)
 
     def run(case: str, prompt: str, max_tokens: int, sampling: SamplingParams, seed: int | None):  # noqa: ANN202
         pipe = Pipeline(model, tok, [draft], solo_spec(case))
@@ -164,20 +213,21 @@ def check_concurrent_equals_solo(server, solo, method: str, temperature: float, 
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
-def quantised(request, folder):  # noqa: ANN001, ANN201
+def quantised(request, folder, server_env):  # noqa: ANN001, ANN201
     """A server whose oracle runs the forced weight format (not one chosen per machine), and its solo runner."""
     from stagedspec.kernels.native import native_kernels
 
     if native_kernels(quiet=True) is None:
         pytest.skip("native kernels unavailable: quantised oracles run only on them")
-    gen = start_server(folder, "fp32", "--quant", request.param, "--model-name", MODEL)
+    gen = start_server(folder, server_env, "fp32", "--quant", request.param, "--model-name", MODEL)
     srv = next(gen)
-    model, tok = load_model(folder, dtype=torch.float32, quant=request.param)
-    draft = truncated_copy(model, 1)
+    with one_torch_thread():  # the models as the server loads them: its quantised oracle's draft runs int8
+        loaded = Pipeline.load(str(folder), "layers:1", speculation=SpeculationConfig(method="tree"), dtype="fp32",
+                               quant=request.param)
 
     def run(case: str, prompt: str, max_tokens: int, sampling: SamplingParams, seed: int | None):  # noqa: ANN202
-        out = Pipeline(model, tok, [draft], solo_spec(case)).generate(prompt, max_new_tokens=max_tokens,
-                                                                      sampling=sampling, seed=seed)
+        pipe = Pipeline(loaded.model, loaded.tokenizer, loaded.draft_models, solo_spec(case))
+        out = pipe.generate(prompt, max_new_tokens=max_tokens, sampling=sampling, seed=seed)
         return out.token_ids, out.text
 
     yield srv, run
