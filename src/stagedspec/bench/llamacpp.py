@@ -141,7 +141,9 @@ def llamacpp_method(models: BenchModels, name: str, max_context: int, draft: str
         draft_gguf = gguf_for(draft) if draft and draft != "default" else None  # "default": our distilled draft
         if draft_gguf is None:
             raise MethodSkipped("llama.cpp's draft-model speculation needs the draft as a GGUF (--draft FILE.gguf)")
-        flags = ["-md", str(draft_gguf), "--spec-draft-n-max", str(SPEC_DRAFT_MAX), "-td", str(torch.get_num_threads())]
+        # `--spec-type` defaults to none in this llama.cpp: `-md` alone loads the draft and never drafts with it
+        flags = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
+                 "-td", str(torch.get_num_threads())]
         draft_bytes = [gguf_weight_bytes(draft_gguf)]
         kind = "spec"
     elif name == "llamacpp-ngram":

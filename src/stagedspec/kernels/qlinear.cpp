@@ -69,9 +69,12 @@ constexpr int64_t kQ6KGroupBytes = 128 + 64 + 2 * kTile;  // 208
 constexpr int64_t kQ6KSuperBytes = 2 * kTile + kGroupsPerSuper * kQ6KGroupBytes;  // 1680
 constexpr int64_t kQ5Bytes = 128 + 32 + 2 * kTile;  // 176
 constexpr int64_t kRowBlock = 4;                    // rows computed together against one loaded tile
-// AVX2's int4 / Q4_K / Q5_0 / Q6_K tiles take 8 rows, so a 5-8 row pass sweeps each tile once: their
-// per-row integer sums fit in registers (int8's and the VNNI tiles' do not, and stay at 4).  On the AVX2
-// EPYC, 6 and 8 rows of a streamed Q4_K 1536 x 1536 layer cost about 0.85x what two 4-row sweeps did.
+// The int4 / Q4_K / Q5_0 / Q6_K tiles take 8 rows, so a 5-8 row pass sweeps each tile once: their per-row
+// integer sums fit in registers (int8's do not, and stay at 4; the VNNI forms have AVX-512VL's 32 registers).
+// On the AVX2 EPYC, 6 and 8 rows of a streamed Q4_K 1536 x 1536 layer cost about 0.85x what two 4-row sweeps
+// did.  On VNNI the int4 and Q4_K rows sum their low and high nibbles in two chains (twice the vpdpbusd in
+// flight; integer sums, so the same bits), and with 8-row tiles a 16-row Qwen2.5-Coder-1.5B pass went from
+// 5.26x to 4.44x a one-row pass (AMD EPYC Zen 4, 2 threads, 2026-11-26, scripts/llamacpp/pass_costs.py).
 constexpr int64_t kMaxRowBlock = 8;
 constexpr int64_t kRowChunk = 64;                   // rows whose activations stay in cache per weight sweep
 constexpr int64_t kPrefetchBytes = 4096;            // how far ahead of the tile being read to prefetch
@@ -469,8 +472,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w += kQ4Bytes) {
     prefetch_group(w, kQ4Bytes);
-    __m256i isum[RB];
-    for (int r = 0; r < RB; ++r) isum[r] = _mm256_setzero_si256();
+    __m256i isum[RB], isum2[RB];  // two chains per row (low, high nibbles): twice the vpdpbusd in flight
+    for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
     for (int v = 0; v < 4; ++v) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
       const __m256i lo = _mm256_and_si256(wv, low);
@@ -478,14 +481,16 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
       for (int r = 0; r < RB; ++r) {
         const int8_t* x = a.q + r * a.K + g * kGroup;
         isum[r] = _mm256_dpbusd_epi32(isum[r], lo, broadcast4(x + 4 * v));
-        isum[r] = _mm256_dpbusd_epi32(isum[r], hi, broadcast4(x + 16 + 4 * v));
+        isum2[r] = _mm256_dpbusd_epi32(isum2[r], hi, broadcast4(x + 16 + 4 * v));
       }
+      pin<RB>(isum);
+      pin<RB>(isum2);
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 128)));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 144)));
     for (int r = 0; r < RB; ++r) {
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[r], isum2[r])), scale, acc[r]);
       acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]);
     }
   }
@@ -545,8 +550,8 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
     const uint8_t* head = w + (g / kGroupsPerSuper) * kQ4KSuperBytes; \
     const uint8_t* grp = head + 4 * kTile + (g % kGroupsPerSuper) * kQ4KGroupBytes; \
     prefetch_group(grp, kQ4KGroupBytes); \
-    __m256i isum[RB]; \
-    for (int r = 0; r < RB; ++r) isum[r] = _mm256_setzero_si256(); \
+    __m256i isum[RB], isum2[RB]; \
+    for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm256_setzero_si256(); \
     for (int v = 0; v < 4; ++v) { \
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * v)); \
       const __m256i lo = _mm256_and_si256(wv, low); \
@@ -555,18 +560,19 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
         const int8_t* x = a.q + r * a.K + g * kGroup; \
         if constexpr (Vnni) { \
           isum[r] = _mm256_dpbusd_epi32(isum[r], lo, broadcast4(x + 4 * v)); \
-          isum[r] = _mm256_dpbusd_epi32(isum[r], hi, broadcast4(x + 16 + 4 * v)); \
+          isum2[r] = _mm256_dpbusd_epi32(isum2[r], hi, broadcast4(x + 16 + 4 * v)); \
         } else { \
           isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x + 4 * v)), \
                                                                _mm256_maddubs_epi16(hi, broadcast4(x + 16 + 4 * v)))); \
         } \
       } \
       pin<RB>(isum); \
+      if constexpr (Vnni) pin<RB>(isum2); \
     } \
     __m256 dw, mw; \
     q4k_group_scales(head, grp, &dw, &mw); \
     for (int r = 0; r < RB; ++r) { \
-      const __m256i exact = Vnni ? isum[r] : _mm256_madd_epi16(isum[r], ones); \
+      const __m256i exact = Vnni ? _mm256_add_epi32(isum[r], isum2[r]) : _mm256_madd_epi16(isum[r], ones); \
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])); \
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]); \
       acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]); \
@@ -744,8 +750,12 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
       const int8_t* x = a.q + r * a.K + g * kGroup; \
       __m256i exact; \
       if constexpr (Vnni) { \
-        exact = _mm256_setzero_si256(); \
-        for (int v = 0; v < 8; ++v) exact = _mm256_dpbusd_epi32(exact, code[v], broadcast4(x + 4 * v)); \
+        __m256i e0 = _mm256_setzero_si256(), e1 = _mm256_setzero_si256(); \
+        for (int v = 0; v < 4; ++v) { \
+          e0 = _mm256_dpbusd_epi32(e0, code[v], broadcast4(x + 4 * v)); \
+          e1 = _mm256_dpbusd_epi32(e1, code[v + 4], broadcast4(x + 16 + 4 * v)); \
+        } \
+        exact = _mm256_add_epi32(e0, e1); \
       } else { \
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); \
         for (int v = 0; v < 4; ++v) { \
@@ -841,14 +851,14 @@ STAGEDSPEC_TABLE(q5_scalar, q5_tile_scalar)
 #ifdef STAGEDSPEC_X86
 STAGEDSPEC_TABLE8(q4_avx2, q4_tile_avx2)
 STAGEDSPEC_TABLE(q8_avx2, q8_tile_avx2)
-STAGEDSPEC_TABLE(q4_vnni, q4_tile_vnni)
+STAGEDSPEC_TABLE8(q4_vnni, q4_tile_vnni)
 STAGEDSPEC_TABLE(q8_vnni, q8_tile_vnni)
 STAGEDSPEC_TABLE8(q4k_avx2, q4k_tile_avx2)
-STAGEDSPEC_TABLE(q4k_vnni, q4k_tile_vnni)
+STAGEDSPEC_TABLE8(q4k_vnni, q4k_tile_vnni)
 STAGEDSPEC_TABLE8(q6k_avx2, q6k_tile_avx2)
-STAGEDSPEC_TABLE(q6k_vnni, q6k_tile_vnni)
+STAGEDSPEC_TABLE8(q6k_vnni, q6k_tile_vnni)
 STAGEDSPEC_TABLE8(q5_avx2, q5_tile_avx2)
-STAGEDSPEC_TABLE(q5_vnni, q5_tile_vnni)
+STAGEDSPEC_TABLE8(q5_vnni, q5_tile_vnni)
 #endif
 
 TileKernels kernels_for(int64_t format, int64_t isa) {
