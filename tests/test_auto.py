@@ -632,11 +632,11 @@ def test_catching_up_is_not_learned_as_an_arm_s_drafting_time() -> None:
 def test_an_exploration_runs_its_arm_twice_and_learns_its_time_from_the_warm_step(monkeypatch) -> None:  # noqa: ANN001
     """The exploring step's draft catches up on what other drafters decoded; the repeat, on a warm cache, is
     what teaches the arm's drafting time."""
-    import stagedspec.auto as auto_module
+    import stagedspec.auto.drafter as drafter_module
     from stagedspec.auto import AutoDrafter
     from stagedspec.generation import NoDrafter
 
-    monkeypatch.setattr(auto_module, "EXPLORE_EVERY", 3)
+    monkeypatch.setattr(drafter_module, "EXPLORE_EVERY", 3)
     a, b = Arm("tree", 2), Arm("tree", 4)
     policy = AutoPolicy([a, b], FLAT)
     da, db = OneNodeDrafter(), OneNodeDrafter()
@@ -747,7 +747,7 @@ def test_a_request_prices_the_arms_by_its_own_record_not_only_the_machine_s(monk
     a request whose prompt is never copied (prose) must turn back to `ar` within some tens of steps.  The
     control: priced by the machine's 200 observations alone (the former behaviour), the same request is
     still on losing lookups after 60 steps.  The next request starts from the machine's statistics again."""
-    import stagedspec.auto as auto_module
+    import stagedspec.auto.drafter as drafter_module
     from stagedspec.auto import REQUEST_PRIOR, AutoDrafter
     from stagedspec.drafters.lookup import LookupDrafter
     from stagedspec.generation import NoDrafter
@@ -801,7 +801,7 @@ def test_a_request_prices_the_arms_by_its_own_record_not_only_the_machine_s(monk
     machine = policy.greedy_stats.chains["context"]
     assert own.chains["context"].hits[0] / REQUEST_PRIOR == pytest.approx(machine.hits[0] / machine.tries[0])
 
-    monkeypatch.setattr(auto_module, "REQUEST_PRIOR", 1e9)  # the control: the machine's statistics alone
+    monkeypatch.setattr(drafter_module, "REQUEST_PRIOR", 1e9)  # the control: the machine's statistics alone
     control = request(copying_machine(), 60)
     assert control[-10:].count("lookup:6") >= 5, control
 
@@ -848,11 +848,11 @@ def test_a_request_records_each_step_s_wall_time_against_its_price(monkeypatch) 
     """`AutoDrafter` records every step priced alone: its tokens and wall time (from one `propose` to the
     next) against the tokens and seconds it was chosen for; a seeded sampled request's policy, which prices by
     the profile alone, keeps no record, and a new request starts afresh."""
-    import stagedspec.auto as auto_module
+    import stagedspec.auto.drafter as drafter_module
     from stagedspec.auto import AutoDrafter
 
     clock = [100.0]
-    monkeypatch.setattr(auto_module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(drafter_module.time, "perf_counter", lambda: clock[0])
     tree = Arm("tree", 2)
     for learn_times in (True, False):
         policy = AutoPolicy([tree], FLAT, learn_times=learn_times)

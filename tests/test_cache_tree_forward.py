@@ -110,7 +110,7 @@ def test_row_by_row_attention_rows_do_not_depend_on_the_pass() -> None:
     and it computes the same function as the fused kernel (up to rounding)."""
     import torch.nn.functional as F
 
-    from stagedspec.models.transformer import _attend_row_by_row
+    from stagedspec.models.transformer import attend_row_by_row
 
     g = torch.Generator().manual_seed(0)
     H, Hkv, S, D, T = 6, 2, 96, 32, 12
@@ -120,9 +120,9 @@ def test_row_by_row_attention_rows_do_not_depend_on_the_pass() -> None:
     mask = torch.zeros(T, S, dtype=torch.bool)
     for t in range(T):
         mask[t, : 40 + t + 1] = True
-    full = _attend_row_by_row(q, k, v, mask, H // Hkv)
+    full = attend_row_by_row(q, k, v, mask, H // Hkv)
     for start, n in [(0, 1), (3, 2), (5, 7), (11, 1)]:
-        part = _attend_row_by_row(q[:, :, start:start + n], k, v, mask[start:start + n], H // Hkv)
+        part = attend_row_by_row(q[:, :, start:start + n], k, v, mask[start:start + n], H // Hkv)
         assert torch.equal(part, full[:, :, start:start + n])
     fused = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(H // Hkv, 1),
                                            v.float().repeat_interleave(H // Hkv, 1), attn_mask=mask)

@@ -11,7 +11,7 @@ tokens it yielded and was expected to (the first step, with the prompt's prefill
 
 `--prompts KIND:N,...` runs the kinds in order (`stagedspec.bench.prompts`: humaneval, prose, chat), so the
 policy learns on the first and meets the next as a user switching tasks would.  `--request-prior X` sets
-`stagedspec.auto.REQUEST_PRIOR` for the run (a large value prices every request by the machine's statistics
+`stagedspec.auto.drafter.REQUEST_PRIOR` for the run (a large value prices every request by the machine's statistics
 alone).  `--realized off` prices every request as if its steps had realized their prices
 (`stagedspec.realized_rates`; the control for that record).  The pipeline's learned state is read from and saved to the cache as `generate` does: copy
 `~/.cache/stagedspec/costs/*.auto.json` aside to repeat a run from the same state.  Timings are only
@@ -24,6 +24,7 @@ import argparse
 import time
 from collections import defaultdict
 
+import stagedspec.auto.drafter as auto_drafter
 from stagedspec import auto
 from stagedspec.bench.prompts import chat_instruction, load_prompts
 from stagedspec.pipeline import Pipeline, SpeculationConfig
@@ -43,7 +44,7 @@ def main() -> None:
     ap.add_argument("--realized", choices=("on", "off"), default="on")
     args = ap.parse_args()
     if args.request_prior is not None:
-        auto.REQUEST_PRIOR = args.request_prior
+        auto_drafter.REQUEST_PRIOR = args.request_prior  # where `AutoDrafter` reads it
     if args.realized == "off":
         RealizedRates.factor = lambda self, kind: 1.0  # a diagnostic's control
 

@@ -82,7 +82,7 @@ def to_int8(draft: Transformer, oracle: Transformer, max_rows: int | None = None
     model) gets an int8 copy of it too; a head shared with a bf16 oracle
     stays the oracle's.
     """
-    from stagedspec.models.quant import Int8Linear, RowSwitchLinear, _swap_layers, quantize_draft
+    from stagedspec.models.quant import Int8Linear, RowSwitchLinear, quantize_draft, swap_layers
 
     if max_rows is None:
         quantize_draft(draft, oracle)
@@ -90,7 +90,7 @@ def to_int8(draft: Transformer, oracle: Transformer, max_rows: int | None = None
             draft.head_q = Int8Linear(draft.head_weight.detach(), None)
         return draft
     for layer in draft.layers:
-        _swap_layers(layer, nn.Linear, lambda lin: RowSwitchLinear(lin.weight.detach(), lin.bias, max_rows))
+        swap_layers(layer, nn.Linear, lambda lin: RowSwitchLinear(lin.weight.detach(), lin.bias, max_rows))
     own_head = getattr(draft, "head", None)
     head = own_head.weight if own_head is not None else draft.head_weight
     if own_head is not None or head is not oracle.head_weight:

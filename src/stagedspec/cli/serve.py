@@ -11,12 +11,13 @@ import argparse
 import os
 import socket
 import sys
+from typing import Any
 
 from stagedspec.cli.args import add_quant_arg, add_threads_arg
 from stagedspec.errors import StagedSpecError
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argparse's own type
+def add_commands(sub: Any) -> None:
     from stagedspec.cli.args import add_model_args, add_speculation_args
     from stagedspec.cli.args import positive_int
 

@@ -410,13 +410,13 @@ def check_quant(mode: str, dtype: torch.dtype, device: str) -> None:
                               "PyTorch's fallback computes in bf16: use --dtype bf16")
 
 
-def _swap_layers(module: nn.Module, kind: type | tuple[type, ...], make: Callable[[nn.Module], nn.Module]) -> None:
+def swap_layers(module: nn.Module, kind: type | tuple[type, ...], make: Callable[[nn.Module], nn.Module]) -> None:
     """Replace every submodule of type `kind` under `module` by `make(it)`, in place."""
     for name, child in list(module.named_children()):
         if isinstance(child, kind):
             setattr(module, name, make(child))
         else:
-            _swap_layers(child, kind, make)
+            swap_layers(child, kind, make)
 
 
 def quantize_linears(module: nn.Module, mode: str, kernels: str | NativeKernels | None = "auto",
@@ -520,7 +520,7 @@ def run_rest_natively(model: nn.Module, kernels: NativeKernels) -> None:
     for a model whose linear layers already run on them.  In place."""
     from stagedspec.models.transformer import Attention, RMSNorm
 
-    _swap_layers(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernels))
+    swap_layers(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernels))
     for m in model.modules():
         if isinstance(m, Attention):
             m.native_attention = kernels
@@ -536,7 +536,7 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     (they are trained and saved as such), whatever the oracle runs on.
     """
     module = copy.deepcopy(module)
-    _swap_layers(module, (Int4Linear, Int8Linear, SegmentLinear), _as_linear)
+    swap_layers(module, (Int4Linear, Int8Linear, SegmentLinear), _as_linear)
     for m in module.modules():
         if getattr(m, "native_layer", None) is not None:
             m.native_layer = None  # it would still run the quantised copies

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from stagedspec.cache import KVCache
 from stagedspec.pass_options import env_flag
-from stagedspec.models.transformer import Transformer, _attend_row_by_row, apply_rope, decoding_mode
+from stagedspec.models.transformer import Transformer, apply_rope, attend_row_by_row, decoding_mode
 
 
 PAD_BY_DEFAULT = env_flag(os.environ, "STAGEDSPEC_RAGGED_PAD", True)
@@ -227,7 +227,7 @@ def _attention(attn, x: Tensor, rope, segments: list[Segment], prepared: list[_P
         if attn.native_attention is not None:  # every row alone: the segment's solo numbers, bit for bit
             o = attn.native_attention.attention(qs, keys, values, mask, attn.scale or D ** -0.5)
         elif s.row_independent and mask is not None:
-            o = _attend_row_by_row(qs, keys, values, mask, G, attn.scale)
+            o = attend_row_by_row(qs, keys, values, mask, G, attn.scale)
         else:
             o = F.scaled_dot_product_attention(qs.reshape(1, Hkv, G * n, D), keys, values, attn_mask=mask,
                                                scale=attn.scale)

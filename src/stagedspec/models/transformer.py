@@ -160,7 +160,7 @@ class Attention(nn.Module):
         if self.native_attention is not None and not isinstance(start, Tensor):
             out = self.native_attention.attention(q, keys, values, mask, self.scale or D ** -0.5)
         elif row_independent and mask is not None:
-            out = _attend_row_by_row(q, keys, values, mask, G, self.scale)
+            out = attend_row_by_row(q, keys, values, mask, G, self.scale)
         else:
             # Grouped-query attention without copying the cache: the G query heads
             # that share a KV head are folded into the query-length axis (the mask
@@ -184,7 +184,7 @@ class Attention(nn.Module):
         return (xf * (1.0 + w[:, None, :])).to(qk.dtype)
 
 
-def _attend_row_by_row(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, G: int,
+def attend_row_by_row(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, G: int,
                        scale: float | None = None) -> Tensor:
     """Attention with every query token as its own SDPA call (its G grouped heads as the rows).
 
@@ -423,7 +423,7 @@ class Transformer(nn.Module):
           row's result depends on the pass it is in (`ModelOracle` uses the
           cache size; `row_independent` removes the other).
         - `row_independent`: run attention one query token at a time
-          (`_attend_row_by_row`), so a row's numbers do not depend on how many
+          (`attend_row_by_row`), so a row's numbers do not depend on how many
           rows share the pass either; `ModelOracle(bit_exact=True)` uses it.
         """
         with decoding_mode(self):

@@ -1,0 +1,95 @@
+"""The configurations `--method auto` chooses among (`Arm`), which of them to price, and their sizes:
+the rows each puts in the oracle's pass and the prompt-lookup chains they propose."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+LOOKUP_SIZES = (1, 2, 3, 4, 6)
+CPU_TREE_SIZES = (2, 4, 8, 16)
+CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
+STAGE_SIZES = (1, 2, 3, 4, 6)
+# `staged:k+m` arms also merge a long chain: where verification rows are nearly free (a CPU with native bf16,
+# a GPU) the copies it catches are long; where rows are dear the pricing leaves these arms alone.  The fixed
+# `staged` merges this many on a native-bf16 CPU (AMX Xeon, 2026-11-23: 1.75x -> 1.78-1.87x `ar`; docs/benchmarks.md).
+STAGE_LONG_LOOKUP = 8
+# A `staged:k` arm merges a prompt-lookup chain one token longer than its draft's k, as the tuned fixed
+# configurations do (bf16: 3 draft + 4 lookup; int4: 1 + 2, which no arm could express without this: `auto@int4`
+# ran at 1.10-1.17x `ar@int4` against `staged@int4`'s 1.35x on an AMX Xeon, 2026-11-23).
+STAGE_LOOKUP_EXTRA = 1
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration `--method auto` can run for a step."""
+
+    kind: str  # "ar" | "lookup" | "tree" | "staged"
+    size: int = 0  # lookup chain length / tree nodes / tokens the draft stage decodes
+    lookup: int = 0  # staged: tokens of the merged prompt-lookup chain (0: size + STAGE_LOOKUP_EXTRA)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "ar":
+            return "ar"
+        return f"{self.kind}:{self.size}" + (f"+{self.lookup}" if self.lookup else "")
+
+    @property
+    def family(self) -> str:
+        """Arms the chain model prices alike, whose calibrations are pooled (`AcceptanceStats.calibration`):
+        the kind, with `staged` arms merging a long lookup chain apart (the model overrates that chain)."""
+        return f"{self.kind}+" if self.lookup else self.kind
+
+    @property
+    def max_tree_budget(self) -> int:
+        """Most non-root nodes this arm can put in the oracle's tree."""
+        if self.kind == "lookup":
+            return 3 * self.size  # the context chain and two n-gram chains
+        if self.kind == "staged":
+            return self.size + staged_lookup_length(self)  # the draft's chain and the merged context chain
+        return self.size
+
+
+def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu", kind: str | None = None) -> list[Arm]:
+    """Every configuration worth pricing, given what can propose; `kind`: only `ar` and that kind's arms
+    (a method whose sizes are measured, `SpeculationConfig.sizing`)."""
+    if kind is not None:
+        return [a for a in arms_for(has_lookup, has_draft, device) if a.kind in ("ar", kind)]
+    arms = [Arm("ar")]
+    if has_lookup:
+        arms += [Arm("lookup", k) for k in LOOKUP_SIZES]
+    if has_draft:
+        sizes = CUDA_TREE_SIZES if device.startswith("cuda") else CPU_TREE_SIZES
+        arms += [Arm("tree", n) for n in sizes]
+        arms += [Arm("staged", k) for k in STAGE_SIZES]
+        arms += [Arm("staged", k, STAGE_LONG_LOOKUP) for k in STAGE_SIZES if k + STAGE_LOOKUP_EXTRA < STAGE_LONG_LOOKUP]
+    return arms
+
+
+def tree_depth_for(nodes: int) -> int:
+    """The depth of an n-node tree arm: deep enough for long accepts, wide enough to hedge."""
+    return max(1, min(nodes, round(1.5 * math.sqrt(nodes)) + 1, 8))
+
+
+def verify_rows(arm: Arm, lookup_lengths: Mapping[str, int]) -> int:
+    """Rows of the oracle's pass for `arm` (root included)."""
+    if arm.kind == "ar":
+        return 1
+    if arm.kind == "lookup":
+        return 1 + min(arm.size, lookup_lengths.get("context", 0)) + 2 * min(arm.size, lookup_lengths.get("ngram", 0))
+    if arm.kind == "staged":
+        return 1 + arm.size + min(staged_lookup_length(arm), lookup_lengths.get("context", 0))
+    return 1 + arm.size
+
+
+def staged_lookup_length(arm: Arm) -> int:
+    """Tokens of the prompt-lookup chain a `staged` arm merges into the oracle's tree."""
+    return arm.lookup or arm.size + STAGE_LOOKUP_EXTRA
+
+
+def lookup_horizon(arms: Iterable[Arm]) -> int:
+    """The longest prompt-lookup chain any of `arms` proposes (so the chains scored every step reach it)."""
+    lengths = [a.size for a in arms if a.kind == "lookup"] + [staged_lookup_length(a) for a in arms
+                                                              if a.kind == "staged"]
+    return max(lengths, default=max(LOOKUP_SIZES))

@@ -1,0 +1,322 @@
+"""`AutoDrafter`: the drafter that runs, each step, the arm its `AutoPolicy` expects to be fastest, and
+learns from how each step went."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+import torch
+
+from stagedspec.auto.acceptance import AcceptanceStats, expected_tokens
+from stagedspec.auto.arms import Arm, lookup_horizon
+from stagedspec.auto.policy import AR_PROBE_EVERY, AR_PROBE_MIN_STEPS, AutoPolicy
+from stagedspec.auto.step_costs import SharedLoad, catch_up_seconds, predicted_draft_seconds, solo_step_seconds
+from stagedspec.drafters.base import Drafter
+from stagedspec.realized_rates import RealizedRates
+from stagedspec.sampling import SamplingParams
+from stagedspec.tree import TokenTree
+
+if TYPE_CHECKING:
+    from stagedspec.drafters.lookup import LookupDrafter
+    from stagedspec.generation import Oracle
+
+EXPLORE_EVERY = 8  # every this many priced steps, run the arm with the highest optimistic rate ...
+EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the priced step after an exploration
+# ... that arm's calibration raised (`stagedspec.auto.pricing.EXPLORE_WIDTH`), twice in a row (the first step
+# may catch its draft up, and its drafting time is then not learned)
+PLAIN_STREAK = 8  # after this many `ar` steps in a row, lookup chains are computed only ...
+LOOKUP_PROBE_EVERY = 4  # ... every this many steps
+# Observations per series of the shared statistics a request starts from (`AutoDrafter.begin`): how often a
+# draft or the prompt's own text is right depends on the request (code that restates its prompt, prose that
+# does not), so a request's choices follow its own record after a dozen or two steps.  A synthetic request
+# whose prompt is never copied, priced from a machine that saw it always copied, left lookup after 23 steps
+# with 8 and ran lookup still after 60 with all 200 (`tests/test_auto.py`).  Priced from the machine's 200
+# observations, `auto` on the Qwen2.5-Coder pair ran prose at 0.78x `ar` after a run of HumanEval prompts
+# had taught it that the prompt is copied (AVX2 EPYC, 2026-11-26).
+REQUEST_PRIOR = 8.0
+
+
+Resize = Callable[[], None]  # sizes one drafter for an arm (a bound `Drafter.resize`), called before it proposes
+
+
+@dataclass
+class _Step:
+    """What the last step proposed, kept until the next `propose` learns how it went."""
+
+    context_len: int
+    arm: Arm
+    tree: TokenTree
+    predicted_tokens: float
+    rows: int
+    draft_seconds: float
+    verify_seconds: float | None = None  # the oracle's pass and verification, reported by the loop
+    sampled: bool = False
+    warm: bool = True  # its drafter also ran the step before (else its time includes catching up)
+    ended: float = 0.0  # when `propose` returned (perf_counter): verification started then
+    alone: bool = True  # priced alone (no batched round shared): the time until the next step is its own
+    started: float = 0.0  # when `propose` began (perf_counter): the whole step runs from here to the next
+    lookup_lengths: Mapping[str, int] = field(default_factory=dict)  # the chains it was priced with
+    priced_tokens: float = 1.0  # what it was chosen for: tokens (calibrated) and whole seconds, catch-up included
+    priced_seconds: float = 0.0
+
+
+def spine(tree: TokenTree) -> list[int]:
+    """The tokens of the tree's first-child chain: the draft's favourite path (trees are in pre-order)."""
+    kids = tree.children_lists()
+    node, out = 0, []
+    while kids[node]:
+        node = kids[node][0]
+        if node in tree.fixed:
+            break
+        out.append(tree.tokens[node])
+    return out
+
+
+def matched_prefix(chain: Sequence[int], emitted: Sequence[int]) -> int:
+    n = 0
+    while n < len(chain) and n < len(emitted) and chain[n] == emitted[n]:
+        n += 1
+    return n
+
+
+class AutoDrafter(Drafter):
+    """A drafter that runs, each step, the arm its `AutoPolicy` expects to be fastest.
+
+    `arms` maps each arm to the drafter that proposes for it and the
+    `Drafter.resize` calls that size it for the arm (drafters are shared
+    between arms of the same kind, so a draft's cache is not caught up once
+    per arm size).
+    `lookup`, when given, is asked for its chains every step to learn the
+    model-free proposers' acceptance and to tell the policy what exists now.
+    """
+
+    name = "auto"
+    reads_shared_load = True
+
+    def __init__(self, policy: AutoPolicy, arms: Mapping[Arm, tuple[Drafter, Sequence[Resize]]],
+                 lookup: LookupDrafter | None = None) -> None:
+        self.policy, self.arms, self.lookup = policy, dict(arms), lookup
+        missing = [a.name for a in policy.arms if a not in self.arms]
+        if missing:
+            raise ValueError(f"no drafter for arms {missing}")
+        self._drafters = list({id(d): d for d, _ in self.arms.values()}.values())
+        self._horizon = lookup_horizon(policy.arms)  # how far this step's lookup chains are scored
+        self._last: _Step | None = None
+        self._first_step = True  # its times include the prompt's prefill: not a step's cost
+        self._plain_streak = 0  # consecutive steps that ran `ar`
+        self._since_plain = 0  # steps since `ar` last ran (its step time last measured)
+        self._probe_tick = 0
+        self._until_explore = EXPLORE_EVERY  # priced steps until the next exploration
+        self._explore_gap = EXPLORE_EVERY  # priced steps between explorations (doubled while they fail)
+        self._explored = False  # an exploration ran since the last priced step
+        self._exploring: Arm | None = None  # the arm an exploration runs again next step
+        self._last_drafter: Drafter | None = None  # the drafter of the last step
+        self._synced: dict[int, int] = {}  # id(drafter) -> context length when it last proposed
+        self.request_choices: dict[str, int] = {}  # `Drafter.request_choices`
+        self._pending: list[tuple[int, str, list[int]]] = []  # (context length, proposer, chain) to score
+        self._sampling = SamplingParams()
+        # This request's own acceptance statistics by sampling kind (greedy?), started from the policy's at
+        # `REQUEST_PRIOR` observations and updated with it: the arms are priced by these.
+        self._own: dict[bool, AcceptanceStats] = {}
+        # This request's realized / priced rate per arm kind (`stagedspec.realized_rates`): it scales the
+        # prices, so an arm that loses to its price is dropped within a few steps whatever part of it was wrong.
+        self._realized = RealizedRates()
+        # Most nodes a tree may have (None: any arm), set by the server under memory pressure
+        # (`stagedspec.server.pressure`): arms that could exceed it are not picked, rather than cut.
+        self.tree_budget_cap: int | None = None
+        # The batched round this request's next step shares, set by the server's scheduler between rounds
+        # (never for a seeded sampled request, whose choices must not depend on its neighbours): see
+        # `SharedLoad`.  None: priced alone.
+        self.shared_load: SharedLoad | None = None
+
+    @property
+    def forward_passes(self) -> int:
+        return sum(d.forward_passes for d in self._drafters)
+
+    def attach_oracle(self, oracle: Oracle) -> None:
+        """Pass the loop's oracle on to the arms that read its hidden states (a feature draft)."""
+        for d in self._drafters:
+            d.attach_oracle(oracle)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        for d in self._drafters:
+            d.begin(prompt_ids)
+        if self.lookup is not None and self.lookup not in self._drafters:
+            self.lookup.begin(prompt_ids)
+        self._last, self._pending, self._first_step = None, [], True
+        self._exploring, self._last_drafter = None, None
+        self._synced = {}
+        self._own = {}
+        self._realized = RealizedRates()
+        self.request_choices = {}
+
+    def propose(
+        self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
+    ) -> TokenTree:
+        t0 = time.perf_counter()
+        self._learn(context, t0)
+        self._sampling = sampling
+        lengths: dict[str, int] = {}
+        due = self._lookup_due()
+        if self.lookup is not None and due:
+            self.lookup.resize(chain_length=self._horizon)
+            for proposer, chain in self.lookup.chains(context, self._horizon):
+                if proposer not in lengths:  # the proposer's best chain only
+                    lengths[proposer] = len(chain)
+                    self._pending.append((len(context), proposer, chain))
+        # `ar` too little measured (`AR_PROBE_MIN_STEPS`) is probed every `EXPLORE_EVERY` steps, else every
+        # `AR_PROBE_EVERY`: a wrong first price is then corrected within tens of steps, not hundreds
+        probe = (self.policy.learn_times and self.shared_load is None and not self._first_step
+                 and self._since_plain >= EXPLORE_EVERY)
+        if probe and self._since_plain < AR_PROBE_EVERY:  # the statistics are read only when it matters
+            with self.policy.lock:
+                probe = self.policy.stats_for(sampling).arm_steps.get(Arm("ar"), 0) < AR_PROBE_MIN_STEPS
+        again, self._exploring = self._exploring, None
+        if again is not None and (self.tree_budget_cap is None or again.max_tree_budget <= self.tree_budget_cap):
+            arm = self.policy.choose_again(again)  # an exploration's second step: its time is measured warm
+        elif not due and self.shared_load is None:
+            # Deep in a run of `ar` steps, between lookup probes: nothing new to weigh (no chains looked at,
+            # no draft ran, so no statistic but `ar`'s own time moved), so `ar` again without pricing every
+            # arm.  On a GPU that pricing is a few percent of a 3 ms step.  Decided by the history alone.
+            arm = self.policy.choose_plain()
+        else:
+            self._until_explore -= 1
+            # A policy that prices by the profile alone (a seeded sampled request's, `Pipeline.drafter`) starts
+            # from the priors every request and cannot carry what an exploration teaches to the next one, so
+            # it does not explore: on SmolLM2 (AVX2 EPYC, 2026-11-26) seeded T=1 requests of 128 tokens tried
+            # 8-10 arms each and ran at 0.92x `ar`.
+            explore = self._until_explore <= 0 and self.policy.learn_times
+            backlog = {a.kind: len(context) - self._synced.get(id(self.arms[a][0]), 0)
+                       for a in self.policy.arms if a.kind in ("tree", "staged")}
+            arm = self.policy.choose(sampling, lengths, self.tree_budget_cap, self.shared_load, probe_plain=probe,
+                                     explore=explore, backlog=backlog, remaining=max_tokens,
+                                     stats=self._own_stats(sampling), realized=self._realized_now())
+            self._pace_exploration(arm, explore)
+            if explore and arm.kind != "ar":
+                self._exploring = arm
+        self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
+        self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
+        self._since_plain = 0 if arm.kind == "ar" else self._since_plain + 1
+        drafter, resizes = self.arms[arm]
+        behind = len(context) - self._synced.get(id(drafter), 0)
+        for resize in resizes:
+            resize()
+        tree = drafter.propose(context, sampling, generator, max_tokens)
+        self._synced[id(drafter)] = len(context)
+        with self.policy.lock:
+            own = self._own_stats(sampling)
+            predicted = expected_tokens(arm, own, lengths, calibrated=False)
+            priced_tokens = expected_tokens(arm, own, lengths)
+            priced_seconds = (solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths,
+                                                not sampling.greedy)
+                              + catch_up_seconds(arm, self.policy.profile, behind))
+        ended = time.perf_counter()
+        self._last = _Step(len(context), arm, tree, predicted, len(tree), ended - t0,
+                           sampled=not sampling.greedy, warm=drafter is self._last_drafter, ended=ended,
+                           alone=self.shared_load is None, started=t0, lookup_lengths=lengths,
+                           priced_tokens=priced_tokens, priced_seconds=priced_seconds)
+        self._last_drafter = drafter
+        return tree
+
+    def _realized_now(self) -> RealizedRates | None:
+        """This request's realized / priced rates, where its steps are timed alone by a policy that learns
+        times (not in a batched round, nor for a seeded sampled request priced by the profile alone)."""
+        return self._realized if self.policy.learn_times and self.shared_load is None else None
+
+    def _own_stats(self, sampling: SamplingParams) -> AcceptanceStats:
+        """This request's acceptance statistics for `sampling`'s kind (made at its first use, under the lock)."""
+        own = self._own.get(sampling.greedy)
+        if own is None:
+            with self.policy.lock:
+                own = self._own[sampling.greedy] = self.policy.stats_for(sampling).scaled(REQUEST_PRIOR)
+        return own
+
+    def _pace_exploration(self, arm: Arm, explore: bool) -> None:
+        """Count down to the next exploration: the gap doubles when `ar` wins the first priced step after an
+        exploration of another arm, and returns to `EXPLORE_EVERY` when a priced step chooses to speculate.
+        Decided by the history of choices alone."""
+        if explore:
+            self._until_explore = self._explore_gap
+            self._explored = arm.kind != "ar"
+            return
+        if arm.kind != "ar":
+            self._explore_gap = EXPLORE_EVERY
+            self._until_explore = min(self._until_explore, self._explore_gap)
+        elif self._explored:
+            self._explore_gap = min(EXPLORE_MAX_GAP, 2 * self._explore_gap)
+            self._until_explore = self._explore_gap
+        self._explored = False
+
+    def verified(self, seconds: float) -> None:
+        """The loop's report of how long the oracle took to score and verify this drafter's last tree."""
+        if self._last is not None:
+            self._last.verify_seconds = seconds
+
+    def _lookup_due(self) -> bool:
+        """Whether to compute this step's lookup chains (they cost ~0.5 ms of Python).
+
+        While plain decoding keeps winning, they are computed only every
+        `LOOKUP_PROBE_EVERY` steps, so a fast pass (a GPU graph replay) does
+        not pay for them every step; a run of copyable context is still
+        noticed within a few tokens.  Which steps look is decided by the
+        history of choices alone.
+        """
+        self._probe_tick += 1
+        return self._plain_streak < PLAIN_STREAK or self._probe_tick % LOOKUP_PROBE_EVERY == 0
+
+    def _learn(self, context: Sequence[int], now: float) -> None:
+        """Score the last step and the pending lookup chains against the tokens emitted since (`now`: when
+        this step began)."""
+        with self.policy.lock:
+            self._learn_locked(context, now)
+
+    def _learn_locked(self, context: Sequence[int], now: float) -> None:
+        scored: list[tuple[str, int, int]] = []  # (proposer, matched, length) of each chain decided now
+        still = []
+        for start, proposer, chain in self._pending:
+            emitted = context[start:]
+            matched = matched_prefix(chain, emitted)
+            if matched < len(chain) and matched == len(emitted):
+                still.append((start, proposer, chain))  # undecided: the next token is not known yet
+            else:
+                scored.append((proposer, matched, len(chain)))
+        self._pending = still
+        last, self._last = self._last, None
+        stepped = last is not None and len(context) > last.context_len
+        emitted = context[last.context_len:] if stepped else []
+        if stepped and last.arm.kind in ("tree", "staged"):
+            chain = spine(last.tree)
+            if chain:
+                scored.append(("draft", matched_prefix(chain, emitted), len(chain)))
+        arm = last.arm if stepped else None
+        predicted = last.predicted_tokens if stepped else 0.0
+        # the machine's statistics (what the next requests start from) and this request's own (its prices)
+        self.policy.stats_for(self._sampling).observe(arm, predicted, len(emitted), scored)
+        self._own_stats(self._sampling).observe(arm, predicted, len(emitted), scored)
+        if not stepped:
+            return
+        if self._first_step or last.verify_seconds is None or not self.policy.learn_times:
+            self._first_step = False
+            return
+        predicted_verify = self.policy.profile.step_seconds(last.rows, last.sampled)
+        # What the step cost after drafting is the time until this step began: the loop's report (scoring,
+        # verifying, committing) plus its bookkeeping and the caller's handling of the tokens, which grow
+        # with the tree (on an AVX-512 CPU, 1.3 ms for `ar`, 3.7 ms for a 16-node tree).  Capped
+        # at 1.5x the report, so a caller that paused between steps does not teach a price.  In a batched
+        # round (the server) the time until the next step is the round's, so there the report alone counts.
+        verify_seconds = last.verify_seconds
+        costs = self.policy.costs
+        if last.alone:
+            verify_seconds = min(max(verify_seconds, now - last.ended), 1.5 * verify_seconds)
+        costs.observe(last.arm, last.draft_seconds if last.warm else None, verify_seconds, predicted_verify,
+                      predicted_draft_seconds(last.arm, self.policy.profile, last.sampled), sampled=last.sampled)
+        if last.alone:  # a batched round's wall time is the round's, not this step's
+            # the whole step against its parts' price after their lesson, so what they explain is not counted
+            # twice (a slow first `ar` step once priced `ar` at 2.7x its time and locked it out)
+            wall = min(now - last.started, last.draft_seconds + 1.5 * last.verify_seconds)  # not a caller's pause
+            costs.observe_step(last.arm, wall,
+                               solo_step_seconds(last.arm, self.policy.profile, costs, last.lookup_lengths,
+                                                 last.sampled, whole=False), last.sampled)
+            self._realized.observe(last.arm.kind, len(emitted), wall, last.priced_tokens, last.priced_seconds)

@@ -1,0 +1,140 @@
+"""`AutoPolicy`: the learned state of `--method auto`, shared by the requests of one pipeline, and its
+choice of an arm for a step."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping, Sequence
+
+from stagedspec.auto.acceptance import AcceptanceStats
+from stagedspec.auto.arms import Arm
+from stagedspec.auto.pricing import choose_arm, expected_rates
+from stagedspec.auto.step_costs import SharedLoad, StepCosts, catch_up_seconds
+from stagedspec.costs import CostProfile
+from stagedspec.realized_rates import RealizedRates
+from stagedspec.sampling import SamplingParams
+
+AR_PROBE_EVERY = 32  # a step runs `ar` when its time was last measured this many steps ago ...
+AR_PROBE_BELOW = 1.5  # ... and the best arm promises less than this many times `ar`'s rate, or `ar` ran ...
+AR_PROBE_MIN_STEPS = 8  # ... fewer steps than this (its price is then too little measured to trust)
+STATE_CAP = 200.0  # observations per series kept when the learned state is saved for the next process
+
+
+class AutoPolicy:
+    """The learned state of `--method auto`, kept across the requests of one pipeline.
+
+    Statistics are kept apart for greedy and sampled decoding (acceptance
+    differs), the measured times are shared.  A seeded sampled request gets
+    a policy of its own that ignores measured times (`Pipeline.drafter`):
+    its tree shapes then depend only on its own history and the machine's
+    cached cost profile, so the seed reproduces its output on this machine.
+    (Starting it from the state an earlier process saved priced it better,
+    but then a seeded request's tokens changed whenever an unseeded one saved
+    a new state: a seeded stream under load differed from the same request
+    alone.)
+    """
+
+    def __init__(self, arms: Sequence[Arm], profile: CostProfile, learn_times: bool = True) -> None:
+        """`learn_times=False`: price arms by the cost profile alone, never by measured step times, so
+        the choices (and with them a seeded sampled run's random draws) are reproducible."""
+        self.arms, self.profile, self.learn_times = list(arms), profile, learn_times
+        self.greedy_stats, self.sampled_stats = AcceptanceStats(), AcceptanceStats()
+        self.costs = StepCosts()
+        self.choices: dict[str, int] = {}
+        # The server's batched scheduler runs requests' steps on threads of their own, all learning into
+        # one policy: reads and updates of the statistics take this lock (uncontended: ~0.1 us).
+        self.lock = threading.RLock()
+
+    def state(self, cap: float = STATE_CAP) -> dict[str, Any]:
+        """What was learned, as JSON-able data, counts scaled down to at most `cap` observations per series
+        so that a restored policy still adapts to new text."""
+        def part(stats: AcceptanceStats) -> dict[str, Any]:
+            kept = stats.scaled(cap)
+            return {"chains": {name: {"hits": c.hits, "tries": c.tries} for name, c in kept.chains.items()},
+                    "arms": {arm.name: [steps, kept.arm_tokens.get(arm, 0.0), kept.arm_predicted.get(arm, 0.0)]
+                             for arm, steps in kept.arm_steps.items()}}
+
+        with self.lock:
+            return {"version": 1, "greedy": part(self.greedy_stats), "sampled": part(self.sampled_stats),
+                    "draft_seconds": {a.name: v for a, v in self.costs.draft_seconds.items()},
+                    "verify_scale": self.costs.verify_scale, "verify_scales": dict(self.costs.verify_scales),
+                    "draft_scale": dict(self.costs.draft_scale), "step_scales": dict(self.costs.step_scales)}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Start from what an earlier process learned on this machine (see `state`); unknown arms are ignored."""
+        if state.get("version") != 1:
+            return
+        by_name = {a.name: a for a in self.arms}
+        for key, stats in (("greedy", self.greedy_stats), ("sampled", self.sampled_stats)):
+            part = state.get(key, {})
+            for name, c in part.get("chains", {}).items():
+                if name in stats.chains:
+                    stats.chains[name].set_counts([float(x) for x in c["hits"]], [float(x) for x in c["tries"]])
+            for name, (steps, tokens, predicted) in part.get("arms", {}).items():
+                if name in by_name:
+                    arm = by_name[name]
+                    stats.arm_steps[arm], stats.arm_tokens[arm], stats.arm_predicted[arm] = steps, tokens, predicted
+            stats.families.clear()
+        for name, seconds in state.get("draft_seconds", {}).items():
+            if name in by_name:
+                self.costs.draft_seconds[by_name[name]] = float(seconds)
+        self.costs.verify_scale = float(state.get("verify_scale", 1.0))
+        self.costs.verify_scales = {str(k): float(v) for k, v in state.get("verify_scales", {}).items()}
+        self.costs.verify_counts = {k: 10 for k in self.costs.verify_scales}  # restored: a moving average
+        self.costs.draft_scale = {str(k): float(v) for k, v in state.get("draft_scale", {}).items()}
+        self.costs.step_scales = {str(k): float(v) for k, v in state.get("step_scales", {}).items()}
+
+    def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
+        return self.greedy_stats if sampling.greedy else self.sampled_stats
+
+    def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
+               max_tree_budget: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False,
+               explore: bool = False, backlog: Mapping[str, int] | None = None, remaining: int = 0,
+               stats: AcceptanceStats | None = None, realized: RealizedRates | None = None) -> Arm:
+        """The arm to run; `max_tree_budget`: only arms whose trees fit that many nodes (`ar` always does);
+        `load`: the batched round the step shares (priced alone when None); `explore`: an exploring step
+        (`choose_arm`).
+
+        `backlog`: context tokens each arm kind's draft has not run yet (`AutoDrafter`), `remaining`: tokens
+        left to generate.  Catching up is charged whole to an exploring step, which runs twice and then
+        likely hands back to `ar` (a run of `ar` steps with explorations every 32 cost SmolLM2 about 4%
+        on an AVX2 EPYC, 2026-11-25), and to any other step as its share of the remaining tokens, about
+        two a step, since an arm that pays keeps its draft warm from then on.
+
+        `stats`: the acceptance statistics to price with (default: the policy's own for `sampling`; a request
+        passes its own, `AutoDrafter`).  `realized`: the request's realized / priced rate per arm kind
+        (`stagedspec.realized_rates`), which scales each arm's solo price.
+
+        `probe_plain`: `ar`'s step time has not been measured for a while (`AutoDrafter`): run `ar` now
+        if the best arm's promise over it is small enough that `ar`'s true price could change the choice
+        (`AR_PROBE_BELOW`).  The other arms' times are measured whenever they run; without probes, `ar`
+        would be priced by a scale the others taught once it stopped running.
+        """
+        arms = self.arms if max_tree_budget is None else [a for a in self.arms if a.max_tree_budget <= max_tree_budget]
+        plain = Arm("ar")
+        share = 0.5 if explore else min(1.0, 2.0 / max(1, remaining))
+        catch_up = {kind: share * catch_up_seconds(Arm(kind), self.profile, n) for kind, n in (backlog or {}).items()}
+        with self.lock:
+            stats = stats if stats is not None else self.stats_for(sampling)
+            arm = choose_arm(arms or [plain], self.profile, stats, self.costs,
+                             lookup_lengths, not sampling.greedy, load, explore, catch_up, realized)
+            if probe_plain and not explore and arm != plain and plain in arms:
+                rates = expected_rates([arm, plain], self.profile, stats, self.costs, lookup_lengths,
+                                       not sampling.greedy, load, realized=realized)
+                # `ar` timed on too few steps is probed whatever its price says: one slow early step (a cold
+                # kernel) can price it far above its time, and it would never run again to show otherwise
+                timed = self.stats_for(sampling).arm_steps.get(plain, 0)  # the shared steps: times are shared
+                if rates[arm] < AR_PROBE_BELOW * rates[plain] or timed < AR_PROBE_MIN_STEPS:
+                    arm = plain
+            self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
+        return arm
+
+    def choose_plain(self) -> Arm:
+        """`ar`, counted like a choice (`AutoDrafter` skips the pricing when nothing new could change it)."""
+        return self.choose_again(Arm("ar"))
+
+    def choose_again(self, arm: Arm) -> Arm:
+        """`arm` once more without pricing (a plain run, an exploration's second step), counted as a choice."""
+        with self.lock:
+            self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
+        return arm
