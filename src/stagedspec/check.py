@@ -25,7 +25,6 @@ then a deterministic function of the context).  Every sample still goes through 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import math
@@ -37,10 +36,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from stagedspec.cli.args import add_quant_arg
 from stagedspec.drafters.base import Drafter
 from stagedspec.errors import StagedSpecError
-from stagedspec.models.quant import resolve_quant
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree
 
@@ -628,63 +625,3 @@ def _sampling_label(s: SamplingParams) -> str:
     if s.top_p < 1:
         parts.append(f"top-p {s.top_p:g}")
     return ", ".join(parts)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------------------
-
-
-def add_check_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `stagedspec check` on the CLI's subparsers."""
-    p = subparsers.add_parser(
-        "check", help="exactness self-test on your oracle/draft pair: greedy and sampling tests, speed per method",
-        description="Greedy: every method's tokens equal ar's (fp32, and the serving dtype with --bit-exact). "
-                    "Sampling: chi-square test of the first speculative token against the oracle's exact "
-                    "distribution, with a negative control that must be flagged. Speed: tok/s per method. "
-                    "Exits 1 on any FAIL.")
-    p.add_argument("--oracle", default="default", metavar="SPEC",
-                   help="'default', 'gemma3-270m', an HF-format folder or a .gguf file")
-    p.add_argument("--draft", default=None, metavar="SPEC",
-                   help="draft model (distilled folder, HF folder, .gguf, layers:N); default: the shipped draft "
-                        "for the default oracle, else none (chain/tree/staged rows are then skipped)")
-    p.add_argument("--ngram", default="default", metavar="SPEC",
-                   help="n-gram for lookup/staged/auto: 'default' (as `generate` uses for staged and auto), a file, "
-                        "or 'none'")
-    add_quant_arg(p)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="the serving dtype to check besides fp32 (auto: what the hardware computes natively)")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling row 2 (default 1)")
-    p.add_argument("--top-k", type=int, default=50, metavar="K", help="sampling row 2 (default 50; 0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sampling row 2 (default 1 = off)")
-    p.add_argument("--samples", type=int, default=None, metavar="N",
-                   help=f"samples per sampling row (default {FULL.samples}; {QUICK.samples} with --quick)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"fewer prompts ({QUICK.prompts}), tokens ({QUICK.new_tokens}) and samples ({QUICK.samples}): "
-                        "lower power, stated in the table")
-    p.set_defaults(func=cmd_check)
-    return p
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    budget = dataclasses.replace(QUICK if args.quick else FULL)
-    if args.samples is not None:
-        if args.samples < 100:
-            raise StagedSpecError(f"--samples must be >= 100, got {args.samples}")
-        budget.samples = args.samples
-    from stagedspec.models.draft import ORACLES_WITH_DRAFTS
-
-    draft = args.draft if args.draft is not None else ("default" if args.oracle in ORACLES_WITH_DRAFTS else None)
-    ngram = None if args.ngram in ("none", "") else args.ngram
-    quant = resolve_quant(args.quant, args.oracle, args.device)
-    cfg = CheckConfig(oracle=args.oracle, draft=draft, ngram=ngram, quant=quant, device=args.device,
-                      dtype=args.dtype, quick=args.quick, user_sampling=sampling, budget=budget)
-    report = run_check(cfg, out=lambda s: print(s, flush=True))
-    print()
-    print(report.table())
-    for note in report.notes:
-        print(note)
-    print("\nresult: " + ("FAIL" if report.failed else "PASS"))
-    return 1 if report.failed else 0

@@ -60,14 +60,23 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
                         "keep some busy, re-read every 0.25 s) or a fixed count")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_oracle_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", default="default", metavar="SPEC",
-                   help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma-3-270m, Q4_K_M), an HF-format folder, "
+                   help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma-3-270m, Q4_K_M), "
+                        "'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (installed part packages), an HF-format folder, "
                         "or a .gguf file")
+
+
+def add_device_dtype_args(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="weights/activations dtype; auto (default): bf16 where the hardware computes it natively "
-                        "(AVX-512 BF16 or AMX CPUs, CUDA GPUs with bf16), else fp32")
+                   help=dtype_help or "weights/activations dtype; auto (default): bf16 where the hardware computes "
+                                      "it natively (AVX-512 BF16 or AMX CPUs, CUDA GPUs with bf16), else fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    add_oracle_arg(p)
+    add_device_dtype_args(p)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: replay each static-shape pass as a CUDA graph (default on; --no-cuda-graphs "
                         "launches the same passes eagerly)")

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=cmd_tune)
 
     from stagedspec.bench.run import add_bench_command
-    from stagedspec.check import add_check_command
+    from stagedspec.cli.check import add_check_command
     from stagedspec.cli.distill import add_commands as add_distill_commands
     from stagedspec.cli.export import add_commands as add_export_commands
     from stagedspec.cli.serve import add_commands as add_serve_commands
