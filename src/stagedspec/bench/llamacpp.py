@@ -42,6 +42,15 @@ SPEC_DRAFT_MAX = 8  # llamacpp-spec: tokens drafted per step (--spec-draft-n-max
 START_TIMEOUT_S = 300.0
 
 
+def draft_model_flags(draft_gguf: Path, threads: int) -> list[str]:
+    """llama.cpp's flags for draft-model speculation with `draft_gguf` (`llamacpp-spec`, `bench-serve`).
+
+    `--spec-type draft-simple` is needed: this llama.cpp's `--spec-type` defaults to none, and `-md` alone
+    loads the draft and never drafts with it (the bench's figures before 2026-11-26 were plain decoding)."""
+    return ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
+            "-td", str(threads)]
+
+
 def bin_dir() -> Path | None:
     """Where llama-server is: $STAGEDSPEC_LLAMACPP_BIN, else the build script's cached build, else None."""
 
@@ -141,9 +150,7 @@ def llamacpp_method(models: BenchModels, name: str, max_context: int, draft: str
         draft_gguf = gguf_for(draft) if draft and draft != "default" else None  # "default": our distilled draft
         if draft_gguf is None:
             raise MethodSkipped("llama.cpp's draft-model speculation needs the draft as a GGUF (--draft FILE.gguf)")
-        # `--spec-type` defaults to none in this llama.cpp: `-md` alone loads the draft and never drafts with it
-        flags = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
-                 "-td", str(torch.get_num_threads())]
+        flags = draft_model_flags(draft_gguf, torch.get_num_threads())
         draft_bytes = [gguf_weight_bytes(draft_gguf)]
         kind = "spec"
     elif name == "llamacpp-ngram":

@@ -244,7 +244,7 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult] | SoakResult:
 
 def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, llama-server flags): plain decoding, and draft-model speculation with `--llamacpp-draft`."""
-    from stagedspec.bench.llamacpp import SPEC_DRAFT_MAX
+    from stagedspec.bench.llamacpp import draft_model_flags
     from stagedspec.bench.methods import gguf_for
 
     variants = [("llama-server", [])]
@@ -252,8 +252,7 @@ def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         draft = gguf_for(args.llamacpp_draft)
         if draft is None:
             raise StagedSpecError(f"--llamacpp-draft {args.llamacpp_draft!r} is not a GGUF file or a named GGUF model")
-        variants.append(("llama-server -md", ["-md", str(draft), "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
-                                              "-td", str(_threads(args))]))
+        variants.append(("llama-server -md", draft_model_flags(draft, _threads(args))))
     return variants
 
 
