@@ -21,11 +21,11 @@ meaningful on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections import defaultdict
 
 import stagedspec.auto.drafter as auto_drafter
-from stagedspec import auto
 from stagedspec.bench.prompts import chat_instruction, load_prompts
 from stagedspec.pipeline import Pipeline, SpeculationConfig
 from stagedspec.realized_rates import RealizedRates
@@ -49,25 +49,10 @@ def main() -> None:
         RealizedRates.factor = lambda self, kind: 1.0  # a diagnostic's control
 
     steps: list[dict] = []
-    learn = auto.AutoDrafter._learn_locked
-
-    def traced(self: auto.AutoDrafter, context: list[int], now: float) -> None:
-        last = self._last  # the step about to be scored
-        if last is not None and last.verify_seconds is not None and len(context) > last.context_len \
-                and not self._first_step:
-            policy = self.policy
-            steps.append({"arm": last.arm.name, "rows": last.rows, "wall": now - last.started,
-                          "price": auto.solo_step_seconds(last.arm, policy.profile, policy.costs,
-                                                          last.lookup_lengths, last.sampled),
-                          "tokens": len(context) - last.context_len,
-                          "expected": auto.expected_tokens(last.arm, self._own_stats(self._sampling),
-                                                           last.lookup_lengths)})
-        learn(self, context, now)
-
-    auto.AutoDrafter._learn_locked = traced  # a diagnostic's hook
 
     pipe = Pipeline.load(args.oracle, args.draft, speculation=SpeculationConfig.tuned("auto", args.quant),
                          quant=args.quant)
+    pipe.auto_policy().step_observer = lambda step: steps.append(dataclasses.asdict(step))
     ar = Pipeline(pipe.model, pipe.tokenizer, [], SpeculationConfig.tuned("ar", args.quant), learned=pipe.learned)
     prompts = []
     for part in args.prompts.split(","):

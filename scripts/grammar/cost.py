@@ -58,8 +58,8 @@ def main() -> None:
     for method in args.methods.split(","):
         spec = SpeculationConfig.tuned(method, args.quant, ngram=None)
         drafts = [] if method in ("ar", "lookup") else base.draft_models
-        pipe = Pipeline(base.model, base.tokenizer, drafts, spec, learned=base.learned)
-        pipe._grammar_compiler = base._grammar_compiler  # noqa: SLF001 - share the built vocabulary
+        pipe = Pipeline(base.model, base.tokenizer, drafts, spec, learned=base.learned,
+                        grammar_compiler=base.grammar_compiler())  # the built vocabulary, shared
         for ctl in (None, controls):  # warm-up: kernels, the cost profile and the policy's first steps, untimed
             pipe.generate(prompts[0], chat=True, max_new_tokens=8, controls=ctl)
         for label, ctl in (("free", None), ("json-schema", controls)):

@@ -401,12 +401,15 @@ class Pipeline:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         dtype_reason: str = "as asked",
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         """A pipeline over models already in memory (benchmarks and tests run many methods on one load).
 
         `learned`: the pass costs and policies to use and add to (the server gives every request's pipeline
         its one; default: a new one).  `device` and `dtype` default to those of the oracle's weights;
-        `dtype_reason` says why that dtype (`--dtype auto` asks the hardware)."""
+        `dtype_reason` says why that dtype (`--dtype auto` asks the hardware).  `grammar_compiler`: another
+        pipeline's over the same tokenizer (`Pipeline.grammar_compiler`), so its vocabulary is not built
+        again."""
         self.speculation = speculation or SpeculationConfig()
         self.model, self.tokenizer = model, tokenizer
         self.device = device if device is not None else str(model.embed.weight.device)
@@ -421,7 +424,7 @@ class Pipeline:
         # "auto": follow the machine's load where results allow (`thread_governor`); N: fixed
         self.threads: str | int = "auto"
         self._governor: ThreadGovernor | None = None
-        self._grammar_compiler: GrammarCompiler | None = None  # the tokenizer as the grammar library sees it
+        self._grammar_compiler = grammar_compiler  # the tokenizer as the grammar library sees it
 
     @property
     def weights_description(self) -> str:
@@ -553,7 +556,9 @@ class Pipeline:
         s = self.speculation
         policy = self.sized_policy(s.method)
         if reproducible:
+            kept = policy
             policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
+            policy.step_observer = kept.step_observer
         has_lookup = self.ngram is not None or s.context
         lookup = (LookupDrafter(self.ngram, s.context, chain_length=lookup_horizon(policy.arms), processor=processor)
                   if has_lookup else None)

@@ -142,6 +142,7 @@ from stagedspec.auto.drafter import (
     REQUEST_PRIOR,
     AutoDrafter,
     Resize,
+    StepTrace,
     matched_prefix,
     spine,
 )
@@ -193,4 +194,5 @@ __all__ = [
     "spine",
     "matched_prefix",
     "AutoDrafter",
+    "StepTrace",
 ]

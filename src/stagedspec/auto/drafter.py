@@ -41,6 +41,20 @@ REQUEST_PRIOR = 8.0
 Resize = Callable[[], None]  # sizes one drafter for an arm (a bound `Drafter.resize`), called before it proposes
 
 
+@dataclass(frozen=True)
+class StepTrace:
+    """One finished step as `AutoPolicy.step_observer` sees it (a diagnostic: `scripts/auto/trace_steps.py`):
+    its arm and rows, its wall seconds and the price it was chosen at (the policy's before this step taught
+    it), the tokens it emitted and the tokens the request's own statistics expected of it."""
+
+    arm: str
+    rows: int
+    wall: float
+    price: float
+    tokens: int
+    expected: float
+
+
 @dataclass
 class _Step:
     """What the last step proposed, kept until the next `propose` learns how it went."""
@@ -290,6 +304,13 @@ class AutoDrafter(Drafter):
             chain = spine(last.tree)
             if chain:
                 scored.append(("draft", matched_prefix(chain, emitted), len(chain)))
+        if (stepped and self.policy.step_observer is not None and last.verify_seconds is not None
+                and not self._first_step):
+            self.policy.step_observer(StepTrace(
+                last.arm.name, last.rows, now - last.started,
+                solo_step_seconds(last.arm, self.policy.profile, self.policy.costs, last.lookup_lengths,
+                                  last.sampled),
+                len(emitted), expected_tokens(last.arm, self._own_stats(self._sampling), last.lookup_lengths)))
         arm = last.arm if stepped else None
         predicted = last.predicted_tokens if stepped else 0.0
         # the machine's statistics (what the next requests start from) and this request's own (its prices)

@@ -4,7 +4,7 @@ choice of an arm for a step."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from stagedspec.auto.acceptance import AcceptanceStats
 from stagedspec.auto.arms import Arm
@@ -44,6 +44,9 @@ class AutoPolicy:
         # The server's batched scheduler runs requests' steps on threads of their own, all learning into
         # one policy: reads and updates of the statistics take this lock (uncontended: ~0.1 us).
         self.lock = threading.RLock()
+        # Called with each timed step's `auto.drafter.StepTrace` before the step teaches anything (a
+        # diagnostic's hook, `scripts/auto/trace_steps.py`; None: not traced).
+        self.step_observer: Callable[[Any], None] | None = None
 
     def state(self, cap: float = STATE_CAP) -> dict[str, Any]:
         """What was learned, as JSON-able data, counts scaled down to at most `cap` observations per series
