@@ -20,6 +20,24 @@ def test_readme_headline_table_matches_the_measured_files() -> None:
     assert script.replace_block(readme, script.table()) == readme, "run: python scripts/readme_table.py --write"
 
 
+def test_benchmarks_table_of_every_headline_run_matches_the_measured_files() -> None:
+    script = _script()
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert script.replace_block(text, script.table(every_run=True)) == text, \
+        "run: python scripts/readme_table.py --write"
+
+
+def test_readme_shows_the_newest_run_of_each_machine_and_model_only() -> None:
+    rows = [{"machine": "A", "model": "SmolLM2-135M Q4_1", "date": "2"},
+            {"machine": "A", "model": "SmolLM2-135M, bf16", "date": "1"},
+            {"machine": "A", "model": "Qwen2.5-Coder-1.5B Q4_K_M", "date": "2"},
+            {"machine": "B", "model": "SmolLM2-135M Q4_1", "date": "1"},
+            {"machine": "A (Zen 3)", "model": "SmolLM2-135M Q4_1", "date": "0"}]
+    kept = _script().newest_per_machine_and_model(rows)
+    assert [(r["machine"], r["model"], r["date"]) for r in kept] == [
+        ("A", "SmolLM2-135M Q4_1", "2"), ("A", "Qwen2.5-Coder-1.5B Q4_K_M", "2"), ("B", "SmolLM2-135M Q4_1", "1")]
+
+
 def test_every_headline_row_names_a_date_a_commit_and_an_existing_results_file() -> None:
     import json
 
