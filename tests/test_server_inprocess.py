@@ -201,6 +201,38 @@ def test_memory_pressure_shrinks_tree_budgets_in_steps_and_regrows(engine):
     assert sched._kv_in_use == 0  # noqa: SLF001
 
 
+def test_memory_pressure_never_shrinks_a_seeded_sampled_request(engine):
+    """A seeded sampled request's sample depends on its trees, and it must equal its solo run: under pressure
+    it keeps its full tree, the others shrink for it, and a newcomer that would need it to shrink waits."""
+    jobs = [job([5 + i, 6, 7], max_tokens=8) for i in range(4)]
+    for j in jobs[1:3]:  # b and c: seeded, sampled
+        j.sampling, j.seed = SamplingParams(temperature=1.0), 7
+    for j in jobs:
+        j.kv_bytes = kv_of(engine, j)
+    probe = Scheduler(engine, max_batch=4)
+    r = probe.row_bytes
+    full = sum(probe._charge(j, 0) for j in jobs[:3])  # noqa: SLF001
+    # d needs 14 rows more than are left; only a (greedy) may shrink, and its 12 rows are not enough
+    budget = probe.base_bytes + full + jobs[3].kv_bytes + 2 * r - 14 * r
+    sched = Scheduler(engine, max_batch=4, max_memory=budget)
+    for j in jobs:
+        sched.submit(j)
+    try:
+        with sched._cond:  # noqa: SLF001
+            joining = sched._admit()  # noqa: SLF001
+        assert [(jn.job is j, jn.level) for jn, j in zip(joining, jobs)] == [(True, 0)] * 3
+        assert list(sched._waiting) == [jobs[3]]  # noqa: SLF001 - d waits: b and c keep their trees
+        # a seeded sampled newcomer is admitted only at its full tree: the greedy a shrinks for it
+        e = job([9, 6, 7], max_tokens=8)
+        e.sampling, e.seed = SamplingParams(temperature=1.0), 3
+        e.kv_bytes = kv_of(engine, e)
+        assert sched._floor(e) == 0 and sched._floor(jobs[0]) > 0  # noqa: SLF001
+    finally:
+        with sched._cond:  # noqa: SLF001
+            for jn in joining:
+                sched._kv_in_use -= sched._charge(jn.job, jn.level)  # noqa: SLF001
+
+
 def test_capped_drafter_cuts_every_tree_to_its_level():
     from stagedspec.drafters.lookup import LookupDrafter
     from stagedspec.server.pressure import CappedDrafter

@@ -356,7 +356,14 @@ class Scheduler:
     # ---------------------------------------------------------------- memory
     @staticmethod
     def _floor(job: Job) -> int:
-        """A job's last shrink level: root-only trees."""
+        """A job's last shrink level: root-only trees; 0 for a seeded sampled request.
+
+        Why 0: a seeded sample depends on the trees its steps verified (which arms ran, how the draws fall),
+        and it must equal the same request run alone, whatever else the server runs.  Shrunk trees keep the
+        distribution but not the sample.  So such a request never shrinks; it waits for room at its full
+        tree, and others shrink to make it."""
+        if job.seed is not None and not job.sampling.greedy:
+            return 0
         return root_only_level(job.spec.max_tree_budget)
 
     def _charge(self, job: Job, level: int = 0) -> int:
