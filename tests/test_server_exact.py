@@ -3,7 +3,8 @@
 Eight requests of different prompts and lengths start at staggered times and
 stream concurrently through `AsyncOpenAI`; each one's token ids and text must
 equal what `Pipeline.generate` produces for the same request alone, in this
-process, for `ar`, `tree`, `staged` and `auto`, greedy and seeded sampling, in fp32;
+process, for `ar`, `tree`, `staged` and `auto`, greedy and seeded sampling, in fp32 (seeded there non-strict:
+fp32 batched passes are not row-exact, see FP32_SEEDED);
 in bf16 for `staged`; with `--bit-exact` for `ar`, `tree` and `staged`; and with the oracle's weight format
 forced to int4 and to int8 (`--quant`, the native kernels) for `ar`, `tree` and `staged`.  The
 server batches the requests' passes (ragged passes: they share the matmuls,
