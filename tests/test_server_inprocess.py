@@ -227,6 +227,10 @@ def test_memory_pressure_never_shrinks_a_seeded_sampled_request(engine):
         e.sampling, e.seed = SamplingParams(temperature=1.0), 3
         e.kv_bytes = kv_of(engine, e)
         assert sched._floor(e) == 0 and sched._floor(jobs[0]) > 0  # noqa: SLF001
+        # one whose full tree could never fit is told so (400), not served on a shrunk tree
+        tight = Scheduler(engine, max_batch=1, max_memory=probe.base_bytes + probe._charge(e, 4))  # noqa: SLF001
+        with pytest.raises(APIError, match="runs its full tree"):
+            tight.submit(e)
     finally:
         with sched._cond:  # noqa: SLF001
             for jn in joining:

@@ -336,6 +336,12 @@ class Scheduler:
         slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         job.kv_bytes = self.memory.request_kv(slots, job.spec.max_tree_budget, uses_drafts)
         if self.base_bytes + self._charge(job, self._floor(job)) > self.max_memory:
+            if self._floor(job) == 0 and self.base_bytes + self._charge(job, root_only_level(
+                    job.spec.max_tree_budget)) <= self.max_memory:
+                raise APIError(400, "a seeded sampled request runs its full tree (its sample must not depend on "
+                                    "what else the server runs), and that does not fit the server's memory budget: "
+                                    "lower speculation.tree_budget, or drop the seed",
+                               "speculation.tree_budget", "memory_budget_exceeded")
             # a request whose own tree is bigger than the server's trees is told to shrink the tree
             tree = job.spec.max_tree_budget > self.engine.speculation.max_tree_budget
             param, advice = (("speculation.tree_budget", "lower speculation.tree_budget") if tree
