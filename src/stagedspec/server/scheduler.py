@@ -70,6 +70,12 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     processor: LogitsProcessor | None = None  # the request's logit bias and grammar (`stagedspec.constraints`)
 
+    @property
+    def reproducible(self) -> bool:
+        """A seeded sampled request: its tokens must equal the same request run alone (as `Pipeline.generate`
+        decides for a solo run), so its arm choices and trees may not depend on the server's load."""
+        return self.seed is not None and not self.sampling.greedy
+
     def cancel(self) -> None:
         self.cancelled.set()
 
@@ -91,7 +97,7 @@ class _Running:
         self.job = job
         pipe = engine.pipeline(job.spec)
         max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
-        reproducible = job.seed is not None and not job.sampling.greedy
+        reproducible = job.reproducible
         # Its passes go to its lane (when batched), and the runners its oracle and drafters lease are given
         # back when the request ends (`Scheduler._finish`).
         self.passes = RequestPasses(router=lane)
@@ -336,7 +342,7 @@ class Scheduler:
         slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         job.kv_bytes = self.memory.request_kv(slots, job.spec.max_tree_budget, uses_drafts)
         if self.base_bytes + self._charge(job, self._floor(job)) > self.max_memory:
-            if self._floor(job) == 0 and self.base_bytes + self._charge(job, root_only_level(
+            if job.reproducible and self.base_bytes + self._charge(job, root_only_level(
                     job.spec.max_tree_budget)) <= self.max_memory:
                 raise APIError(400, "a seeded sampled request runs its full tree (its sample must not depend on "
                                     "what else the server runs), and that does not fit the server's memory budget: "
@@ -368,7 +374,7 @@ class Scheduler:
         and it must equal the same request run alone, whatever else the server runs.  Shrunk trees keep the
         distribution but not the sample.  So such a request never shrinks; it waits for room at its full
         tree, and others shrink to make it."""
-        if job.seed is not None and not job.sampling.greedy:
+        if job.reproducible:
             return 0
         return root_only_level(job.spec.max_tree_budget)
 
