@@ -65,7 +65,7 @@ def main() -> None:
     total = {"ar": 0.0, "auto": 0.0}
     for i, prompt in enumerate(prompts):
         seed = i if args.temperature > 0 else None
-        rates = {}
+        rates, walls = {}, {}
         for name, p in (("ar", ar), ("auto", pipe)):
             steps.clear()
             t = time.perf_counter()
@@ -73,8 +73,11 @@ def main() -> None:
             seconds = time.perf_counter() - t
             total[name] += seconds
             rates[name] = len(out.token_ids) / seconds
+            walls[name] = seconds
+        traced = sum(s["wall"] for s in steps)
         print(f"prompt {i}: ar {rates['ar']:.1f} tok/s, auto {rates['auto']:.1f} tok/s "
-              f"({rates['auto'] / rates['ar']:.2f}x)")
+              f"({rates['auto'] / rates['ar']:.2f}x); auto's {len(steps)} traced steps {1e3 * traced:.0f} ms "
+              f"of its {1e3 * walls['auto']:.0f} ms (ar's whole request {1e3 * walls['ar']:.0f} ms)")
         by: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for s in steps:
             b = by[s["arm"]]

@@ -97,6 +97,29 @@ def describe_weights(model: nn.Module) -> str:
     return f"{layers} layers{head}, on {kernel_name(model)}"
 
 
+def row_exact(model: nn.Module) -> bool:
+    """Whether every matrix product of `model`'s passes gives a row the same bits whatever else shares the pass.
+
+    True when all its linear layers and its vocabulary head run on the native kernels, which compute each row
+    alone (tested: `tests/test_kernels.py`); its attention and norms are per row or per request already.  A
+    dense layer (bf16, fp32 with its row-count plan, cuBLAS) or a quantised one on PyTorch's kernels rounds a
+    row by the pass's shape, so batching it with other requests' rows can move its last bits.
+    """
+    native = (Int4Linear, Int8Linear, SegmentLinear)
+    if getattr(model, "head_q", None) is None:
+        return False
+    replaced = {id(getattr(model, name)) for name in ("head", "lm_head") if getattr(model, name, None) is not None}
+    for m in model.modules():
+        if id(m) in replaced:  # a dense head that `head_q` stands in for is never run
+            continue
+        if isinstance(m, native):
+            if m.kernels is None:
+                return False
+        elif isinstance(m, (nn.Linear, RowSwitchLinear)):
+            return False
+    return True
+
+
 def kernel_name(module: nn.Module) -> str:
     """Which kernel runs `module`'s quantised layers: 'stagedspec-native (AVX2)', 'torch', or 'none'."""
     for m in module.modules():

@@ -84,6 +84,9 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
                 on_load_error(state.load_error)
             return
         say(sched.describe())
+        notice = sched.exactness.notice()
+        if notice:
+            say(notice)
         sched.start()
         state.scheduler = sched
 
@@ -136,7 +139,8 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def model_card(sched: Scheduler) -> dict[str, Any]:
-        return {"id": sched.engine.model_name, "object": "model", "created": state.started, "owned_by": "stagedspec"}
+        return {"id": sched.engine.model_name, "object": "model", "created": state.started, "owned_by": "stagedspec",
+                "stagedspec": sched.exactness.card()}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

@@ -46,6 +46,7 @@ from stagedspec.pipeline import SpeculationConfig, stage_report
 from stagedspec.runner import RequestPasses
 from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
+from stagedspec.server.exactness import batch_exactness
 from stagedspec.server.batching import Lane, PassBatcher
 from stagedspec.server.metrics import Metrics
 from stagedspec.server.pressure import CappedDrafter, level_tree_budget, root_only_level
@@ -288,6 +289,9 @@ class Scheduler:
         model = getattr(engine, "model", None)  # thread count follows the machine's load (`stagedspec.threads`)
         self.governor = governor_for(model, getattr(engine, "threads", "auto")) if model is not None else None
         engine.batched_passes = batch_passes
+        # what a request's output is guaranteed to share with its solo run (said at start and in /v1/models)
+        self.exactness = batch_exactness(model, engine.draft_models, batch_passes=batch_passes,
+                                         bit_exact=engine.bit_exact)
         self.memory = engine.memory_model()
         nodes = engine.speculation.max_tree_budget
         # Tree scratch: one pass's activations.  Interleaved, one request's pass runs at a time, so it is
