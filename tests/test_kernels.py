@@ -213,7 +213,7 @@ def test_native_attention_is_the_same_bits_on_every_instruction_set_and_ignores_
         assert torch.equal(alone, got[:, :, t:t + 1])
 
 
-def _tiny_quantised_llama():  # noqa: ANN202
+def _tiny_quantised_llama(dtype: torch.dtype = torch.float32):  # noqa: ANN202
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.quant import quantize_model
     from stagedspec.models.transformer import Transformer, init_random
@@ -221,13 +221,19 @@ def _tiny_quantised_llama():  # noqa: ANN202
     cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       intermediate_size=128, max_position=128, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True)
     model = init_random(Transformer(cfg), seed=3).eval().requires_grad_(False)
-    return quantize_model(model, "int4", torch.float32, kernels)
+    return quantize_model(model, "int4", dtype, kernels)
 
 
 @needs_native
-def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row() -> None:
-    """A tree row's logits equal one-token decoding of its path; a prompt split in two passes equals one pass."""
-    model = _tiny_quantised_llama()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row(dtype: torch.dtype) -> None:
+    """A tree row's logits equal one-token decoding of its path; a prompt split in two passes equals one pass;
+    a one-row pass equals a row of a longer one, over the filled keys or the whole cache.  So the oracle runs a
+    native model's bf16 passes without the dense bf16 path's fixed width and second row (`wants_fixed_width`)."""
+    from stagedspec.runner import wants_fixed_width
+
+    model = _tiny_quantised_llama(dtype)
+    assert not wants_fixed_width(model)
     ids = [5, 9, 33, 2, 200, 17, 41]
     P = len(ids)
     with torch.inference_mode():
@@ -241,8 +247,27 @@ def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row() -> None:
         tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
         tree_logits = model(torch.tensor([[ids[4], ids[5], 99, ids[6]]]), torch.tensor([4, 5, 5, 6]), cache,
                             tree_mask=tree)[0]
+        one_row = {}
+        for width in (None, 64):
+            model(torch.tensor([ids[4:6]]), torch.arange(4, 6), cache)
+            cache.commit()
+            one_row[width] = model(torch.tensor([ids[6:]]), torch.tensor([6]), cache, key_width=width)[0]
+            cache.truncate(4)
     assert torch.equal(split, whole[4:])
     assert torch.equal(tree_logits[[0, 1, 3]], whole[4:])
+    assert torch.equal(one_row[None], whole[6:]) and torch.equal(one_row[64], whole[6:])
+
+
+def test_a_dense_bf16_model_keeps_the_fixed_width() -> None:
+    from stagedspec.models.config import ModelConfig
+    from stagedspec.models.transformer import Transformer, init_random
+    from stagedspec.runner import wants_fixed_width
+
+    cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      intermediate_size=128, max_position=128, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True)
+    model = init_random(Transformer(cfg), seed=3).eval().requires_grad_(False)
+    assert not wants_fixed_width(model)  # fp32
+    assert wants_fixed_width(model.to(torch.bfloat16))
 
 
 @needs_native

@@ -44,6 +44,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from stagedspec.models.quant import row_exact
 from stagedspec.models.transformer import Transformer, decoding_mode
 from stagedspec.tree import TokenTree
 
@@ -467,12 +468,19 @@ class RequestPasses:
 
 
 def wants_fixed_width(model: Transformer) -> bool:
-    """Whether the oracle runs `model` with a fixed key width and >= 2 rows by default (bf16/fp16).
+    """Whether the oracle runs `model` with a fixed key width and >= 2 rows by default: bf16/fp16 passes that
+    are not row-exact.
 
     See `stagedspec.generation.ModelOracle`; the cost curve must time passes
-    the way the loop runs them.
+    the way the loop runs them.  A model on the native kernels
+    (`models.quant.row_exact`, bf16 activations included) computes every row
+    alone, and its attention sees a row's visible keys in rank order whatever
+    the width, so neither measure changes a bit there and both would only
+    cost: the second row made every SmolLM2 `ar` pass a 2-row pass (1.16x a
+    one-row pass's time), and every server round of 8 `ar` requests a 16-row
+    one (AMD EPYC Zen 4, bf16 activations, 2026-11-26).
     """
-    return model.embed.weight.dtype in (torch.bfloat16, torch.float16)
+    return model.embed.weight.dtype in (torch.bfloat16, torch.float16) and not row_exact(model)
 
 
 class ModelOracle:
