@@ -114,3 +114,35 @@ def test_a_cost_profile_measured_beside_a_busy_process_is_not_cached(monkeypatch
     assert profile.others_load >= 1.0
     assert not (tmp_path / "k.json").exists()
     assert "measured again next time" in capsys.readouterr().err
+
+
+def test_a_thread_can_stop_opening_parallel_regions_without_changing_the_others() -> None:
+    """`no_parallel_regions_here` (a server lane's start): that thread runs on itself, every other keeps its count."""
+    import threading
+
+    from stagedspec.server.batching import Lane, PassBatcher
+    from stagedspec.threads import no_parallel_regions_here
+
+    before = torch.get_num_threads()
+    seen: dict[str, object] = {}
+
+    def worker() -> None:
+        seen["took"] = no_parallel_regions_here()
+        seen["threads"] = torch.get_num_threads()
+        seen["sum"] = torch.arange(100_000, dtype=torch.float64).sum().item()  # still computes
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == before
+    assert seen["sum"] == sum(range(100_000))
+    if seen["took"]:  # libgomp's OpenMP (PyTorch's Linux wheels)
+        assert seen["threads"] == 1
+    lane = Lane(PassBatcher(), "lane-test")  # a lane sets it on its own thread, at its start
+    ran = threading.Event()
+    threads: list[int] = []
+    lane.assign(lambda: (threads.append(torch.get_num_threads()), ran.set()), "running")
+    lane.wake()
+    assert ran.wait(10)
+    lane.close()
+    assert torch.get_num_threads() == before and threads == [1 if seen["took"] else before]

@@ -106,6 +106,34 @@ class ThreadGovernor:
         return self.threads
 
 
+def no_parallel_regions_here() -> bool:
+    """Make the calling thread run its PyTorch operations on itself alone; returns whether that took effect.
+
+    Why: GNU OpenMP gives every thread that opens a parallel region a pool of workers of its own, and once the
+    process holds more such threads than it has CPUs, every pool's workers stop spinning between regions and
+    sleep (libgomp's throttled spin count).  A pass is ~100 regions (a native kernel call each), so each then
+    pays a futex wake-up and a sleeping barrier.  Measured on a 2-core AMD EPYC Zen 4 (2026-11-26): after one
+    server request, whose lane thread had opened regions in small operations (argmax over the vocabulary),
+    a SmolLM2 `ar` decode on the scheduler's thread fell from 130 to 57 tok/s, and stayed there.  A thread
+    that only does such small work (a server lane) calls this at its start, so the process keeps one pool.
+
+    PyTorch sets a thread's OpenMP thread count from its global one at the thread's first parallel call, so
+    that is triggered first; then the thread's own count (an OpenMP per-thread setting) is set to 1 through
+    libgomp, which leaves every other thread's count and PyTorch's global one as they are.  Where the OpenMP
+    runtime is not libgomp's (or absent), nothing changes.
+    """
+    import ctypes
+
+    torch.get_num_threads()  # PyTorch's per-thread initialisation, which would otherwise undo the setting below
+    try:
+        set_threads = ctypes.CDLL(None).omp_set_num_threads
+    except (AttributeError, OSError):
+        return False
+    set_threads.argtypes = [ctypes.c_int]
+    set_threads(1)
+    return torch.get_num_threads() == 1
+
+
 def governor_for(model: torch.nn.Module, setting: str | int = "auto") -> ThreadGovernor | None:
     """The thread policy for a run of `model`: `setting` = N fixes N threads (None comes back); "auto" gives a
     `ThreadGovernor` capped at PyTorch's current count where the model's results cannot depend on the count

@@ -46,6 +46,7 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.ragged import PAD_BY_DEFAULT, Segment, forward_ragged
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import PassRouter
+from stagedspec.threads import no_parallel_regions_here
 
 IDLE, RUNNING, WAITING, DONE, ABANDONED = "idle", "running", "waiting", "done", "abandoned"
 IDLE_LANES = 16  # finished lanes kept for reuse (above the largest --max-batch in practice: the rest end)
@@ -229,6 +230,9 @@ class Lane(PassRouter):
         self._wake.release()
 
     def _loop(self) -> None:
+        # A lane's own operations are small (its passes run on the scheduler's thread): it opens no OpenMP
+        # pool of its own, which would slow every pass of the process (`threads.no_parallel_regions_here`).
+        no_parallel_regions_here()
         while True:
             self._wake.acquire()
             if self._closed:
