@@ -32,6 +32,7 @@ from stagedspec.server.guard import AccessGuard, AccessPolicy
 from stagedspec.server.metrics import Metrics
 from stagedspec.server.scheduler import Job, Scheduler
 from stagedspec.server.schemas import APIError, GenerationRequest, bad, parse_generation, parse_json
+from stagedspec.threads import no_parallel_regions_here
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: far more than the longest prompt a small model's context holds
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -96,6 +97,9 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
             bring_up(lambda: engine)
         else:
             threading.Thread(target=bring_up, args=(loader,), name="stagedspec-loader", daemon=True).start()
+        # The event loop's own operations (request checks, logit biases) are small: no OpenMP pool of its own,
+        # which would put the scheduler's passes on sleeping barriers (`threads.no_parallel_regions_here`).
+        no_parallel_regions_here()
         yield
         if state.scheduler is not None:
             state.scheduler.stop()
