@@ -142,6 +142,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          draft_weights=args.draft_weights, pass_options=pass_options_from(args))
     pipe.bit_exact = args.bit_exact
     pipe.threads = args.threads
+    if method != "ar" and sampling.greedy:
+        from stagedspec.exactness import greedy_note
+
+        note = greedy_note(pipe.model, args.bit_exact)
+        if note:
+            print(note, file=sys.stderr)
     if args.dtype == "auto":
         from stagedspec.pipeline import dtype_name
 
