@@ -355,7 +355,7 @@ class _Loaded:
         if method == "auto" and self.auto_profile is not None:
             from stagedspec.auto import AutoPolicy, arms_for
 
-            arms = arms_for(self.ngram is not None or spec.context, bool(drafts), self.device)
+            arms = arms_for(self.ngram is not None or spec.context, bool(drafts), self.device, has_context=spec.context)
             pipe.learned.set_policy("auto", AutoPolicy(arms, self.auto_profile, learn_times=False))
         return pipe
 

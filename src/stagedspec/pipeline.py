@@ -507,7 +507,7 @@ class Pipeline:
         from stagedspec.auto import arms_for
 
         arms = arms_for(self.ngram is not None or self.speculation.context, bool(self.draft_models), self.device,
-                        sized_method(method))
+                        sized_method(method), has_context=self.speculation.context)
         return self.learned.policy(method, arms, self.cost_profile)
 
     def _stage_chain(self, below: Drafter, max_len: int, chain_length: int, processor: LogitsProcessor | None,
@@ -568,6 +568,11 @@ class Pipeline:
                 arms[arm] = (NoDrafter(), [])
             elif arm.kind == "lookup":
                 arms[arm] = (lookup, [partial(lookup.resize, chain_length=arm.size)])
+        copy_arms = [a for a in policy.arms if a.kind == "copy"]
+        if copy_arms:  # the prompt-lookup chain alone (`stagedspec.auto.arms.COPY_SIZES`)
+            copy = LookupDrafter(None, True, chain_length=max(a.size for a in copy_arms), processor=processor)
+            for arm in copy_arms:
+                arms[arm] = (copy, [partial(copy.resize, chain_length=arm.size)])
         tree_arms = [a for a in policy.arms if a.kind == "tree"]
         if tree_arms:
             biggest = max(a.size for a in tree_arms)

@@ -8,6 +8,8 @@ machine.  Each step weighs its candidate configurations (`Arm`s):
 
 - `ar`: no speculation (one token per oracle pass);
 - `lookup:k`: prompt-lookup / n-gram chains of up to k tokens;
+- `copy:k`: the prompt-lookup chain alone, up to k tokens (one row a token: where rows are dear, the n-gram's
+  two chains beside it priced every lookup out);
 - `tree:n`: a best-first draft tree of n nodes;
 - `staged:k` / `staged:k+m`: the draft decodes k tokens, itself sped up by
   lookup below, with a prompt-lookup chain (k + 1 tokens, or m) merged into
@@ -29,9 +31,12 @@ by expected tokens / expected seconds, where
   (shrunk towards what its kind yielded, so an arm tried once is judged by
   its siblings too).
 
-Prompt lookup costs microseconds, so its chains are computed every step and
-scored against the tokens the oracle went on to emit, whichever arm ran: its
-statistics never go stale.  A draft's statistics are updated whenever an arm
+Prompt lookup costs microseconds, so its chains are computed every full step
+and scored against the tokens the oracle went on to emit, whichever arm ran.
+Deep in a run of plain steps most steps are quiet (`PLAIN_STREAK`,
+`PROBE_MAX_GAP`): they run `ar` and do nothing else, because in the decoding
+loop the policy's Python costs several times what it does in isolation, and
+on prose its bookkeeping on every step had made `auto` slower than `ar`.  A draft's statistics are updated whenever an arm
 that uses it runs.  A speculative arm must beat `ar` by `MARGIN` to run, so
 when the estimates are close the loop decodes plainly.
 
@@ -90,6 +95,7 @@ from __future__ import annotations
 from stagedspec.auto.arms import (
     CPU_TREE_SIZES,
     CUDA_TREE_SIZES,
+    COPY_SIZES,
     LOOKUP_SIZES,
     STAGE_LONG_LOOKUP,
     STAGE_LOOKUP_EXTRA,
@@ -150,6 +156,7 @@ from stagedspec.auto.drafter import (
 __all__ = [
     "MARGIN",
     "LOOKUP_SIZES",
+    "COPY_SIZES",
     "CPU_TREE_SIZES",
     "CUDA_TREE_SIZES",
     "STAGE_SIZES",

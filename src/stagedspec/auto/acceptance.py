@@ -118,7 +118,7 @@ class AcceptanceStats:
     arm_tokens: dict[Arm, float] = field(default_factory=dict)  # sum of (tokens - 1) the arm yielded
     arm_predicted: dict[Arm, float] = field(default_factory=dict)  # sum of (predicted tokens - 1)
     arm_steps: dict[Arm, float] = field(default_factory=dict)
-    # Family calibrations, kept until an arm is observed: every arm is priced every step.
+    # Family calibrations, each kept until an arm of that family is observed: arms are priced every priced step.
     families: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def calibration(self, arm: Arm) -> float:
@@ -176,11 +176,12 @@ class AcceptanceStats:
         if arm is not None:
             self.observe_arm(arm, predicted_tokens, tokens)
 
-    def observe_arm(self, arm: Arm, predicted_tokens: float, tokens: int) -> None:
-        self.families.clear()
-        self.arm_steps[arm] = self.arm_steps.get(arm, 0) + 1
-        self.arm_predicted[arm] = self.arm_predicted.get(arm, 0.0) + max(0.0, predicted_tokens - 1.0)
-        self.arm_tokens[arm] = self.arm_tokens.get(arm, 0.0) + max(0, tokens - 1)
+    def observe_arm(self, arm: Arm, predicted_tokens: float, tokens: int, steps: int = 1) -> None:
+        """`steps` steps of `arm`, each predicted to and emitting these many tokens."""
+        self.families.pop(arm.family, None)  # the other families' pooled calibrations do not move
+        self.arm_steps[arm] = self.arm_steps.get(arm, 0) + steps
+        self.arm_predicted[arm] = self.arm_predicted.get(arm, 0.0) + steps * max(0.0, predicted_tokens - 1.0)
+        self.arm_tokens[arm] = self.arm_tokens.get(arm, 0.0) + steps * max(0, tokens - 1)
 
 
 def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[str, int],
@@ -206,6 +207,8 @@ def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[st
     if arm.kind == "lookup":
         reach = _best_reach([chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0))),
                              chains["ngram"].reach(min(arm.size, lookup_lengths.get("ngram", 0)))])
+    elif arm.kind == "copy":
+        reach = chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0)))
     else:  # staged: the draft's chain, with the prompt-lookup chain merged in
         merged = min(staged_lookup_length(arm), lookup_lengths.get("context", 0))
         reach = _union_reach(chains["draft"].reach(arm.size), chains["context"].reach(merged))

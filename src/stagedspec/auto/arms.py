@@ -4,10 +4,15 @@ the rows each puts in the oracle's pass and the prompt-lookup chains they propos
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 LOOKUP_SIZES = (1, 2, 3, 4, 6)
+# `copy:k`: the prompt-lookup chain alone, without the n-gram's two chains.  A `lookup` arm verifies all three
+# (up to 1 + 3k rows); where rows are dear (the native int4 kernels: 4 rows cost 1.6x one on an AVX-512 EPYC) and
+# the n-gram is seldom right (10% at depth 1 on HumanEval, against 40% for the prompt's own text), that priced
+# every lookup out and `auto` ran HumanEval as `ar` (AMD EPYC Zen 4, SmolLM2, 2026-11-27).
+COPY_SIZES = (1, 2, 4, 8)
 CPU_TREE_SIZES = (2, 4, 8, 16)
 CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
 STAGE_SIZES = (1, 2, 3, 4, 6)
@@ -23,42 +28,54 @@ STAGE_LOOKUP_EXTRA = 1
 
 @dataclass(frozen=True)
 class Arm:
-    """One configuration `--method auto` can run for a step."""
+    """One configuration `--method auto` can run for a step.
 
-    kind: str  # "ar" | "lookup" | "tree" | "staged"
-    size: int = 0  # lookup chain length / tree nodes / tokens the draft stage decodes
+    Its name, family and hash are computed once: the policy looks arms up in dicts tens of times a step."""
+
+    kind: str  # "ar" | "lookup" | "copy" | "tree" | "staged"
+    size: int = 0  # lookup / copy chain length / tree nodes / tokens the draft stage decodes
     lookup: int = 0  # staged: tokens of the merged prompt-lookup chain (0: size + STAGE_LOOKUP_EXTRA)
+    # "ar", or "kind:size" with "+lookup" for a staged arm merging a long chain
+    name: str = field(init=False, compare=False, repr=False)
+    # Arms the chain model prices alike, whose calibrations are pooled (`AcceptanceStats.calibration`): the
+    # kind, with `staged` arms merging a long lookup chain apart (the model overrates that chain).
+    family: str = field(init=False, compare=False, repr=False)
+    _hash: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def name(self) -> str:
-        if self.kind == "ar":
-            return "ar"
-        return f"{self.kind}:{self.size}" + (f"+{self.lookup}" if self.lookup else "")
+    def __post_init__(self) -> None:
+        name = "ar" if self.kind == "ar" else f"{self.kind}:{self.size}" + (f"+{self.lookup}" if self.lookup else "")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "family", f"{self.kind}+" if self.lookup else self.kind)
+        object.__setattr__(self, "_hash", hash((self.kind, self.size, self.lookup)))
 
-    @property
-    def family(self) -> str:
-        """Arms the chain model prices alike, whose calibrations are pooled (`AcceptanceStats.calibration`):
-        the kind, with `staged` arms merging a long lookup chain apart (the model overrates that chain)."""
-        return f"{self.kind}+" if self.lookup else self.kind
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def max_tree_budget(self) -> int:
         """Most non-root nodes this arm can put in the oracle's tree."""
         if self.kind == "lookup":
             return 3 * self.size  # the context chain and two n-gram chains
+        if self.kind == "copy":
+            return self.size
         if self.kind == "staged":
             return self.size + staged_lookup_length(self)  # the draft's chain and the merged context chain
         return self.size
 
 
-def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu", kind: str | None = None) -> list[Arm]:
-    """Every configuration worth pricing, given what can propose; `kind`: only `ar` and that kind's arms
-    (a method whose sizes are measured, `SpeculationConfig.sizing`)."""
+def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu", kind: str | None = None,
+             has_context: bool | None = None) -> list[Arm]:
+    """Every configuration worth pricing, given what can propose (`has_context`: prompt lookup, default
+    `has_lookup`); `kind`: only `ar` and that kind's arms (a method whose sizes are measured,
+    `SpeculationConfig.sizing`; `lookup`'s include the `copy` arms)."""
     if kind is not None:
-        return [a for a in arms_for(has_lookup, has_draft, device) if a.kind in ("ar", kind)]
+        kinds = ("ar", kind, "copy") if kind == "lookup" else ("ar", kind)
+        return [a for a in arms_for(has_lookup, has_draft, device, has_context=has_context) if a.kind in kinds]
     arms = [Arm("ar")]
     if has_lookup:
         arms += [Arm("lookup", k) for k in LOOKUP_SIZES]
+    if has_lookup if has_context is None else has_context:
+        arms += [Arm("copy", k) for k in COPY_SIZES]
     if has_draft:
         sizes = CUDA_TREE_SIZES if device.startswith("cuda") else CPU_TREE_SIZES
         arms += [Arm("tree", n) for n in sizes]
@@ -78,6 +95,8 @@ def verify_rows(arm: Arm, lookup_lengths: Mapping[str, int]) -> int:
         return 1
     if arm.kind == "lookup":
         return 1 + min(arm.size, lookup_lengths.get("context", 0)) + 2 * min(arm.size, lookup_lengths.get("ngram", 0))
+    if arm.kind == "copy":
+        return 1 + min(arm.size, lookup_lengths.get("context", 0))
     if arm.kind == "staged":
         return 1 + arm.size + min(staged_lookup_length(arm), lookup_lengths.get("context", 0))
     return 1 + arm.size
@@ -90,6 +109,6 @@ def staged_lookup_length(arm: Arm) -> int:
 
 def lookup_horizon(arms: Iterable[Arm]) -> int:
     """The longest prompt-lookup chain any of `arms` proposes (so the chains scored every step reach it)."""
-    lengths = [a.size for a in arms if a.kind == "lookup"] + [staged_lookup_length(a) for a in arms
+    lengths = [a.size for a in arms if a.kind in ("lookup", "copy")] + [staged_lookup_length(a) for a in arms
                                                               if a.kind == "staged"]
     return max(lengths, default=max(LOOKUP_SIZES))

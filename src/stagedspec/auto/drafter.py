@@ -12,6 +12,7 @@ import torch
 from stagedspec.auto.acceptance import AcceptanceStats, expected_tokens
 from stagedspec.auto.arms import Arm, lookup_horizon
 from stagedspec.auto.policy import AR_PROBE_EVERY, AR_PROBE_MIN_STEPS, AutoPolicy
+from stagedspec.auto.pricing import contenders
 from stagedspec.auto.step_costs import SharedLoad, catch_up_seconds, predicted_draft_seconds, solo_step_seconds
 from stagedspec.drafters.base import Drafter
 from stagedspec.realized_rates import RealizedRates
@@ -26,8 +27,16 @@ EXPLORE_EVERY = 8  # every this many priced steps, run the arm with the highest 
 EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the priced step after an exploration
 # ... that arm's calibration raised (`stagedspec.auto.pricing.EXPLORE_WIDTH`), twice in a row (the first step
 # may catch its draft up, and its drafting time is then not learned)
-PLAIN_STREAK = 8  # after this many `ar` steps in a row, lookup chains are computed only ...
-LOOKUP_PROBE_EVERY = 4  # ... every this many steps
+FULL_PRICE_EVERY = 8  # priced steps between two that price every arm; the others price `ar`, the lookup arms
+# and the draft arms that came close at the last full pricing (`stagedspec.auto.pricing.contenders`): pricing all
+# 20 arms of the default pair cost about 200 us, 4% of a 5 ms SmolLM2 step (AMD EPYC Zen 4, 2026-11-27)
+PLAIN_STREAK = 4  # after this many `ar` steps in a row, a step is quiet (below) except a probe ...
+LOOKUP_PROBE_EVERY = 4  # ... every this many steps at first, the gap doubled each time a probe chooses `ar` again ...
+PROBE_MAX_GAP = 16  # ... up to this many steps, and back to `LOOKUP_PROBE_EVERY` when one chooses to speculate
+# A quiet step runs `ar` and learns nothing of its own: no chains are looked at, no arm is priced, its time is
+# not observed (the probes' and the speculative steps' are), so it costs a few microseconds.  `auto`'s
+# bookkeeping on every step had cost about 200 us of a 5 ms SmolLM2 step, and `auto` ran prose at 0.93-0.97x
+# `ar` choosing `ar` on most steps (AMD EPYC Zen 4, bf16 activations, 2026-11-27).
 # Observations per series of the shared statistics a request starts from (`AutoDrafter.begin`): how often a
 # draft or the prompt's own text is right depends on the request (code that restates its prompt, prose that
 # does not), so a request's choices follow its own record after a dozen or two steps.  A synthetic request
@@ -121,11 +130,15 @@ class AutoDrafter(Drafter):
         self._first_step = True  # its times include the prompt's prefill: not a step's cost
         self._plain_streak = 0  # consecutive steps that ran `ar`
         self._since_plain = 0  # steps since `ar` last ran (its step time last measured)
-        self._probe_tick = 0
+        self._probe_gap = LOOKUP_PROBE_EVERY  # steps between lookup probes in a plain run
+        self._until_probe = LOOKUP_PROBE_EVERY
+        self._quiet_steps = 0  # quiet `ar` steps not yet counted in the statistics (`_learn` adds them)
         self._until_explore = EXPLORE_EVERY  # priced steps until the next exploration
         self._explore_gap = EXPLORE_EVERY  # priced steps between explorations (doubled while they fail)
         self._explored = False  # an exploration ran since the last priced step
         self._exploring: Arm | None = None  # the arm an exploration runs again next step
+        self._contenders: frozenset[Arm] | None = None  # draft arms priced between full pricings (None: price all)
+        self._until_full = 0  # priced steps until the next full pricing
         self._last_drafter: Drafter | None = None  # the drafter of the last step
         self._synced: dict[int, int] = {}  # id(drafter) -> context length when it last proposed
         self.request_choices: dict[str, int] = {}  # `Drafter.request_choices`
@@ -161,6 +174,8 @@ class AutoDrafter(Drafter):
             self.lookup.begin(prompt_ids)
         self._last, self._pending, self._first_step = None, [], True
         self._exploring, self._last_drafter = None, None
+        self._plain_streak, self._probe_gap, self._until_probe, self._quiet_steps = 0, LOOKUP_PROBE_EVERY, 0, 0
+        self._contenders, self._until_full = None, 0
         self._synced = {}
         self._own = {}
         self._realized = RealizedRates()
@@ -170,10 +185,14 @@ class AutoDrafter(Drafter):
         self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
     ) -> TokenTree:
         t0 = time.perf_counter()
+        due = self._lookup_due()
+        if not due and self._exploring is None:
+            quiet = self._quiet(context, sampling, generator, max_tokens)
+            if quiet is not None:
+                return quiet
         self._learn(context, t0)
         self._sampling = sampling
         lengths: dict[str, int] = {}
-        due = self._lookup_due()
         if self.lookup is not None and due:
             self.lookup.resize(chain_length=self._horizon)
             for proposer, chain in self.lookup.chains(context, self._horizon):
@@ -198,7 +217,7 @@ class AutoDrafter(Drafter):
             # the one interpreter lock, one lane after another, and pricing every step cost 8 SmolLM2 streams
             # 16% beside `ar` (AMD EPYC Zen 4, 2 cores, 2026-11-26); a change of the round is seen at the next
             # probe, a few steps later.
-            arm = self.policy.choose_plain()
+            return self._run_quiet(context, sampling, generator, max_tokens)
         else:
             self._until_explore -= 1
             # A policy that prices by the profile alone (a seeded sampled request's, `Pipeline.drafter`) starts
@@ -208,10 +227,19 @@ class AutoDrafter(Drafter):
             explore = self._until_explore <= 0 and self.policy.learn_times
             backlog = {a.kind: len(context) - self._synced.get(id(self.arms[a][0]), 0)
                        for a in self.policy.arms if a.kind in ("tree", "staged")}
+            # Every arm is priced every `FULL_PRICE_EVERY` priced steps and when exploring; in between only the
+            # draft arms that came close then.  Which arms are priced is decided by the history alone.
+            full = explore or self._contenders is None or self._until_full <= 0
+            rates: dict[Arm, float] | None = {} if full else None
             arm = self.policy.choose(sampling, lengths, self.tree_budget_cap, self.shared_load, probe_plain=probe,
                                      explore=explore, backlog=backlog, remaining=max_tokens,
-                                     stats=self._own_stats(sampling), realized=self._realized_now())
+                                     stats=self._own_stats(sampling), realized=self._realized_now(),
+                                     only=None if full else self._contenders, rates_out=rates)
+            if rates is not None:
+                self._contenders, self._until_full = contenders(rates), FULL_PRICE_EVERY
+            self._until_full -= 1
             self._pace_exploration(arm, explore)
+            self._pace_probes(arm)
             if explore and arm.kind != "ar":
                 self._exploring = arm
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
@@ -224,12 +252,17 @@ class AutoDrafter(Drafter):
         tree = drafter.propose(context, sampling, generator, max_tokens)
         self._synced[id(drafter)] = len(context)
         with self.policy.lock:
-            own = self._own_stats(sampling)
-            predicted = expected_tokens(arm, own, lengths, calibrated=False)
-            priced_tokens = expected_tokens(arm, own, lengths)
-            priced_seconds = (solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths,
-                                                not sampling.greedy)
-                              + catch_up_seconds(arm, self.policy.profile, behind))
+            if arm.kind == "ar":  # one token, no draft to catch up: the pricing's constants
+                predicted = priced_tokens = 1.0
+                priced_seconds = solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths,
+                                                   not sampling.greedy)
+            else:
+                own = self._own_stats(sampling)
+                predicted = expected_tokens(arm, own, lengths, calibrated=False)
+                priced_tokens = expected_tokens(arm, own, lengths)
+                priced_seconds = (solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths,
+                                                    not sampling.greedy)
+                                  + catch_up_seconds(arm, self.policy.profile, behind))
         ended = time.perf_counter()
         self._last = _Step(len(context), arm, tree, predicted, len(tree), ended - t0,
                            sampled=not sampling.greedy, warm=drafter is self._last_drafter, ended=ended,
@@ -237,6 +270,38 @@ class AutoDrafter(Drafter):
                            priced_tokens=priced_tokens, priced_seconds=priced_seconds)
         self._last_drafter = drafter
         return tree
+
+    def _quiet(self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None,
+               max_tokens: int) -> TokenTree | None:
+        """A quiet `ar` step (see `PLAIN_STREAK`), or None where the step before was a full one: its lesson is
+        learned first, by the full path (which then runs this step as a quiet one too)."""
+        if self._last is not None:
+            return None
+        return self._run_quiet(context, sampling, generator, max_tokens)
+
+    def _run_quiet(self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None,
+                   max_tokens: int) -> TokenTree:
+        """`ar` without pricing, its time not learned: counted as a choice and, at the next `_learn`, in the
+        statistics."""
+        arm = self.policy.choose_plain()
+        self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
+        self._plain_streak += 1
+        self._since_plain = 0
+        self._quiet_steps += 1
+        drafter, _ = self.arms[arm]
+        tree = drafter.propose(context, sampling, generator, max_tokens)
+        self._synced[id(drafter)] = len(context)
+        self._last_drafter = drafter
+        return tree
+
+    def _pace_probes(self, arm: Arm) -> None:
+        """After a priced step deep in a plain run (a probe): the next probe in twice the gap if it chose `ar`
+        again (up to `PROBE_MAX_GAP`), else back to `LOOKUP_PROBE_EVERY`.  Decided by the history alone."""
+        if arm.kind != "ar":
+            self._probe_gap = LOOKUP_PROBE_EVERY
+        elif self._plain_streak >= PLAIN_STREAK:
+            self._probe_gap = min(PROBE_MAX_GAP, 2 * self._probe_gap)
+        self._until_probe = self._probe_gap
 
     def _realized_now(self) -> RealizedRates | None:
         """This request's realized / priced rates, where its steps are timed alone by a policy that learns
@@ -273,16 +338,19 @@ class AutoDrafter(Drafter):
             self._last.verify_seconds = seconds
 
     def _lookup_due(self) -> bool:
-        """Whether to compute this step's lookup chains (they cost ~0.5 ms of Python).
+        """Whether this step is a full one: its lookup chains computed, its arms priced, its time learned.
 
-        While plain decoding keeps winning, they are computed only every
-        `LOOKUP_PROBE_EVERY` steps, so a fast pass (a GPU graph replay) does
-        not pay for them every step; a run of copyable context is still
-        noticed within a few tokens.  Which steps look is decided by the
-        history of choices alone.
+        While plain decoding keeps winning (`PLAIN_STREAK`), only every
+        `_probe_gap`-th step is (`_pace_probes`), so a fast pass (a GPU graph
+        replay, a 5 ms CPU step) does not pay for the bookkeeping every step;
+        a run of copyable context is still noticed within a few tokens, and
+        within `PROBE_MAX_GAP` deep in prose.  Which steps look is decided by
+        the history of choices alone.
         """
-        self._probe_tick += 1
-        return self._plain_streak < PLAIN_STREAK or self._probe_tick % LOOKUP_PROBE_EVERY == 0
+        if self._plain_streak < PLAIN_STREAK:
+            return True
+        self._until_probe -= 1
+        return self._until_probe <= 0
 
     def _learn(self, context: Sequence[int], now: float) -> None:
         """Score the last step and the pending lookup chains against the tokens emitted since (`now`: when
@@ -301,6 +369,10 @@ class AutoDrafter(Drafter):
             else:
                 scored.append((proposer, matched, len(chain)))
         self._pending = still
+        if self._quiet_steps:  # quiet `ar` steps since the last full one: counted, their times not learned
+            for stats in (self.policy.stats_for(self._sampling), self._own_stats(self._sampling)):
+                stats.observe_arm(Arm("ar"), 1.0, 1, steps=self._quiet_steps)
+            self._quiet_steps = 0
         last, self._last = self._last, None
         stepped = last is not None and len(context) > last.context_len
         emitted = context[last.context_len:] if stepped else []

@@ -4,7 +4,7 @@ choice of an arm for a step."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from stagedspec.auto.acceptance import AcceptanceStats
 from stagedspec.auto.arms import Arm
@@ -93,7 +93,8 @@ class AutoPolicy:
     def choose(self, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
                max_tree_budget: int | None = None, load: SharedLoad | None = None, probe_plain: bool = False,
                explore: bool = False, backlog: Mapping[str, int] | None = None, remaining: int = 0,
-               stats: AcceptanceStats | None = None, realized: RealizedRates | None = None) -> Arm:
+               stats: AcceptanceStats | None = None, realized: RealizedRates | None = None,
+               only: Collection[Arm] | None = None, rates_out: dict[Arm, float] | None = None) -> Arm:
         """The arm to run; `max_tree_budget`: only arms whose trees fit that many nodes (`ar` always does);
         `load`: the batched round the step shares (priced alone when None); `explore`: an exploring step
         (`choose_arm`).
@@ -108,19 +109,25 @@ class AutoPolicy:
         passes its own, `AutoDrafter`).  `realized`: the request's realized / priced rate per arm kind
         (`stagedspec.realized_rates`), which scales each arm's solo price.
 
+        `only`: the draft arms (`tree`, `staged`) to price, None: all (`ar`, `lookup` and `copy` arms are always
+        priced: their prices move with this step's chains); `rates_out`: filled with the rates priced
+        (`pricing.contenders`).
+
         `probe_plain`: `ar`'s step time has not been measured for a while (`AutoDrafter`): run `ar` now
         if the best arm's promise over it is small enough that `ar`'s true price could change the choice
         (`AR_PROBE_BELOW`).  The other arms' times are measured whenever they run; without probes, `ar`
         would be priced by a scale the others taught once it stopped running.
         """
         arms = self.arms if max_tree_budget is None else [a for a in self.arms if a.max_tree_budget <= max_tree_budget]
+        if only is not None:
+            arms = [a for a in arms if a.kind in ("ar", "lookup", "copy") or a in only]
         plain = Arm("ar")
         share = 0.5 if explore else min(1.0, 2.0 / max(1, remaining))
         catch_up = {kind: share * catch_up_seconds(Arm(kind), self.profile, n) for kind, n in (backlog or {}).items()}
         with self.lock:
             stats = stats if stats is not None else self.stats_for(sampling)
             arm = choose_arm(arms or [plain], self.profile, stats, self.costs,
-                             lookup_lengths, not sampling.greedy, load, explore, catch_up, realized)
+                             lookup_lengths, not sampling.greedy, load, explore, catch_up, realized, rates_out)
             if probe_plain and not explore and arm != plain and plain in arms:
                 rates = expected_rates([arm, plain], self.profile, stats, self.costs, lookup_lengths,
                                        not sampling.greedy, load, realized=realized)

@@ -47,14 +47,18 @@ def choose_arm(
     arms: Sequence[Arm], profile: CostProfile, stats: AcceptanceStats, costs: StepCosts,
     lookup_lengths: Mapping[str, int], sampled: bool = False, load: SharedLoad | None = None,
     explore: bool = False, catch_up: Mapping[str, float] | None = None, realized: RealizedRates | None = None,
+    rates_out: dict[Arm, float] | None = None,
 ) -> Arm:
     """The arm with the highest expected tokens per second; `ar` unless another beats it by `MARGIN`.
 
     `load`: the batched round this step shares (`SharedLoad`); None or no others: priced alone.
     `explore`: rank by upper confidence bounds (`EXPLORE_WIDTH`), which favour arms that ran little.
-    `realized`: the request's own realized / priced rates (`RealizedRates`), which scale the solo prices."""
+    `realized`: the request's own realized / priced rates (`RealizedRates`), which scale the solo prices.
+    `rates_out`: filled with every arm's rate (`contenders` reads them)."""
     rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled, load,
                            EXPLORE_WIDTH if explore else 0.0, catch_up, realized)
+    if rates_out is not None:
+        rates_out.update(rates)
     best = max(rates, key=lambda a: rates[a])
     plain = Arm("ar")
     # A shared round's rate moves by about 1/requests of what this request's own rate would: so does the margin.
@@ -62,3 +66,19 @@ def choose_arm(
     if plain in rates and best != plain and rates[best] < (1.0 + margin) * rates[plain]:
         return plain
     return best
+
+
+# Arms whose price moves with this step's lookup chains are priced every priced step; a draft's arms (`tree`,
+# `staged`) move only as their statistics and times do, so between full pricings only those that came within
+# this share of the best rate are priced (`contenders`).
+CONTENDER_SHARE = 0.85
+
+
+def contenders(rates: Mapping[Arm, float]) -> frozenset[Arm]:
+    """The draft arms worth pricing until the next full pricing: those within `CONTENDER_SHARE` of the best
+    rate of a full pricing (`rates`, every arm's).  Lookup arms and `ar` are always priced (`AutoPolicy.choose`).
+    """
+    if not rates:
+        return frozenset()
+    best = max(rates.values())
+    return frozenset(a for a, r in rates.items() if a.kind in ("tree", "staged") and r >= CONTENDER_SHARE * best)

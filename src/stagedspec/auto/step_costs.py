@@ -93,8 +93,14 @@ class StepCosts:
         self.draft_seconds[arm] = clipped if first else 0.8 * old + 0.2 * clipped
 
 
+_KEYS = {(kind, sampled): f"{kind}/{'sampled' if sampled else 'greedy'}"
+         for kind in ("ar", "lookup", "copy", "tree", "staged") for sampled in (False, True)}
+
+
 def _verify_key(kind: str, sampled: bool) -> str:
-    return f"{kind}/{'sampled' if sampled else 'greedy'}"
+    """"tree/greedy" etc. (looked up, not formatted: it is asked for several times per arm priced)"""
+    key = _KEYS.get((kind, sampled))
+    return key if key is not None else f"{kind}/{'sampled' if sampled else 'greedy'}"
 
 
 def solo_step_seconds(arm: Arm, profile: CostProfile, costs: StepCosts, lookup_lengths: Mapping[str, int],
@@ -117,7 +123,7 @@ def predicted_draft_seconds(arm: Arm, profile: CostProfile, sampled: bool = Fals
     """
     if arm.kind == "ar":
         return 0.0
-    if arm.kind == "lookup" or not profile.drafts:
+    if arm.kind in ("lookup", "copy") or not profile.drafts:
         return LOOKUP_SECONDS
     extra = profile.draft_pass_overhead(sampled)
     catch_up = profile.draft_seconds(0, 2)  # the last step's accepted tokens, run through the draft
@@ -193,7 +199,7 @@ def shared_step_seconds(arm: Arm, profile: CostProfile, load: SharedLoad, lookup
     seconds *= load.oracle_scale
     if arm.kind == "ar":
         return seconds
-    if arm.kind == "lookup" or not profile.drafts:
+    if arm.kind in ("lookup", "copy") or not profile.drafts:
         return seconds + LOOKUP_SECONDS
     return seconds + load.draft_scale * _shared_draft_seconds(arm, profile, load, sampled)
 

@@ -232,7 +232,8 @@ def _measured_description(method: str, draft: str, context: bool, ngram_spec: st
 
     sizes = "/".join(dict.fromkeys(str(a.size) for a in arms_for(True, True, device, method) if a.kind == method))
     what = {"tree": f"a best-first tree of {sizes} nodes from draft {draft}",
-            "lookup": f"model-free chains of {sizes} tokens ({_bottom(context, ngram_spec)})",
+            "lookup": f"model-free chains of {sizes} tokens ({_bottom(context, ngram_spec)}"
+                      f"{', or the prompt-lookup chain alone' if context else ''})",
             "staged": f"staged oracle <- {draft} <- {_bottom(context, ngram_spec)}, the draft decoding {sizes} "
                       f"tokens, a prompt-lookup chain of {STAGE_LOOKUP_EXTRA} more or of {STAGE_LONG_LOOKUP} "
                       "merged into the oracle's tree"}[method]
