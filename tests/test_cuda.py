@@ -74,6 +74,28 @@ def test_greedy_fp32_every_method_identical_to_ar(mode: str) -> None:
             assert tokens == out["ar"], f"{mode}, seed {seed}: {name}"
 
 
+def test_bit_exact_bf16_rows_keep_their_bits_whatever_shares_the_pass() -> None:
+    """`bit_exact` on CUDA: every oracle pass runs one row count, so cuBLAS and the attention kernel run one
+    kernel for every pass; a chain's rows are then bit-identical to its tokens scored one at a time, in bf16,
+    whose kernels otherwise round a row by the pass's row count."""
+    from stagedspec.generation import ModelOracle
+    from stagedspec.tree import TokenTree
+
+    m = tiny(4, torch.bfloat16, layers=4)
+    prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    chain = [5, 9, 2, 17, 33, 8]
+    with torch.inference_mode():
+        many = ModelOracle(m, 256, bit_exact=True)
+        many.prefill(prompt)
+        rows = many.score(TokenTree.chain(prompt[-1], chain))
+        one = ModelOracle(m, 256, bit_exact=True)
+        one.prefill(prompt)
+        for i, token in enumerate([prompt[-1], *chain]):
+            alone = one.score(TokenTree([token], [-1]))
+            assert torch.equal(alone[0], rows[i]), f"row {i}"
+            one.commit([])
+
+
 def test_sampled_methods_run_end_to_end_on_cuda_and_reproduce_their_seed() -> None:
     """The loop's sampled path on the GPU: CPU generator, CUDA logits (it crashed on an H100 before commit 46d6456), same seed same tokens."""
     from stagedspec.drafters.lookup import LookupDrafter

@@ -34,7 +34,7 @@ def test_a_rerun_before_the_models_are_joined_says_so(tmp_path: Path) -> None:
     assert run.returncode == 1 and "no joined GGUFs" in run.stdout
 
 
-@pytest.mark.parametrize("env", [{}, {"DTYPE": "fp32", "TEMPS": "0", "TOKENS": "64"}])
+@pytest.mark.parametrize("env", [{}, {"DTYPE": "fp32", "TEMPS": "0", "TOKENS": "64"}, {"BIT_EXACT": "1"}])
 def test_the_bench_command_is_valid_for_the_cli(env: dict[str, str]) -> None:
     from stagedspec.cli import build_parser
 
@@ -45,3 +45,4 @@ def test_the_bench_command_is_valid_for_the_cli(env: dict[str, str]) -> None:
     assert args.func.__name__ == "cmd_bench" and args.device == "cuda"
     assert args.dtype == env.get("DTYPE", "bf16") and args.max_new_tokens == int(env.get("TOKENS", "96"))
     assert set(args.methods.split(",")) == {"ar", "chain", "tree", "lookup", "staged", "auto"}
+    assert args.bit_exact == ("BIT_EXACT" in env)

@@ -20,7 +20,7 @@ from stagedspec import runner as runner_mod
 from stagedspec.drafters.lookup import LookupDrafter
 from stagedspec.drafters.merged import MergedDrafter
 from stagedspec.drafters.model import ModelDrafter
-from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+from stagedspec.generation import ModelOracle, NoDrafter, generate_ar, speculative_generate
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.pass_options import PassOptions
@@ -158,6 +158,39 @@ def test_static_bf16_prompt_longer_than_a_bucket() -> None:
     assert len(out["ar"]) == 24 and len(set(out["ar"])) > 3  # a varied reply, not one token repeated
     for name, tokens in out.items():
         assert tokens == out["ar"], name
+
+
+def test_static_bit_exact_rows_keep_their_bits_whatever_shares_the_pass() -> None:
+    """`bit_exact` on the static path (CUDA's): every pass runs `BUCKETS[-1]` rows, so a chain's rows are
+    bit-identical to the same tokens scored one at a time (one-token decoding), in bf16, where passes of
+    different row counts round differently; and every method's greedy output is bit-exact `ar`'s."""
+    from stagedspec.runner import BUCKETS
+    from stagedspec.tree import TokenTree
+
+    oracle, draft = tiny(3, layers=3, dtype=torch.bfloat16), tiny(7, dtype=torch.bfloat16)
+    set_pass_mode(oracle, "static")
+    set_pass_mode(draft, "static")
+    prompt = torch.randint(0, 24, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    chain = [5, 9, 2, 17]
+    with torch.inference_mode():
+        many = ModelOracle(oracle, 128, bit_exact=True)
+        assert many.runner is not None and many.runner.buckets == (BUCKETS[-1],)
+        many.prefill(prompt)
+        rows = many.score(TokenTree.chain(prompt[-1], chain))
+        one = ModelOracle(oracle, 128, bit_exact=True)
+        one.prefill(prompt)
+        for i, token in enumerate([prompt[-1], *chain]):
+            alone = one.score(TokenTree([token], [-1]))
+            assert torch.equal(alone[0], rows[i]), f"row {i}"
+            one.commit([])
+    reference = speculative_generate(ModelOracle(oracle, 300, bit_exact=True), NoDrafter(), prompt,
+                                     max_new_tokens=24).token_ids
+    tree = speculative_generate(ModelOracle(oracle, 300, bit_exact=True),
+                                ModelDrafter(draft, tree_budget=16, max_len=300), prompt, max_new_tokens=24).token_ids
+    lookup = speculative_generate(ModelOracle(oracle, 300, bit_exact=True),
+                                  LookupDrafter(None, context=True, chain_length=5), prompt,
+                                  max_new_tokens=24).token_ids
+    assert tree == reference and lookup == reference
 
 
 def test_runners_are_pooled_per_model_and_released_with_their_owner() -> None:

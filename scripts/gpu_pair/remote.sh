@@ -5,6 +5,7 @@
 #                      CUDA tests in the background (from a copy of the tree, /tmp/repo)
 #   remote.sh start    join and check the two GGUFs, start the bench in its own session, wait for it
 #   remote.sh again    the bench once more on the joined GGUFs, e.g. DTYPE=fp32 TEMPS=0 TOKENS=64 remote.sh again
+#                      (BIT_EXACT=1: with --bit-exact)
 #   remote.sh wait     wait for the bench (at most WAIT_S seconds); when it is done, copy its report to $OUT
 # DRYRUN=1 prints the bench's command instead (tests/test_gpu_pair.py parses it with the CLI).
 # A call must end inside the device's 10 minutes, and the next one must follow within its 30 s of warmth.
@@ -20,7 +21,7 @@ export PYTHONPATH=$SITE:src PYTHONUNBUFFERED=1 STAGEDSPEC_CACHE=/tmp/cache
 BENCH=(bench --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bf16}" --oracle "$M/oracle.gguf" --draft "$M/draft.gguf"
   --prompts "$M/prompts.jsonl" --n-prompts 100 --max-new-tokens "${TOKENS:-96}"
   --methods "${METHODS:-ar,chain,tree,lookup,staged,auto}" --temperatures "${TEMPS:-0,1}" --top-k 50
-  --out "$B/out" --no-plots --no-progress)
+  --out "$B/out" --no-plots --no-progress $([ -n "${BIT_EXACT:-}" ] && echo --bit-exact))
 
 bench() {  # start the bench in its own session (it outlives the call if it must), then wait for it
   rm -rf "$B" && mkdir -p "$B"

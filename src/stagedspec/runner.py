@@ -502,10 +502,13 @@ class ModelOracle:
         rounding differences are far below any logit gap the tests ever met, and a two-row pass
         would cost a third more.
 
-        `bit_exact` (with the fixed width): attention runs one token at a time, and greedy steps
-        drop what was accepted off the tree's first-child chain (`keep_slot_aligned`), so every
-        method's output is bit-identical to one-token decoding with the same flag; it costs about
-        10-20% of `ar`'s speed and most of what speculation gains (docs/benchmarks.md).
+        `bit_exact` (with the fixed width): greedy steps drop what was accepted off the tree's
+        first-child chain (`keep_slot_aligned`), and a pass's rows do not change one another's bits:
+        on the eager path attention runs one token at a time (it costs about 10-20% of `ar`'s speed
+        and most of what speculation gains on a CPU, docs/benchmarks.md); on the static path (CUDA)
+        every pass runs `BUCKETS[-1]` rows, so the BLAS and the attention kernel run one kernel for
+        every pass and a row's result depends on that row alone (a 64-row pass cost 1.16x a 1-row
+        pass on an H200 with Qwen2.5-Coder-1.5B, 2026-11-27).
 
         `passes`: the request this oracle runs for (its router and runner leases; see `RequestPasses`)."""
         self.model = model
@@ -518,8 +521,11 @@ class ModelOracle:
         # Static-shape passes (CUDA graphs on a GPU; `stagedspec.runner`) always attend over the
         # whole cache, and their smallest bucket replaces the throwaway second row below.
         self.runner = None
-        if pass_mode(model) != "eager" and not self.bit_exact:
-            min_rows = 2 if fixed_width and model.embed.weight.device.type == "cpu" else 1
+        if pass_mode(model) != "eager":
+            if self.bit_exact:
+                min_rows = BUCKETS[-1]  # one row count for every pass: one kernel, so rows cannot interact
+            else:
+                min_rows = 2 if fixed_width and model.embed.weight.device.type == "cpu" else 1
             self.runner = self.passes.acquire(model, max_len, self, min_rows=min_rows)
             self.cache = self.runner.cache
         else:

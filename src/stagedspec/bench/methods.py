@@ -134,6 +134,7 @@ class BenchModels:
         self._ngrams: dict[str, Any] = {}
         self._hf_oracle: nn.Module | None = None
         self._hf_drafts: dict[str, tuple[nn.Module, str]] = {}
+        self.bit_exact = False  # our methods' `Pipeline.bit_exact` (`stagedspec bench --bit-exact`)
 
     def same_oracle(self, spec: str) -> bool:
         from stagedspec.models.specs import resolve_model_path
@@ -223,7 +224,9 @@ def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts
     """
     from stagedspec.pipeline import Pipeline
 
-    return Pipeline(oracle, models.tokenizer, drafts, speculation, ngram, device=models.device, dtype=models.dtype)
+    pipe = Pipeline(oracle, models.tokenizer, drafts, speculation, ngram, device=models.device, dtype=models.dtype)
+    pipe.bit_exact = models.bit_exact
+    return pipe
 
 
 def _measured_description(method: str, draft: str, context: bool, ngram_spec: str | None, device: str) -> str:

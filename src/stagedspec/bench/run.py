@@ -78,6 +78,7 @@ class BenchConfig:
     progress: bool = True
     plots: bool = True
     pass_options: PassOptions | None = None  # how every model's passes run (None: the environment's defaults)
+    bit_exact: bool = False  # our methods with `Pipeline.bit_exact` (greedy output bit-identical to `ar`'s)
 
     def sampling(self, temperature: float) -> SamplingParams:
         if temperature == 0:
@@ -504,6 +505,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     t_start = time.perf_counter()
     models = BenchModels(cfg.oracle, cfg.dtype, cfg.device, cfg.draft_weights, cfg.pass_options)
+    models.bit_exact = cfg.bit_exact
     if cfg.dtype == "auto":  # the report names what ran: bf16 or fp32, as `--dtype auto` chose it here
         cfg = dataclasses.replace(cfg, dtype=models.dtype_name)
     raw_prompts, prompt_ids, chat = encode_prompts(cfg, models)
@@ -598,6 +600,9 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="2 prompts, 16 tokens, ar/tree/lookup/staged/hf-generate (layers:2 draft if none is bundled)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--bit-exact", action="store_true",
+                   help="run our methods as `generate --bit-exact` does: greedy output bit-identical to ar's with "
+                        "the same flag, in bf16 too; costs speed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
     return p
@@ -610,7 +615,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                   prompts=args.prompts,
                   prompt_offset=args.prompt_offset, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,
                   device=args.device, dtype=args.dtype, chat=args.chat, seed=args.seed, out=args.out,
-                  progress=not args.no_progress, plots=not args.no_plots, pass_options=pass_options_from(args))
+                  progress=not args.no_progress, plots=not args.no_plots, pass_options=pass_options_from(args),
+                  bit_exact=args.bit_exact)
     given = {k: v for k, v in (("n_prompts", args.n_prompts), ("max_new_tokens", args.max_new_tokens),
                                ("temperatures", args.temperatures)) if v is not None}
     if args.methods:
