@@ -81,7 +81,10 @@ def test_bit_exact_bf16_rows_keep_their_bits_whatever_shares_the_pass() -> None:
     from stagedspec.generation import ModelOracle
     from stagedspec.tree import TokenTree
 
+    from stagedspec.exactness import default_bit_exact
+
     m = tiny(4, torch.bfloat16, layers=4)
+    assert default_bit_exact(m) and not default_bit_exact(tiny(4))  # the default for bf16 on CUDA, not fp32
     prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     chain = [5, 9, 2, 17, 33, 8]
     with torch.inference_mode():

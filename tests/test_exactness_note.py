@@ -25,3 +25,11 @@ def test_dense_bf16_names_the_fixes_in_one_line() -> None:
     note = greedy_note(_model(torch.bfloat16), bit_exact=False)
     assert note is not None and "\n" not in note
     assert "bfloat16 oracle on cpu" in note and "--dtype fp32" in note and "--bit-exact" in note
+
+
+def test_bit_exact_is_on_by_default_only_for_a_dense_oracle_on_cuda() -> None:
+    """On a CPU the default stays off (the eager bit-exact path costs 10-20%; a GGUF runs the row-exact native
+    kernels); tests/test_cuda.py checks that a bf16 model on CUDA gets it."""
+    from stagedspec.exactness import default_bit_exact
+
+    assert not default_bit_exact(_model(torch.bfloat16)) and not default_bit_exact(_model(torch.float32))

@@ -45,4 +45,4 @@ def test_the_bench_command_is_valid_for_the_cli(env: dict[str, str]) -> None:
     assert args.func.__name__ == "cmd_bench" and args.device == "cuda"
     assert args.dtype == env.get("DTYPE", "bf16") and args.max_new_tokens == int(env.get("TOKENS", "96"))
     assert set(args.methods.split(",")) == {"ar", "chain", "tree", "lookup", "staged", "auto"}
-    assert args.bit_exact == ("BIT_EXACT" in env)
+    assert (args.bit_exact is True) == ("BIT_EXACT" in env)

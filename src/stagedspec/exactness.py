@@ -19,15 +19,30 @@ from torch import nn
 from stagedspec.models.quant import row_exact
 
 
+def default_bit_exact(model: nn.Module) -> bool:
+    """`--bit-exact`'s default for an oracle: on for a dense bf16/fp16 oracle on a GPU, off elsewhere.
+
+    On CUDA the oracle's passes are static (`stagedspec.runner`), and `bit_exact` runs every one of them at one
+    row count, so cuBLAS runs one kernel for every pass and no row changes another's bits.  On an H200 with the
+    Qwen2.5-Coder pair in bf16 that cost plain decoding 9% (278 against 304 tok/s) and made `auto` faster
+    (460 against 424 tok/s: a 64-row pass is the price of every pass, so long lookup chains cost nothing),
+    with every method's greedy output `ar`'s on all 16 prompts (docs/bench/h200-2026-11-27-qwen-pair/).  On a
+    CPU the eager `bit_exact` path costs 10-20% of `ar` and most of what speculation gains, and the default
+    for a GGUF there (the native kernels) is row-exact anyway, so it stays a choice.
+    """
+    weight = next(model.parameters())
+    return weight.device.type == "cuda" and weight.dtype in (torch.bfloat16, torch.float16) and not row_exact(model)
+
+
 def greedy_exact(model: nn.Module, bit_exact: bool) -> bool:
-    """Whether every method's greedy output over `model` is `ar`'s: native kernels, fp32, or bf16 on a CPU with
-    `--bit-exact` (`ModelOracle(bit_exact=True)`)."""
+    """Whether every method's greedy output over `model` is `ar`'s: native kernels, fp32, or `--bit-exact`
+    (`ModelOracle(bit_exact=True)`: eager passes one token at a time on a CPU, one row count on CUDA)."""
     if row_exact(model):
         return True
     weight = next(model.parameters())
     if weight.dtype == torch.float32:
         return True
-    return bit_exact and weight.device.type == "cpu"
+    return bit_exact
 
 
 def greedy_note(model: nn.Module, bit_exact: bool) -> str | None:
@@ -36,7 +51,7 @@ def greedy_note(model: nn.Module, bit_exact: bool) -> str | None:
         return None
     weight = next(model.parameters())
     dtype = str(weight.dtype).removeprefix("torch.")
-    fixes = "--dtype fp32" if weight.device.type != "cpu" else \
+    fixes = "--dtype fp32 or --bit-exact" if weight.device.type != "cpu" else \
         "--dtype fp32, --bit-exact or --quant int4/int8/mixed (the native kernels)"
     return (f"stagedspec: note: this {dtype} oracle on {weight.device.type} rounds a row by its pass's shape, so "
             f"greedy output can differ from --method ar's at a near-tie; {fixes} keep it ar's")

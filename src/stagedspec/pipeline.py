@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
+from stagedspec.exactness import default_bit_exact
 from stagedspec.errors import StagedSpecError
 from stagedspec.generation import (
     Drafter,
@@ -419,7 +420,9 @@ class Pipeline:
         self.draft_model = self.draft_models[0] if self.draft_models else None
         self.ngram = ngram
         self.learned = learned if learned is not None else LearnedState()
-        self.bit_exact = False
+        # every method's greedy output bit-identical to `ar`'s (`runner.ModelOracle`); on by default for a dense
+        # bf16/fp16 oracle on CUDA, where it costs little (`stagedspec.exactness.default_bit_exact`)
+        self.bit_exact = default_bit_exact(model)
         self._warned_amx = False  # `generate` said that bit_exact cannot hold on this AMX CPU (once per pipeline)
         # "auto": follow the machine's load where results allow (`thread_governor`); N: fixed
         self.threads: str | int = "auto"

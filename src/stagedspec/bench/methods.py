@@ -134,7 +134,7 @@ class BenchModels:
         self._ngrams: dict[str, Any] = {}
         self._hf_oracle: nn.Module | None = None
         self._hf_drafts: dict[str, tuple[nn.Module, str]] = {}
-        self.bit_exact = False  # our methods' `Pipeline.bit_exact` (`stagedspec bench --bit-exact`)
+        self.bit_exact: bool | None = None  # our methods' `Pipeline.bit_exact` (`bench --bit-exact`; None: default)
 
     def same_oracle(self, spec: str) -> bool:
         from stagedspec.models.specs import resolve_model_path
@@ -225,7 +225,8 @@ def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts
     from stagedspec.pipeline import Pipeline
 
     pipe = Pipeline(oracle, models.tokenizer, drafts, speculation, ngram, device=models.device, dtype=models.dtype)
-    pipe.bit_exact = models.bit_exact
+    if models.bit_exact is not None:
+        pipe.bit_exact = models.bit_exact
     return pipe
 
 

@@ -78,7 +78,7 @@ class BenchConfig:
     progress: bool = True
     plots: bool = True
     pass_options: PassOptions | None = None  # how every model's passes run (None: the environment's defaults)
-    bit_exact: bool = False  # our methods with `Pipeline.bit_exact` (greedy output bit-identical to `ar`'s)
+    bit_exact: bool | None = None  # our methods' `Pipeline.bit_exact` (None: the default for the oracle)
 
     def sampling(self, temperature: float) -> SamplingParams:
         if temperature == 0:
@@ -600,9 +600,9 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="2 prompts, 16 tokens, ar/tree/lookup/staged/hf-generate (layers:2 draft if none is bundled)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--bit-exact", action="store_true",
-                   help="run our methods as `generate --bit-exact` does: greedy output bit-identical to ar's with "
-                        "the same flag, in bf16 too; costs speed")
+    p.add_argument("--bit-exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="run our methods as `generate --bit-exact` does (default: as generate, on for a bf16/fp16 "
+                        "oracle on CUDA)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
     return p

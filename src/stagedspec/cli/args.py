@@ -152,10 +152,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                         "--lookup-chain-length; 8 in bf16 on a CPU with native bf16, where rows are nearly free)")
     p.add_argument("--no-oracle-lookup", action="store_true",
                    help="staged: do not merge the prompt-lookup chain into the oracle's tree (the paper's pure chain)")
-    p.add_argument("--bit-exact", action="store_true",
-                   help="greedy output bit-identical to plain decoding with the same flag, for every method, in bf16 "
-                        "and with --quant: attention one token at a time, and only tokens verified on slot-aligned "
-                        "rows are kept; costs speed")
+    p.add_argument("--bit-exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="greedy output bit-identical to plain decoding with the same flag, for every method, in "
+                        "bf16: only tokens verified on slot-aligned rows are kept, and on a CPU attention runs one "
+                        "token at a time (costs 10-20%% of plain decoding), on CUDA every pass runs 64 rows "
+                        "(0.91x plain decoding on an H200, faster speculation). Default: on for a bf16/fp16 oracle "
+                        "on CUDA, off elsewhere (the native kernels are row-exact anyway)")
     p.add_argument("--adaptive-budget", action="store_true",
                    help="tree: each step verify only the best nodes that pay for themselves, priced by a "
                         "measured cost curve of this machine (--tree-budget is then the most)")

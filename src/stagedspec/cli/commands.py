@@ -140,12 +140,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     pipe = Pipeline.load(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant,
                          draft_weights=args.draft_weights, pass_options=pass_options_from(args))
-    pipe.bit_exact = args.bit_exact
+    if args.bit_exact is not None:
+        pipe.bit_exact = args.bit_exact
     pipe.threads = args.threads
     if method != "ar" and sampling.greedy:
         from stagedspec.exactness import greedy_note
 
-        note = greedy_note(pipe.model, args.bit_exact)
+        note = greedy_note(pipe.model, pipe.bit_exact)
         if note:
             print(note, file=sys.stderr)
     if args.dtype == "auto":

@@ -112,7 +112,7 @@ class Engine:
     ngram: Any = None
     model_name: str = "stagedspec"
     draft_names: list[str] = field(default_factory=list)
-    bit_exact: bool = False
+    bit_exact: bool | None = None  # None: `stagedspec.exactness.default_bit_exact`, resolved at construction
     # What requests learn about this machine, shared by all of them: the oracle's pass costs for
     # --adaptive-budget (measured once, about a second) and, per measured method (`auto`, or a method whose
     # sizes are measured: `SpeculationConfig.sizing`), the policy that learns acceptance and step times.
@@ -124,9 +124,15 @@ class Engine:
     # `--threads`: "auto" follows the machine's load where results allow (`stagedspec.threads`), N fixes it.
     threads: str | int = "auto"
 
+    def __post_init__(self) -> None:
+        if self.bit_exact is None:
+            from stagedspec.exactness import default_bit_exact
+
+            self.bit_exact = default_bit_exact(self.model)
+
     @classmethod
     def load(cls, oracle: str, drafts: Sequence[str], speculation: SpeculationConfig, *, dtype: str = "bf16",
-             device: str = "cpu", quant: str = "none", draft_weights: str = "auto", bit_exact: bool = False,
+             device: str = "cpu", quant: str = "none", draft_weights: str = "auto", bit_exact: bool | None = None,
              model_name: str | None = None, pass_options: PassOptions | None = None) -> "Engine":
         # Drafts are loaded even for a default of `ar` or `lookup`, so a request can still ask for them.
         load_spec = speculation
@@ -194,7 +200,7 @@ class Engine:
         drafts = [] if spec.method in ("ar", "lookup") else self.draft_models
         # one measurement of the pass costs, and one policy per method, learn from every request
         pipe = Pipeline(self.model, self.tokenizer, drafts, spec, self.ngram, learned=self.learned)
-        pipe.bit_exact = self.bit_exact
+        pipe.bit_exact = bool(self.bit_exact)
         if spec.measured and self.batched_passes:
             # A batched request's measured step times include its waits at the barrier for its
             # neighbours' passes, which priced every draft arm out at 8 streams (bench-serve: auto 1.10x
