@@ -66,10 +66,16 @@ def test_cli_flags_set_the_sizing() -> None:
     assert spec("--method", "auto").measured
 
 
+def own_kinds(method: str) -> set[str]:
+    """The arm kinds a measured method prices: `ar` and its own (`lookup`'s include `copy`, the prompt-lookup chain
+    alone)."""
+    return {"ar", method} | ({"copy"} if method == "lookup" else set())
+
+
 def test_a_measured_method_prices_only_ar_and_its_own_arms() -> None:
     for method in MEASURED_METHODS:
         kinds = {a.kind for a in arms_for(True, True, "cpu", method)}
-        assert kinds == {"ar", method}
+        assert kinds == own_kinds(method)
     assert arms_for(True, True, "cpu", None) == arms_for(True, True, "cpu")
     s = SpeculationConfig(method="tree", sizing="measured")
     assert s.max_tree_budget == max(a.size for a in arms_for(True, True, "cuda", "tree"))
@@ -102,14 +108,14 @@ def test_measured_methods_are_exact_and_run_their_own_arms(tiny, method: str) ->
     ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar"))
     pipe = _measured(tiny, method)
     drafter = pipe.drafter(64)
-    assert isinstance(drafter, AutoDrafter) and {a.kind for a in drafter.policy.arms} == {"ar", method}
+    assert isinstance(drafter, AutoDrafter) and {a.kind for a in drafter.policy.arms} == own_kinds(method)
     kind_of = {a.name: a.kind for a in drafter.policy.arms}
     own_steps = 0
     for n in (7, 33):
         out = pipe.generate(PROMPT, max_new_tokens=n)
         assert out.token_ids == ar.generate(PROMPT, max_new_tokens=n).token_ids
         assert set(out.stats.auto_choices) <= set(kind_of)
-        own_steps += sum(k for name, k in out.stats.auto_choices.items() if kind_of[name] == method)
+        own_steps += sum(k for name, k in out.stats.auto_choices.items() if kind_of[name] in own_kinds(method) - {"ar"})
     # On the flat profile speculation looks free: the method's own sizes must have run, or the identity above
     # would only have compared `ar` with itself.
     assert own_steps > 0, f"only ar ran: {out.stats.auto_choices}"
@@ -130,8 +136,8 @@ def test_each_measured_method_keeps_its_own_learned_state(tiny) -> None:  # noqa
         pipe = Pipeline(model, tok, [] if method == "lookup" else [draft], spec)
         pipe.generate(PROMPT, max_new_tokens=12)
         policy = pipe.sized_policy(method)
-        assert {a.kind for a in policy.arms} <= ({"ar", method} if method != "auto" else {"ar", "lookup", "tree",
-                                                                                        "staged"})
+        assert {a.kind for a in policy.arms} <= (own_kinds(method) if method != "auto" else {"ar", "lookup", "copy",
+                                                                                          "tree", "staged"})
         path = auto_state_path(policy.profile.key, method)
         assert path.exists()
         paths.add(path)

@@ -128,7 +128,7 @@ class Engine:
         if self.bit_exact is None:
             from stagedspec.exactness import default_bit_exact
 
-            self.bit_exact = default_bit_exact(self.model)
+            self.bit_exact = self.model is not None and default_bit_exact(self.model)
 
     @classmethod
     def load(cls, oracle: str, drafts: Sequence[str], speculation: SpeculationConfig, *, dtype: str = "bf16",
