@@ -78,25 +78,13 @@ def test_bit_exact_bf16_rows_keep_their_bits_whatever_shares_the_pass() -> None:
     """`bit_exact` on CUDA: every oracle pass runs one row count, so cuBLAS and the attention kernel run one
     kernel for every pass; a chain's rows are then bit-identical to its tokens scored one at a time, in bf16,
     whose kernels otherwise round a row by the pass's row count."""
-    from stagedspec.generation import ModelOracle
-    from stagedspec.tree import TokenTree
-
     from stagedspec.exactness import default_bit_exact
+    from tests.test_runner import assert_chain_rows_are_one_token_rows
 
     m = tiny(4, torch.bfloat16, layers=4)
     assert default_bit_exact(m) and not default_bit_exact(tiny(4))  # the default for bf16 on CUDA, not fp32
     prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(4)).tolist()
-    chain = [5, 9, 2, 17, 33, 8]
-    with torch.inference_mode():
-        many = ModelOracle(m, 256, bit_exact=True)
-        many.prefill(prompt)
-        rows = many.score(TokenTree.chain(prompt[-1], chain))
-        one = ModelOracle(m, 256, bit_exact=True)
-        one.prefill(prompt)
-        for i, token in enumerate([prompt[-1], *chain]):
-            alone = one.score(TokenTree([token], [-1]))
-            assert torch.equal(alone[0], rows[i]), f"row {i}"
-            one.commit([])
+    assert_chain_rows_are_one_token_rows(m, prompt, [5, 9, 2, 17, 33, 8], 256)
 
 
 def test_sampled_methods_run_end_to_end_on_cuda_and_reproduce_their_seed() -> None:

@@ -160,29 +160,36 @@ def test_static_bf16_prompt_longer_than_a_bucket() -> None:
         assert tokens == out["ar"], name
 
 
-def test_static_bit_exact_rows_keep_their_bits_whatever_shares_the_pass() -> None:
-    """`bit_exact` on the static path (CUDA's): every pass runs `BUCKETS[-1]` rows, so a chain's rows are
-    bit-identical to the same tokens scored one at a time (one-token decoding), in bf16, where passes of
-    different row counts round differently; and every method's greedy output is bit-exact `ar`'s."""
-    from stagedspec.runner import BUCKETS
+def assert_chain_rows_are_one_token_rows(model: Transformer, prompt: list[int], chain: list[int],
+                                         max_len: int) -> None:
+    """A chain scored in one bit-exact pass gives each row the bits of its token scored alone after the ones
+    before it (one-token decoding); also used by tests/test_cuda.py."""
     from stagedspec.tree import TokenTree
 
-    oracle, draft = tiny(3, layers=3, dtype=torch.bfloat16), tiny(7, dtype=torch.bfloat16)
-    set_pass_mode(oracle, "static")
-    set_pass_mode(draft, "static")
-    prompt = torch.randint(0, 24, (30,), generator=torch.Generator().manual_seed(2)).tolist()
-    chain = [5, 9, 2, 17]
     with torch.inference_mode():
-        many = ModelOracle(oracle, 128, bit_exact=True)
-        assert many.runner is not None and many.runner.buckets == (BUCKETS[-1],)
+        many = ModelOracle(model, max_len, bit_exact=True)
         many.prefill(prompt)
         rows = many.score(TokenTree.chain(prompt[-1], chain))
-        one = ModelOracle(oracle, 128, bit_exact=True)
+        one = ModelOracle(model, max_len, bit_exact=True)
         one.prefill(prompt)
         for i, token in enumerate([prompt[-1], *chain]):
             alone = one.score(TokenTree([token], [-1]))
             assert torch.equal(alone[0], rows[i]), f"row {i}"
             one.commit([])
+
+
+def test_static_bit_exact_rows_keep_their_bits_whatever_shares_the_pass() -> None:
+    """`bit_exact` on the static path (CUDA's): every pass runs `BUCKETS[-1]` rows, so a chain's rows are
+    bit-identical to the same tokens scored one at a time (one-token decoding), in bf16, where passes of
+    different row counts round differently; and every method's greedy output is bit-exact `ar`'s."""
+    from stagedspec.runner import BUCKETS
+
+    oracle, draft = tiny(3, layers=3, dtype=torch.bfloat16), tiny(7, dtype=torch.bfloat16)
+    set_pass_mode(oracle, "static")
+    set_pass_mode(draft, "static")
+    prompt = torch.randint(0, 24, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert ModelOracle(oracle, 128, bit_exact=True).runner.buckets == (BUCKETS[-1],)
+    assert_chain_rows_are_one_token_rows(oracle, prompt, [5, 9, 2, 17], 128)
     reference = speculative_generate(ModelOracle(oracle, 300, bit_exact=True), NoDrafter(), prompt,
                                      max_new_tokens=24).token_ids
     tree = speculative_generate(ModelOracle(oracle, 300, bit_exact=True),
