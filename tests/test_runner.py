@@ -290,7 +290,7 @@ def _exact_two_tokens(oracle: Transformer, prompt: list[int], sampling: Sampling
 
 
 def _sample_counts(oracle: Transformer, draft: Transformer, prompt: list[int], sampling: SamplingParams, n: int,
-                   verifier=None, levels: bool = False) -> Counter:  # noqa: ANN001
+                   verifier=None, levels: bool = False, bit_exact: bool = False) -> Counter:  # noqa: ANN001
     counts: Counter = Counter()
     with torch.inference_mode():
         for i in range(n):
@@ -299,8 +299,8 @@ def _sample_counts(oracle: Transformer, draft: Transformer, prompt: list[int], s
             else:
                 drafter = StageDrafter(ModelOracle(draft, 32), LookupDrafter(None, context=True, chain_length=2),
                                        chain_length=2)
-            out = speculative_generate(ModelOracle(oracle, 32), drafter, prompt, max_new_tokens=2, sampling=sampling,
-                                       seed=i, verifier=verifier).token_ids
+            out = speculative_generate(ModelOracle(oracle, 32, bit_exact=bit_exact), drafter, prompt,
+                                       max_new_tokens=2, sampling=sampling, seed=i, verifier=verifier).token_ids
             counts[tuple(out)] += 1
     return counts
 
@@ -325,6 +325,21 @@ def test_static_staged_sampling_keeps_the_oracle_distribution() -> None:
     assert df > 5 and p > 1e-3, p
     # negative control: a verifier that ignores the oracle must be caught
     p_bad, _ = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, _accept_first_children), exact)
+    assert p_bad < 1e-6, p_bad
+
+
+def test_static_bit_exact_staged_sampling_keeps_the_oracle_distribution() -> None:
+    """Row-exact passes (every oracle pass at 64 rows, CUDA's default in bf16) sample from the oracle's
+    distribution too, and the negative control is still caught."""
+    oracle, draft = tiny(11, layers=2, vocab=6, dtype=torch.bfloat16), tiny(12, layers=1, vocab=6)
+    set_pass_mode(oracle, "static")
+    set_pass_mode(draft, "static")
+    prompt, sampling = [1, 2, 3], SamplingParams(temperature=1.0)
+    exact = _exact_two_tokens(oracle, prompt, sampling)
+    p, df = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, bit_exact=True), exact)
+    assert df > 5 and p > 1e-3, p
+    p_bad, _ = chi_square_pvalue(_sample_counts(oracle, draft, prompt, sampling, 1500, _accept_first_children,
+                                                bit_exact=True), exact)
     assert p_bad < 1e-6, p_bad
 
 
