@@ -186,10 +186,9 @@ class AutoDrafter(Drafter):
     ) -> TokenTree:
         t0 = time.perf_counter()
         due = self._lookup_due()
-        if not due and self._exploring is None:
-            quiet = self._quiet(context, sampling, generator, max_tokens)
-            if quiet is not None:
-                return quiet
+        if not due and self._exploring is None and self._last is None:
+            # a quiet step (`PLAIN_STREAK`); after a full step, its lesson is learned first, below
+            return self._run_quiet(context, sampling, generator, max_tokens)
         self._learn(context, t0)
         self._sampling = sampling
         lengths: dict[str, int] = {}
@@ -252,17 +251,15 @@ class AutoDrafter(Drafter):
         tree = drafter.propose(context, sampling, generator, max_tokens)
         self._synced[id(drafter)] = len(context)
         with self.policy.lock:
+            priced_seconds = solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths,
+                                               not sampling.greedy)
             if arm.kind == "ar":  # one token, no draft to catch up: the pricing's constants
                 predicted = priced_tokens = 1.0
-                priced_seconds = solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths,
-                                                   not sampling.greedy)
             else:
                 own = self._own_stats(sampling)
                 predicted = expected_tokens(arm, own, lengths, calibrated=False)
                 priced_tokens = expected_tokens(arm, own, lengths)
-                priced_seconds = (solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths,
-                                                    not sampling.greedy)
-                                  + catch_up_seconds(arm, self.policy.profile, behind))
+                priced_seconds += catch_up_seconds(arm, self.policy.profile, behind)
         ended = time.perf_counter()
         self._last = _Step(len(context), arm, tree, predicted, len(tree), ended - t0,
                            sampled=not sampling.greedy, warm=drafter is self._last_drafter, ended=ended,
@@ -270,14 +267,6 @@ class AutoDrafter(Drafter):
                            priced_tokens=priced_tokens, priced_seconds=priced_seconds)
         self._last_drafter = drafter
         return tree
-
-    def _quiet(self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None,
-               max_tokens: int) -> TokenTree | None:
-        """A quiet `ar` step (see `PLAIN_STREAK`), or None where the step before was a full one: its lesson is
-        learned first, by the full path (which then runs this step as a quiet one too)."""
-        if self._last is not None:
-            return None
-        return self._run_quiet(context, sampling, generator, max_tokens)
 
     def _run_quiet(self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None,
                    max_tokens: int) -> TokenTree:
