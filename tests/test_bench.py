@@ -293,3 +293,22 @@ def test_tree_cost_curve_runs_passes_like_the_oracle() -> None:
                       intermediate_size=32, max_position=64)
     curve = forward_cost_curve(init_random(Transformer(cfg)).eval(), sizes=(1, 2, 5), context=8, repeats=1)
     assert set(curve) == {1, 2, 5} and all(v > 0 for v in curve.values())
+
+
+def test_paper_table_rows_for_quantised_methods_and_llamacpp() -> None:
+    """A run of quantised methods only (what `--quant auto` runs on a GGUF) gets the paper's rows on those
+    weights, in the paper's order, with llama.cpp's rows and each row's ratio to llama.cpp's plain decoding."""
+    def entry(tps: float, speedup: float | None, accepted: float) -> dict:
+        return {"tokens_per_second": {"median": tps, "q1": tps, "q3": tps, "n": 3},
+                "speedup_vs_ar": None if speedup is None else {"median": speedup},
+                "mean_accepted_length": accepted, "relative_memory_traffic": None}
+
+    names = ["llamacpp", "auto@mixed", "ar@mixed", "chain@mixed"]
+    summary = {"0": {"llamacpp": entry(20.0, None, 1.0), "auto@mixed": entry(30.0, 1.5, 3.0),
+                     "ar@mixed": entry(20.0, 1.0, 1.0), "chain@mixed": entry(22.0, 1.1, 2.5)}}
+    results = {"config": {"top_k": 50}, "summary": summary, "methods": [{"name": n} for n in names]}
+    lines = report.paper_table(results).splitlines()
+    assert "greedy: vs llama.cpp" in lines[0] and "greedy: mean accepted" in lines[0]
+    assert [line.split(" | ")[0] for line in lines[2:]] == [
+        "| baseline (ar@mixed)", "| spec (chain@mixed)", "| auto@mixed", "| llama.cpp plain"]
+    assert lines[4] == "| auto@mixed | 30.0 [30.0–30.0] | 1.50x | 3.00 | 1.50x |"

@@ -71,38 +71,51 @@ def _families(results: dict[str, Any]) -> dict[str, str]:
 
 
 # ====================================================================== tables
+PAPER_ROWS = (("ar", "baseline ({})"), ("chain", "spec ({})"), ("tree", "spec ({})"), ("tree-fixed", "spec ({})"),
+              ("lookup", "{}"), ("lookup-fixed", "{}"), ("staged", "{}"), ("staged-fixed", "{}"),
+              ("auto", "{}"))  # the paper's rows, then ours, in this order, each where the run measured it
+PAPER_WEIGHTS = ("none", "int8", "int4", "mixed")  # unquantised first, as the paper ran it
+LLAMACPP_ROWS = (("llamacpp", "llama.cpp plain"), ("llamacpp-spec", "llama.cpp `-md` draft"),
+                 ("llamacpp-ngram", "llama.cpp `ngram-mod`"))
+
+
 def paper_table(results: dict[str, Any]) -> str:
-    """Baseline / spec / staged rows, greedy and sampled column groups (the paper's layout)."""
+    """The paper's layout: baseline, spec and staged rows (then `lookup` and `auto`), greedy and sampled column
+    groups, for each weight format the run measured, then llama.cpp's rows where it ran.
+
+    A row's speedup is against our `ar` on the same weights (`methods.reference_for`); llama.cpp's rows have
+    none, their tokens per second stand beside ours."""
     summary, cfg = results["summary"], results["config"]
     temps = list(summary)
     greedy = next((t for t in temps if float(t) == 0), None)
     sampled = next((t for t in temps if float(t) > 0), None)
     groups = [t for t in (greedy, sampled) if t is not None]
     names = {m["name"] for m in results["methods"]}
-    spec = next((n for n in ("chain", "tree") if n in names), None)
-    rows_def = [("baseline (ar)", "ar")]
-    if spec:
-        rows_def.append((f"spec ({spec})", spec))
-    if "tree" in names and spec != "tree":
-        rows_def.append(("spec (tree)", "tree"))
-    if "staged" in names:
-        rows_def.append(("staged", "staged"))
-    for quant in ("int8", "int4"):  # the same rows on quantised oracle weights, when measured
-        for label, name in (("baseline", "ar"), ("lookup", "lookup"), ("staged", "staged")):
-            if f"{name}@{quant}" in names:
-                rows_def.append((f"{label} ({name}@{quant})" if name != "staged" else f"staged@{quant}",
-                                 f"{name}@{quant}"))
+    rows_def = []
+    for weights in PAPER_WEIGHTS:
+        for base, label in PAPER_ROWS:
+            name = base if weights == "none" else f"{base}@{weights}"
+            if name in names:
+                rows_def.append((label.format(name), name))
+    rows_def += [(label, name) for name, label in LLAMACPP_ROWS if name in names]
+    # llama.cpp plain decoding's median tokens per second per column group, where it ran (a ratio of medians)
+    plain = {t: (summary[t].get("llamacpp") or {}).get("tokens_per_second") for t in groups}
     header = [""]
     for t in groups:
         lab = temperature_label(t, cfg)
-        header += [f"{lab}: tokens/s", f"{lab}: speedup", f"{lab}: rel. memory traffic"]
+        header += [f"{lab}: tokens/s", f"{lab}: speedup", f"{lab}: mean accepted"]
+        header += [f"{lab}: vs llama.cpp"] if plain[t] else [f"{lab}: rel. memory traffic"]
     rows = []
     for label, name in rows_def:
         row = [label]
         for t in groups:
             s = summary[t].get(name)
             row += [_tps(s and s["tokens_per_second"]), _speedup(s and s["speedup_vs_ar"]),
-                    _f(s and s["relative_memory_traffic"])]
+                    _f(s and s["mean_accepted_length"])]
+            if plain[t]:
+                row.append(_f(s and s["tokens_per_second"]["median"] / plain[t]["median"], ".2f", "x"))
+            else:
+                row.append(_f(s and s["relative_memory_traffic"]))
         rows.append(row)
     return _table(header, rows)
 

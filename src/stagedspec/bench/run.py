@@ -101,14 +101,15 @@ def expand_methods(names: Sequence[str]) -> list[str]:
             continue
         group = GROUPS.get(name)
         base, quant = split_quant(name)
-        known = name in ALL_METHODS or (base in OURS and quant in QUANTISED)
+        known = name in ALL_METHODS or ((base in OURS or base in VARIANTS) and quant in QUANTISED)
         if group is None and not known:
             raise StagedSpecError(
-                f"unknown bench method {name!r}: use {', '.join(ALL_METHODS)}, any of ours with @int4 or @int8 "
-                f"(e.g. staged@int8), or a group ({', '.join(GROUPS)}); staged configurations go in --stages"
+                f"unknown bench method {name!r}: use {', '.join(ALL_METHODS)}, any of ours or their variants with "
+                f"@{', @'.join(QUANTISED)} (e.g. staged@int8, tree-fixed@mixed), or a group ({', '.join(GROUPS)}); "
+                f"staged configurations go in --stages"
             )
         out += [m for m in (group or (name,)) if m not in out]
-    for ref in reversed(dict.fromkeys(reference_for(m) for m in out if split_quant(m)[0] in OURS)):
+    for ref in reversed(dict.fromkeys(reference_for(m) for m in out if split_quant(m)[0] in (*OURS, *VARIANTS))):
         if ref not in out:
             out.insert(0, ref)  # the reference for speedups and exactness
     ours = [m for m in out if split_quant(m)[0] in OURS]

@@ -70,7 +70,7 @@ constexpr int64_t kQ6KSuperBytes = 2 * kTile + kGroupsPerSuper * kQ6KGroupBytes;
 constexpr int64_t kQ5Bytes = 128 + 32 + 2 * kTile;  // 176
 constexpr int64_t kRowBlock = 4;                    // rows computed together against one loaded tile
 // The int4 / Q4_K / Q5_0 / Q6_K tiles take 8 rows, so a 5-8 row pass sweeps each tile once: their per-row
-// integer sums fit in registers (int8's do not, and stay at 4; the VNNI forms have AVX-512VL's 32 registers).
+// integer sums fit in registers (AVX2 int8's do not, and stay at 4; the VNNI forms have AVX-512VL's 32 registers).
 // On the AVX2 EPYC, 6 and 8 rows of a streamed Q4_K 1536 x 1536 layer cost about 0.85x what two 4-row sweeps
 // did.  On VNNI the int4 and Q4_K rows sum their low and high nibbles in two chains (twice the vpdpbusd in
 // flight; integer sums, so the same bits), and with 8-row tiles a 16-row Qwen2.5-Coder-1.5B pass went from
@@ -497,29 +497,40 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
 }
 
-// int8 weights on VNNI: codes + 128 as u8, minus 128 * sum(x) per group (exact in 32 bits).
+// int8 weights on VNNI: codes + 128 as u8, minus 128 * sum(x) per group (exact in 32 bits).  The group's sum of
+// x is the row's (`quantize_rows`: its two half sums), so each code vector costs one vpdpbusd per row; up to 4
+// rows, two chains per row (even and odd code vectors: twice the vpdpbusd in flight), summed as integers.  A
+// second vpdpbusd per vector had summed x again for every tile: the int8 head of Qwen2.5-Coder-1.5B (151,936 x
+// 1,536) is a quarter of its pass's bytes and all of a tree's rows run through it.
 template <int RB>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void q8_tile_vnni(
     const uint8_t* w, const RowsView& a, float* out) {
+  constexpr bool kTwo = RB <= 4;
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones8 = _mm256_set1_epi8(1);
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w += kQ8Bytes) {
     prefetch_group(w, kQ8Bytes);
-    __m256i isum[RB], xsum[RB];
-    for (int r = 0; r < RB; ++r) isum[r] = xsum[r] = _mm256_setzero_si256();
+    __m256i isum[RB], isum2[RB];
+    for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int v = 0; v < 8; ++v) {
       const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v)), bias);
       for (int r = 0; r < RB; ++r) {
         const __m256i x = broadcast4(a.q + r * a.K + g * kGroup + 4 * v);
-        isum[r] = _mm256_dpbusd_epi32(isum[r], wu, x);
-        xsum[r] = _mm256_dpbusd_epi32(xsum[r], ones8, x);
+        if (kTwo && (v & 1))
+          isum2[r] = _mm256_dpbusd_epi32(isum2[r], wu, x);
+        else
+          isum[r] = _mm256_dpbusd_epi32(isum[r], wu, x);
       }
+      pin<RB>(isum);
+      if constexpr (kTwo) pin<RB>(isum2);
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 256)));
     for (int r = 0; r < RB; ++r) {
-      const __m256i exact = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(xsum[r], 7));
+      const int32_t* h = a.h + 2 * (r * a.G + g);
+      const __m256i sum = kTwo ? _mm256_add_epi32(isum[r], isum2[r]) : isum[r];
+      const __m256i exact = _mm256_sub_epi32(sum, _mm256_set1_epi32((h[0] + h[1]) * 128));
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]);
     }
@@ -850,7 +861,7 @@ STAGEDSPEC_TABLE(q5_scalar, q5_tile_scalar)
 STAGEDSPEC_TABLE8(q4_avx2, q4_tile_avx2)
 STAGEDSPEC_TABLE(q8_avx2, q8_tile_avx2)
 STAGEDSPEC_TABLE8(q4_vnni, q4_tile_vnni)
-STAGEDSPEC_TABLE(q8_vnni, q8_tile_vnni)
+STAGEDSPEC_TABLE8(q8_vnni, q8_tile_vnni)
 STAGEDSPEC_TABLE8(q4k_avx2, q4k_tile_avx2)
 STAGEDSPEC_TABLE8(q4k_vnni, q4k_tile_vnni)
 STAGEDSPEC_TABLE8(q6k_avx2, q6k_tile_avx2)
