@@ -920,3 +920,40 @@ def test_a_policy_that_prices_by_the_profile_alone_does_not_explore() -> None:
             drafter.propose(context, SamplingParams(temperature=1.0), None, 64)
             context = context + [4]
         assert any(flags) == learn_times, (learn_times, flags)
+
+
+def test_greedy_lookup_and_copy_steps_share_ars_measured_scales() -> None:
+    """A greedy lookup or copy step is an `ar` step with more rows: priced by `ar`'s measured time along the cost
+    curve, so noise in one kind's record does not make the other look cheaper.  Sampled steps keep their own."""
+    costs = StepCosts()
+    for _ in range(20):
+        costs.observe(Arm("ar"), 0.0, 0.013, 0.010, 0.0)
+        costs.observe_step(Arm("ar"), 0.013, 0.010, False)
+    for kind in ("copy", "lookup"):
+        assert costs.verify_scale_for(kind, False) == costs.verify_scale_for("ar", False)
+        assert costs.step_scale_for(kind, False) == costs.step_scale_for("ar", False)
+        assert costs.step_scale_for(kind, True) == 1.0  # sampled: not seen
+
+
+def test_a_lookup_arm_with_no_chain_now_is_never_chosen_over_ar() -> None:
+    """With no chain to verify, a copy or lookup step is `ar` under another name; however its kind's record
+    prices it, `ar` is the choice (every such step was a full one, bookkeeping and all)."""
+    stats = trained_stats(draft=0.0, context=0.35, ngram=0.0)
+    costs = StepCosts(verify_scales={"copy/sampled": 0.5, "lookup/sampled": 0.5})  # as if those were cheap
+    arms = [Arm("ar"), Arm("copy", 1), Arm("lookup", 2)]
+    assert choose_arm(arms, FLAT, stats, costs, NO_LOOKUP_NOW, sampled=True) == Arm("ar")
+    assert choose_arm(arms, FLAT, stats, costs, {"context": 2, "ngram": 0}, sampled=True) != Arm("ar")
+
+
+def test_a_policy_that_does_not_learn_times_charges_a_cold_draft_its_whole_catch_up() -> None:
+    """A seeded sampled request's policy cannot see its first draft steps lose, so a draft far behind pays its
+    whole catch-up there, where a learning policy charges only its share of the remaining tokens."""
+    from stagedspec.auto import AutoPolicy
+
+    steep_draft = CostProfile(oracle={r: 0.010 for r in ROWS}, drafts=[{1: 0.0005, 2: 0.0005, 64: 0.2}])
+    far = {"tree": 64, "staged": 64}
+    for learn_times, kinds in ((True, ("tree", "staged")), (False, ("ar",))):
+        policy = AutoPolicy(ARMS, steep_draft, learn_times=learn_times)
+        policy.greedy_stats = trained_stats(draft=0.7)
+        assert policy.choose(SamplingParams(), NO_LOOKUP_NOW, backlog=far, remaining=1000).kind in kinds
+        assert policy.choose(SamplingParams(), NO_LOOKUP_NOW, backlog={}, remaining=1000).kind in ("tree", "staged")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from stagedspec.auto.acceptance import AcceptanceStats, expected_tokens
-from stagedspec.auto.arms import Arm
+from stagedspec.auto.arms import Arm, verify_rows
 from stagedspec.auto.step_costs import SharedLoad, StepCosts, shared_step_seconds, solo_step_seconds
 from stagedspec.costs import CostProfile
 from stagedspec.realized_rates import RealizedRates
@@ -55,6 +55,9 @@ def choose_arm(
     `explore`: rank by upper confidence bounds (`EXPLORE_WIDTH`), which favour arms that ran little.
     `realized`: the request's own realized / priced rates (`RealizedRates`), which scale the solo prices.
     `rates_out`: filled with every arm's rate (`contenders` reads them)."""
+    # A lookup or copy arm whose chains add no row now is `ar` by another name: not a choice of its own (priced
+    # by another kind's record it could win by noise, and every step it won was a full one, `AutoDrafter`)
+    arms = [a for a in arms if a.kind not in ("lookup", "copy") or verify_rows(a, lookup_lengths) > 1] or arms
     rates = expected_rates(arms, profile, stats, costs, lookup_lengths, sampled, load,
                            EXPLORE_WIDTH if explore else 0.0, catch_up, realized)
     if rates_out is not None:

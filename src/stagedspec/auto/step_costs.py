@@ -93,12 +93,21 @@ class StepCosts:
         self.draft_seconds[arm] = clipped if first else 0.8 * old + 0.2 * clipped
 
 
-_KEYS = {(kind, sampled): f"{kind}/{'sampled' if sampled else 'greedy'}"
-         for kind in ("ar", "lookup", "copy", "tree", "staged") for sampled in (False, True)}
+# The kind whose measured scales an arm kind's greedy steps share.  A greedy `lookup` or `copy` step is an `ar`
+# step with more rows (its chains cost microseconds and no model, and checking a chain is a comparison per row),
+# so its price is `ar`'s measured time moved along the cost curve: scales learned apart had each carried this
+# VM's noise (about 8% between neighbouring requests), and on SmolLM2 chat `auto` chose a `copy` or `lookup` arm
+# over `ar` on 30-50% of a request's steps whose chains added no row or none that was accepted, at 0.86-0.95x
+# `ar` (AMD EPYC Zen 4, greedy, 2026-11-27).  Sampled steps keep a scale per kind: verifying a sampled chain
+# does host work per node that `ar`'s step has not (on a GPU a lookup step took 1.6x the curve, `ar`'s 1.0x).
+GREEDY_SCALE_KIND = {"ar": "ar", "lookup": "ar", "copy": "ar", "tree": "tree", "staged": "staged"}
+_KEYS = {(kind, sampled): f"{kind if sampled else GREEDY_SCALE_KIND[kind]}/{'sampled' if sampled else 'greedy'}"
+         for kind in GREEDY_SCALE_KIND for sampled in (False, True)}
 
 
 def _verify_key(kind: str, sampled: bool) -> str:
-    """"tree/greedy" etc. (looked up, not formatted: it is asked for several times per arm priced)"""
+    """"tree/greedy" etc. (looked up, not formatted: it is asked for several times per arm priced); `lookup`
+    and `copy` steps share `ar`'s when greedy (`GREEDY_SCALE_KIND`)."""
     key = _KEYS.get((kind, sampled))
     return key if key is not None else f"{kind}/{'sampled' if sampled else 'greedy'}"
 
