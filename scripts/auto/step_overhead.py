@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--arms", choices=("all", "lookup", "ar"), default="all")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quant", default="auto", help="the oracle's weights, as `generate --quant` (none: bf16)")
     args = ap.parse_args()
 
     seconds: dict[str, float] = defaultdict(float)
@@ -58,8 +59,9 @@ def main() -> None:
     timed(auto_policy.AutoPolicy, "choose", "choose")
     timed(lookup_module.LookupDrafter, "chains", "lookup chains")
 
-    pipe = Pipeline.load(args.oracle, args.draft, speculation=SpeculationConfig.tuned("auto", "auto"), quant="auto")
-    ar = Pipeline(pipe.model, pipe.tokenizer, [], SpeculationConfig.tuned("ar", "auto"), learned=pipe.learned)
+    pipe = Pipeline.load(args.oracle, args.draft, speculation=SpeculationConfig.tuned("auto", args.quant),
+                         quant=args.quant)
+    ar = Pipeline(pipe.model, pipe.tokenizer, [], SpeculationConfig.tuned("ar", args.quant), learned=pipe.learned)
     kinds = {"all": None, "lookup": ("ar", "lookup", "copy"), "ar": ("ar",)}[args.arms]
     if kinds is not None:
         policy = pipe.auto_policy()
