@@ -957,3 +957,44 @@ def test_a_policy_that_does_not_learn_times_charges_a_cold_draft_its_whole_catch
         policy.greedy_stats = trained_stats(draft=0.7)
         assert policy.choose(SamplingParams(), NO_LOOKUP_NOW, backlog=far, remaining=1000).kind in kinds
         assert policy.choose(SamplingParams(), NO_LOOKUP_NOW, backlog={}, remaining=1000).kind in ("tree", "staged")
+
+
+def test_a_copy_is_priced_by_how_long_a_suffix_it_matched() -> None:
+    """A prompt-lookup chain copied after a one-token match is learned and priced apart from one copied after
+    three tokens: code's long matches had taught one shared series to price chat's chance one-token copies at
+    2-3 tokens a step (`arms.CONTEXT_SERIES`)."""
+    from stagedspec.auto.arms import context_chain, context_series
+
+    assert [context_series(n) for n in (1, 2, 3, 5)] == ["context:1", "context:2", "context", "context"]
+    assert context_chain({"context:1": 4, "ngram": 6}) == ("context:1", 4)
+    assert context_chain({"ngram": 6}) == ("context", 0)
+    stats = AcceptanceStats()
+    for _ in range(200):
+        stats.chains["context"].record(8, 8)  # long matches: always copied through
+        stats.chains["context:1"].record(0, 8)  # chance matches: never right
+    strong, weak = {"context": 8}, {"context:1": 8}
+    assert verify_rows(Arm("copy", 8), strong) == verify_rows(Arm("copy", 8), weak) == 9
+    assert expected_tokens(Arm("copy", 8), stats, strong) > 8.0
+    assert expected_tokens(Arm("copy", 8), stats, weak) < 1.05
+    flat = CostProfile(oracle={r: 0.010 for r in ROWS}, drafts=[])
+    arms = [Arm("ar"), Arm("copy", 8)]
+    assert choose_arm(arms, flat, stats, StepCosts(), strong) == Arm("copy", 8)
+    assert choose_arm(arms, flat, stats, StepCosts(), weak) == Arm("ar")
+
+
+def test_the_drafter_learns_each_copy_in_its_matched_suffix_series() -> None:
+    """`AutoDrafter` scores each step's prompt-lookup chain into the series of the suffix it matched."""
+    from stagedspec.auto import AutoDrafter
+    from stagedspec.drafters.lookup import LookupDrafter
+    from stagedspec.generation import NoDrafter
+
+    lookup = LookupDrafter(None, context=True, chain_length=4)
+    policy = AutoPolicy([Arm("ar"), Arm("copy", 4)], FLAT)
+    drafter = AutoDrafter(policy, {Arm("ar"): (NoDrafter(), []), Arm("copy", 4): (lookup, [])}, lookup=lookup)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 3]  # "3" matched one token back: a one-token match
+    drafter.begin(prompt)
+    drafter.propose(prompt, SamplingParams(), None, 16)
+    drafter.propose(prompt + [4, 9], SamplingParams(), None, 16)  # the copy [4, 5, ...] was right once
+    learned = policy.greedy_stats.chains
+    assert learned["context:1"].tries[:2] == [1, 1] and learned["context:1"].hits[:2] == [1, 0]
+    assert not learned["context"].tries

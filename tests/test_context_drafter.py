@@ -133,3 +133,11 @@ def test_lookup_drafter_follows_a_context_that_takes_tokens_back():
         base = base[:cut] + [rng.choice(range(6)) for _ in range(rng.randint(1, 5))]
         fresh = LookupDrafter()
         assert d.chains(base, 4) == fresh.chains(base, 4)
+
+
+def test_match_length_is_the_suffix_the_copy_follows() -> None:
+    """`match_length` names the suffix `propose_chain` copies after: `auto` learns and prices copies by it."""
+    assert ContextDrafter([1, 2, 3, 4, 5, 9, 1, 2, 3]).match_length() == 3
+    assert ContextDrafter([5, 1, 2, 7, 6, 1, 2]).match_length() == 2
+    assert ContextDrafter([1, 2, 3, 4, 2]).match_length() == 1
+    assert ContextDrafter([1, 2, 3]).match_length() == 0

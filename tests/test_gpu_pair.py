@@ -28,8 +28,9 @@ def test_remote_script_refuses_an_unknown_call() -> None:
     assert run.returncode == 2 and "usage" in run.stderr
 
 
-def test_a_rerun_before_the_models_are_joined_says_so(tmp_path: Path) -> None:
-    run = subprocess.run(["bash", str(SCRIPTS / "remote.sh"), "again"], capture_output=True, text=True,
+@pytest.mark.parametrize("call", ["again", "trace"])
+def test_a_rerun_before_the_models_are_joined_says_so(call: str, tmp_path: Path) -> None:
+    run = subprocess.run(["bash", str(SCRIPTS / "remote.sh"), call], capture_output=True, text=True,
                          env={**os.environ, "OUT": str(tmp_path)})
     assert run.returncode == 1 and "no joined GGUFs" in run.stdout
 

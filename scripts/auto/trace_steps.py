@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled with top-k 50, seeded per prompt")
     ap.add_argument("--quant", default="auto")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (bf16 passes replayed as CUDA graphs, row-exact)")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--request-prior", type=float, default=None)
     ap.add_argument("--realized", choices=("on", "off"), default="on")
     args = ap.parse_args()
@@ -50,10 +52,12 @@ def main() -> None:
 
     steps: list[dict] = []
 
-    pipe = Pipeline.load(args.oracle, args.draft, speculation=SpeculationConfig.tuned("auto", args.quant),
-                         quant=args.quant)
+    pipe = Pipeline.load(args.oracle, args.draft, quant=args.quant, device=args.device, dtype=args.dtype,
+                         speculation=SpeculationConfig.tuned("auto", args.quant, device=args.device, dtype=args.dtype))
     pipe.auto_policy().step_observer = lambda step: steps.append(dataclasses.asdict(step))
-    ar = Pipeline(pipe.model, pipe.tokenizer, [], SpeculationConfig.tuned("ar", args.quant), learned=pipe.learned)
+    ar = Pipeline(pipe.model, pipe.tokenizer, [], SpeculationConfig.tuned("ar", args.quant, device=args.device,
+                                                                          dtype=args.dtype),
+                  learned=pipe.learned, device=pipe.device, dtype=pipe.dtype)
     prompts = []
     for part in args.prompts.split(","):
         kind, _, count = part.partition(":")
@@ -84,10 +88,12 @@ def main() -> None:
             b["n"] += 1
             for key in ("rows", "wall", "price", "tokens", "expected"):
                 b[key] += s[key]
+            b["slowest"] = max(b["slowest"], s["wall"])
         for arm, b in sorted(by.items(), key=lambda kv: -kv[1]["n"]):
             n = b["n"]
             print(f"   {arm:12} steps={int(n):3} rows={b['rows'] / n:.1f} wall={1e3 * b['wall'] / n:6.1f} ms "
-                  f"price={1e3 * b['price'] / n:6.1f} ms tokens={b['tokens'] / n:.2f} expected={b['expected'] / n:.2f}")
+                  f"price={1e3 * b['price'] / n:6.1f} ms tokens={b['tokens'] / n:.2f} expected={b['expected'] / n:.2f} "
+                  f"slowest={1e3 * b['slowest']:.1f} ms")
     print(f"auto / ar, total time: {total['auto'] / total['ar']:.3f}")
 
 

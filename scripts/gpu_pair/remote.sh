@@ -7,6 +7,8 @@
 #   remote.sh again    the bench once more on the joined GGUFs, e.g. DTYPE=fp32 TEMPS=0 TOKENS=64 remote.sh again
 #                      (BIT_EXACT=1: with --bit-exact)
 #   remote.sh wait     wait for the bench (at most WAIT_S seconds); when it is done, copy its report to $OUT
+#   remote.sh trace    `auto`'s steps against `ar`'s on the same prompts, from no learned state
+#                      (scripts/auto/trace_steps.py; TEMP=1: sampled), to $OUT/trace-T$TEMP.txt
 # DRYRUN=1 prints the bench's command instead (tests/test_gpu_pair.py parses it with the CLI).
 # A call must end inside the device's 10 minutes, and the next one must follow within its 30 s of warmth.
 set -uo pipefail
@@ -73,12 +75,20 @@ case "${1:-}" in
     [ -f "$M/oracle.gguf" ] || { echo "no joined GGUFs in $M: run the part calls and start first"; exit 1; }
     bench
     ;;
+  trace)
+    [ -f "$M/oracle.gguf" ] || { echo "no joined GGUFs in $M: run the part calls and start first"; exit 1; }
+    rm -f "$STAGEDSPEC_CACHE"/costs/*.auto.json
+    timeout "${TRACE_S:-200}" python3 scripts/auto/trace_steps.py --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bf16}" \
+      --oracle "$M/oracle.gguf" --draft "$M/draft.gguf" --prompts "$M/prompts.jsonl:100" \
+      --max-new-tokens "${TOKENS:-96}" --temperature "${TEMP:-0}" > "${OUT:?}/trace-T${TEMP:-0}.txt" 2>&1
+    tail -3 "$OUT/trace-T${TEMP:-0}.txt"
+    ;;
   wait)
     end=$((SECONDS + WAIT_S))
     while [ ! -f "$B/done" ] && [ $SECONDS -lt $end ]; do sleep 5; done
     finish
     ;;
   *)
-    echo "usage: remote.sh part N | start | wait" >&2; exit 2
+    echo "usage: remote.sh part N | start | again | trace | wait" >&2; exit 2
     ;;
 esac

@@ -26,7 +26,8 @@ by expected tokens / expected seconds, where
   catching up on the tokens it missed is charged to its kind);
 - tokens = 1 + sum over depths j of P(accepted length >= j), from
   per-proposer, per-depth acceptance statistics (`ChainStats`: context,
-  n-gram, draft) that start from priors and are updated after every
+  n-gram, draft; the context chain's kept per length of the suffix it
+  matched, `arms.CONTEXT_SERIES`) that start from priors and are updated after every
   verification, calibrated per arm by what that arm actually yielded
   (shrunk towards what its kind yielded, so an arm tried once is judged by
   its siblings too).
@@ -93,6 +94,7 @@ A module-level knob is read from the module that uses it (`stagedspec.auto.draft
 from __future__ import annotations
 
 from stagedspec.auto.arms import (
+    CONTEXT_SERIES,
     CPU_TREE_SIZES,
     CUDA_TREE_SIZES,
     COPY_SIZES,
@@ -102,6 +104,8 @@ from stagedspec.auto.arms import (
     STAGE_SIZES,
     Arm,
     arms_for,
+    context_chain,
+    context_series,
     lookup_horizon,
     staged_lookup_length,
     tree_depth_for,
@@ -180,6 +184,9 @@ __all__ = [
     "REQUEST_PRIOR",
     "Arm",
     "arms_for",
+    "CONTEXT_SERIES",
+    "context_chain",
+    "context_series",
     "tree_depth_for",
     "ChainStats",
     "AcceptanceStats",

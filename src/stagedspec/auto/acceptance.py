@@ -8,10 +8,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from stagedspec.auto.arms import Arm, staged_lookup_length, tree_depth_for
+from stagedspec.auto.arms import Arm, context_chain, staged_lookup_length, tree_depth_for
 
-# Priors: mean per-depth acceptance of each proposer before any observation, and its weight in steps.
-PRIOR_ACCEPTANCE = {"context": 0.5, "ngram": 0.3, "draft": 0.6}
+# Priors: mean per-depth acceptance of each proposer's series before any observation, and its weight in steps
+# (the prompt-lookup chain has a series per matched suffix length, `arms.CONTEXT_SERIES`).
+PRIOR_ACCEPTANCE = {"context": 0.5, "context:2": 0.4, "context:1": 0.15, "ngram": 0.3, "draft": 0.6}
 PRIOR_WEIGHT = 2.0
 ARM_PRIOR_STEPS = 10.0  # how many steps' worth the model's prediction counts against an arm's own record
 SECOND_CHOICE = 0.5  # P(a node's next child is right | the ones before it were wrong) / the first's P(right)
@@ -188,8 +189,9 @@ def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[st
                     calibrated: bool = True, optimism: float = 0.0) -> float:
     """Tokens a step of `arm` is expected to emit (its accepted draft tokens + the oracle's own).
 
-    `lookup_lengths`: how long this step's context and n-gram chains are (a
-    proposer with no chain now cannot be accepted now).  `calibrated=False`:
+    `lookup_lengths`: how long this step's context and n-gram chains are, keyed
+    by series (`arms.context_chain`; a proposer with no chain now cannot be
+    accepted now).  `calibrated=False`:
     the chains' prediction alone, without the arm's actual/predicted factor;
     that factor is learned against this raw prediction (a prediction that
     already included it would make the factor settle at the square root of
@@ -204,14 +206,15 @@ def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[st
         factor += optimism / math.sqrt(1.0 + stats.arm_steps.get(arm, 0))
     if arm.kind == "tree":
         return 1.0 + factor * chains["draft"].best_first(arm.size, tree_depth_for(arm.size))
+    series, copied = context_chain(lookup_lengths)
     if arm.kind == "lookup":
-        reach = _best_reach([chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0))),
+        reach = _best_reach([chains[series].reach(min(arm.size, copied)),
                              chains["ngram"].reach(min(arm.size, lookup_lengths.get("ngram", 0)))])
     elif arm.kind == "copy":
-        reach = chains["context"].reach(min(arm.size, lookup_lengths.get("context", 0)))
+        reach = chains[series].reach(min(arm.size, copied))
     else:  # staged: the draft's chain, with the prompt-lookup chain merged in
-        merged = min(staged_lookup_length(arm), lookup_lengths.get("context", 0))
-        reach = _union_reach(chains["draft"].reach(arm.size), chains["context"].reach(merged))
+        merged = min(staged_lookup_length(arm), copied)
+        reach = _union_reach(chains["draft"].reach(arm.size), chains[series].reach(merged))
     return 1.0 + factor * sum(reach)
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import torch
 
 from stagedspec.auto.acceptance import AcceptanceStats, expected_tokens
-from stagedspec.auto.arms import Arm, lookup_horizon
+from stagedspec.auto.arms import Arm, context_series, lookup_horizon
 from stagedspec.auto.policy import AR_PROBE_EVERY, AR_PROBE_MIN_STEPS, AutoPolicy
 from stagedspec.auto.pricing import contenders
 from stagedspec.auto.step_costs import SharedLoad, catch_up_seconds, predicted_draft_seconds, solo_step_seconds
@@ -195,6 +195,8 @@ class AutoDrafter(Drafter):
         if self.lookup is not None and due:
             self.lookup.resize(chain_length=self._horizon)
             for proposer, chain in self.lookup.chains(context, self._horizon):
+                if proposer == "context":  # learned and priced by how long a suffix it matched
+                    proposer = context_series(self.lookup.context_match())
                 if proposer not in lengths:  # the proposer's best chain only
                     lengths[proposer] = len(chain)
                     self._pending.append((len(context), proposer, chain))

@@ -236,4 +236,19 @@ def catch_up_seconds(arm: Arm, profile: CostProfile, backlog: int) -> float:
     the two a step normally brings (after a run of `ar` steps; the whole prompt before its first step)."""
     if arm.kind not in ("tree", "staged") or not profile.drafts or backlog <= 2:
         return 0.0
-    return max(0.0, profile.draft_seconds(0, backlog) - profile.draft_seconds(0, 2))
+    return max(0.0, _long_pass_seconds(profile, backlog) - profile.draft_seconds(0, 2))
+
+
+def _long_pass_seconds(profile: CostProfile, rows: int) -> float:
+    """A draft pass over `rows` rows, past the curve's last measured row count as passes of that many.
+
+    Static passes run more rows than their largest bucket as several passes of it (`runner.BUCKETS`), and a
+    GPU's curve is flat up to there: extended past its last two points it priced a 0.5B draft's catch-up over
+    a prompt as about one pass, and the exploration that ran it took two steps of 45 ms each against a price
+    of 10 ms, 13 of `ar`'s steps each (Qwen2.5-Coder pair, H200, 2026-11-27).  On a CPU a long pass costs
+    about its rows' share of the largest either way."""
+    top = max(profile.drafts[0])
+    if rows <= top:
+        return profile.draft_seconds(0, rows)
+    full, rest = divmod(rows, top)
+    return full * profile.draft_seconds(0, top) + (profile.draft_seconds(0, rest) if rest else 0.0)

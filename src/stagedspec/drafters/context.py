@@ -158,6 +158,12 @@ class ContextDrafter:
             if occ is not None:
                 yield n, occ
 
+    def match_length(self) -> int:
+        """Tokens of the longest suffix `propose_chain` copies after (0: none matches).  How often a copy is
+        right depends on it far more than on the text's kind (`stagedspec.auto.arms.CONTEXT_SERIES`)."""
+        match = next(iter(self._matches()), None)
+        return 0 if match is None else match[0]
+
     def propose_chain(self, n: int) -> list[tuple[int, float]]:
         """Up to n (token, probability) pairs copied after the longest matched suffix; [] if none matches."""
         if n <= 0:

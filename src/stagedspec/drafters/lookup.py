@@ -117,6 +117,10 @@ class LookupDrafter(Drafter):
                 out.append(("ngram", [tok] + [t for t, _ in rest]))
         return out
 
+    def context_match(self) -> int:
+        """Tokens of the suffix the last `chains` call's prompt-lookup chain was copied after (0: no chain)."""
+        return self.context.match_length() if self.context is not None else 0
+
     def propose(
         self, context: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, max_tokens: int
     ) -> TokenTree:
