@@ -123,6 +123,16 @@ def _keep_onednn_isa(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
 
 
+@pytest.fixture(autouse=True)
+def _unfreeze_the_heap():  # noqa: ANN202
+    """A bench run in a test freezes the objects alive then (`stagedspec.heap.freeze_loaded`): hand them back to
+    the collector afterwards, so later tests' dropped models are freed."""
+    yield
+    import gc
+
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_draft_weight_choices(tmp_path_factory):  # noqa: ANN001, ANN202
     """`--draft-weights auto`'s timed choices go to a session folder: timings taken under a test run's load

@@ -312,3 +312,15 @@ def test_paper_table_rows_for_quantised_methods_and_llamacpp() -> None:
     assert [line.split(" | ")[0] for line in lines[2:]] == [
         "| baseline (ar@mixed)", "| spec (chain@mixed)", "| auto@mixed", "| llama.cpp plain"]
     assert lines[4] == "| auto@mixed | 30.0 [30.0–30.0] | 1.50x | 3.00 | 1.50x |"
+
+
+def test_the_loaded_heap_is_frozen_out_of_full_collections() -> None:
+    """`freeze_loaded` collects, then freezes what is alive: full collections mid-request no longer walk it."""
+    import gc
+
+    from stagedspec.heap import freeze_loaded
+
+    kept = [[i] for i in range(1000)]
+    freeze_loaded()
+    assert gc.get_freeze_count() >= len(kept)
+    gc.unfreeze()

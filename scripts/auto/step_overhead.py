@@ -4,8 +4,9 @@ Why: on a fast pass (a 5 ms SmolLM2 step on the native kernels, a 3 ms GPU graph
 a visible share of a step, and in the decoding loop it runs several times slower than in a micro-benchmark
 (each pass's weights evict the caches).  This times `AutoDrafter.propose`, `_learn`, `AutoPolicy.choose` and
 the lookup chains with wall clocks around each call, and compares `auto`'s tokens per second with `ar`'s,
-alternating prompt by prompt.  `--arms ar` offers `auto` plain decoding alone (its overhead with nothing to
-gain), `--arms lookup` only `ar`, `lookup` and `copy`.
+alternating prompt by prompt: in all, and as the geometric mean over pairs of neighbouring requests with a 95%
+interval (the machine's drift from one request to the next widens it).  `--arms ar` offers `auto` plain
+decoding alone (its overhead with nothing to gain), `--arms lookup` only `ar`, `lookup` and `copy`.
 
     python scripts/auto/step_overhead.py --prompts prose --arms ar
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
+import statistics
 import time
 from collections import defaultdict
 
@@ -21,6 +24,7 @@ import stagedspec.auto.drafter as auto_drafter
 import stagedspec.auto.policy as auto_policy
 from stagedspec.bench.prompts import chat_instruction, load_prompts
 from stagedspec.drafters import lookup as lookup_module
+from stagedspec.heap import freeze_loaded
 from stagedspec.pipeline import Pipeline, SpeculationConfig
 from stagedspec.sampling import SamplingParams
 
@@ -72,22 +76,32 @@ def main() -> None:
     sampling = SamplingParams(temperature=args.temperature, top_k=50) if args.temperature > 0 else SamplingParams()
     for p in (ar, pipe):  # kernels and cost profile, untimed
         p.generate(prompts[0], chat=True, max_new_tokens=8, sampling=sampling)
+    freeze_loaded()  # as the bench does: no full garbage collection walks the models mid-request
     seconds.clear()
     calls.clear()
     wall = {"ar": 0.0, "auto": 0.0}
     tokens = {"ar": 0, "auto": 0}
+    log_ratios = []  # per request pair: log(auto's tokens/s / ar's), the two run one after the other
     for _ in range(args.repeats):
         for i, prompt in enumerate(prompts):
+            rate = {}
             for name, p in (("ar", ar), ("auto", pipe)):
                 t = time.perf_counter()
                 out = p.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  seed=i if args.temperature > 0 else None)
-                wall[name] += time.perf_counter() - t
+                seconds = time.perf_counter() - t
+                wall[name] += seconds
                 tokens[name] += len(out.token_ids)
+                rate[name] = len(out.token_ids) / seconds
+            log_ratios.append(math.log(rate["auto"] / rate["ar"]))
     steps = calls["propose"]
     speed = (tokens["auto"] / wall["auto"]) / (tokens["ar"] / wall["ar"])
     print(f"auto / ar tokens per second: {speed:.3f} ({tokens['auto']} and {tokens['ar']} tokens, "
           f"{steps} auto steps of {1e3 * wall['auto'] / max(1, steps):.2f} ms)")
+    if len(log_ratios) > 1:
+        mean, spread = statistics.fmean(log_ratios), statistics.stdev(log_ratios) / math.sqrt(len(log_ratios))
+        print(f"per request pair: geometric mean {math.exp(mean):.3f}, 95% interval "
+              f"{math.exp(mean - 1.96 * spread):.3f}-{math.exp(mean + 1.96 * spread):.3f} ({len(log_ratios)} pairs)")
     for label in seconds:
         print(f"  {label:14} {calls[label]:6} calls  {1e6 * seconds[label] / max(1, steps):7.1f} us per step  "
               f"{1e6 * seconds[label] / calls[label]:7.1f} us per call")

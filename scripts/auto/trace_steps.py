@@ -27,6 +27,7 @@ from collections import defaultdict
 
 import stagedspec.auto.drafter as auto_drafter
 from stagedspec.bench.prompts import chat_instruction, load_prompts
+from stagedspec.heap import freeze_loaded
 from stagedspec.pipeline import Pipeline, SpeculationConfig
 from stagedspec.realized_rates import RealizedRates
 from stagedspec.sampling import SamplingParams
@@ -66,6 +67,7 @@ def main() -> None:
     sampling = SamplingParams(temperature=args.temperature, top_k=50) if args.temperature > 0 else SamplingParams()
     for p in (ar, pipe):  # kernels, cost profile: untimed
         p.generate(prompts[0], chat=True, max_new_tokens=8, sampling=sampling)
+    freeze_loaded()  # as the bench does: no full garbage collection walks the models mid-request
     total = {"ar": 0.0, "auto": 0.0}
     for i, prompt in enumerate(prompts):
         seed = i if args.temperature > 0 else None

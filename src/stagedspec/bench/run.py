@@ -348,11 +348,14 @@ def run_record(method: Method, outcome: Outcome, temperature: float, prompt_inde
 def measure(cfg: BenchConfig, methods: list[Method], prompt_ids: list[list[int]]) -> list[dict]:
     from tqdm import tqdm
 
+    from stagedspec.heap import freeze_loaded
+
     warm_bar = tqdm(methods, desc="warm-up", unit="method", disable=not cfg.progress, leave=False)
     for m in warm_bar:
         warm_bar.set_postfix_str(m.name)
         m.run(prompt_ids[0], max(1, min(cfg.warmup_tokens, cfg.max_new_tokens)), SamplingParams(), cfg.seed)
     warm_bar.close()
+    freeze_loaded()  # every model is loaded and warm: no full collection walks them mid-request
     runs: list[dict] = []
     total = len(cfg.temperatures) * len(prompt_ids) * len(methods)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress)

@@ -116,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'stagedspec[serve]'") from None
     from stagedspec.cli.args import pass_options_from, speculation_from
+    from stagedspec.heap import freeze_loaded
     from stagedspec.server.engine import Engine, parse_size
 
     oracle, drafts, spec = speculation_from(args)
@@ -131,6 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              draft_weights=args.draft_weights, bit_exact=args.bit_exact, model_name=args.model_name,
                              pass_options=pass_options_from(args))
         engine.threads = args.threads
+        freeze_loaded()  # the models stay until the server exits
         return engine
 
     server: uvicorn.Server | None = None
