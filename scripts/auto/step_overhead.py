@@ -89,10 +89,10 @@ def main() -> None:
                 t = time.perf_counter()
                 out = p.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  seed=i if args.temperature > 0 else None)
-                seconds = time.perf_counter() - t
-                wall[name] += seconds
+                took = time.perf_counter() - t
+                wall[name] += took
                 tokens[name] += len(out.token_ids)
-                rate[name] = len(out.token_ids) / seconds
+                rate[name] = len(out.token_ids) / took
             log_ratios.append(math.log(rate["auto"] / rate["ar"]))
     steps = calls["propose"]
     speed = (tokens["auto"] / wall["auto"]) / (tokens["ar"] / wall["ar"])
