@@ -100,7 +100,7 @@ def context_series(matched: int) -> str:
 
 def context_chain(lookup_lengths: Mapping[str, int]) -> tuple[str, int]:
     """This step's prompt-lookup chain: its series (`context_series`) and length (0: none)."""
-    for name in ("context", "context:2", "context:1"):
+    for name in ("context", *CONTEXT_SERIES.values()):  # a step has one prompt-lookup chain, in one series
         length = lookup_lengths.get(name, 0)
         if length:
             return name, length
