@@ -998,3 +998,15 @@ def test_the_drafter_learns_each_copy_in_its_matched_suffix_series() -> None:
     learned = policy.greedy_stats.chains
     assert learned["context:1"].tries[:2] == [1, 1] and learned["context:1"].hits[:2] == [1, 0]
     assert not learned["context"].tries
+
+
+def test_a_catch_up_past_the_draft_curve_is_priced_as_passes_of_its_largest_size() -> None:
+    """Static passes run a long catch-up as passes of their largest bucket; a flat (GPU) curve extended past its
+    last two points had priced 300 tokens as one pass."""
+    from stagedspec.auto import catch_up_seconds
+
+    flat_gpu = CostProfile(oracle={r: 0.0035 for r in ROWS}, drafts=[{1: 0.0024, 2: 0.0025, 32: 0.0026, 48: 0.0027}])
+    seconds = catch_up_seconds(Arm("staged", 2), flat_gpu, 300)  # 6 passes of 48 rows, then 12 rows
+    assert seconds == pytest.approx(6 * 0.0027 + flat_gpu.draft_seconds(0, 12) - 0.0025)
+    assert catch_up_seconds(Arm("staged", 2), flat_gpu, 40) == pytest.approx(flat_gpu.draft_seconds(0, 40) - 0.0025)
+    assert catch_up_seconds(Arm("copy", 2), flat_gpu, 300) == 0.0
