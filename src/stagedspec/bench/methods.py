@@ -44,6 +44,7 @@ OURS = ("ar", "auto", "chain", "tree", "tree-adaptive", "lookup", "staged")
 # Run only when named: `tree` grown on the host, beside `tree` on a GPU; and tree / lookup / staged at their
 # fixed default sizes every step, beside the measured sizing the CLI runs (`SpeculationConfig.sizing`).
 VARIANTS = ("tree-best-first", "tree-fixed", "lookup-fixed", "staged-fixed")
+QUANTISABLE = (*OURS, *VARIANTS)  # methods of ours that take an @int4 / @int8 / @mixed suffix
 # Suffixes of our methods: `staged@int4` runs staged on the int4 oracle; `@mixed` is what `--quant auto` runs on
 # a GGUF; `-torch` runs those weights on PyTorch's kernels (bf16) instead of ours, side by side.
 QUANTISED = ("int4", "int8", "mixed", "int4-torch", "int8-torch")

@@ -28,6 +28,7 @@ import torch
 from stagedspec.bench.methods import (
     ALL_METHODS,
     FIXED_VARIANTS,
+    QUANTISABLE,
     INT4,
     LLAMACPP,
     QUANTISED,
@@ -101,7 +102,7 @@ def expand_methods(names: Sequence[str]) -> list[str]:
             continue
         group = GROUPS.get(name)
         base, quant = split_quant(name)
-        known = name in ALL_METHODS or ((base in OURS or base in VARIANTS) and quant in QUANTISED)
+        known = name in ALL_METHODS or (base in QUANTISABLE and quant in QUANTISED)
         if group is None and not known:
             raise StagedSpecError(
                 f"unknown bench method {name!r}: use {', '.join(ALL_METHODS)}, any of ours or their variants with "
@@ -109,7 +110,7 @@ def expand_methods(names: Sequence[str]) -> list[str]:
                 f"staged configurations go in --stages"
             )
         out += [m for m in (group or (name,)) if m not in out]
-    for ref in reversed(dict.fromkeys(reference_for(m) for m in out if split_quant(m)[0] in (*OURS, *VARIANTS))):
+    for ref in reversed(dict.fromkeys(reference_for(m) for m in out if split_quant(m)[0] in QUANTISABLE)):
         if ref not in out:
             out.insert(0, ref)  # the reference for speedups and exactness
     ours = [m for m in out if split_quant(m)[0] in OURS]
