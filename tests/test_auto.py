@@ -1010,3 +1010,39 @@ def test_a_catch_up_past_the_draft_curve_is_priced_as_passes_of_its_largest_size
     assert seconds == pytest.approx(6 * 0.0027 + flat_gpu.draft_seconds(0, 12) - 0.0025)
     assert catch_up_seconds(Arm("staged", 2), flat_gpu, 40) == pytest.approx(flat_gpu.draft_seconds(0, 40) - 0.0025)
     assert catch_up_seconds(Arm("copy", 2), flat_gpu, 300) == 0.0
+
+
+def test_every_draft_family_is_explored_early_in_a_request_even_when_its_price_says_it_loses() -> None:
+    """A price is a model; one that is wrong about a draft never lets it run to show otherwise (the Qwen pair ran
+    `ar` on every step of a prose prompt where a fixed draft chain ran at 1.22x `ar`).  So each draft family runs
+    twice early in a request whatever its price, a family at a time; then `ar` again while the prices say so.
+    A seeded sampled request's policy (no learned times) never explores, and a family whose catch-up would cost
+    more than its share of the request's plain time is skipped."""
+    from stagedspec.auto import AutoDrafter
+    from stagedspec.auto.drafter import FAMILY_EXPLORE_AFTER
+
+    plain, tree, staged = Arm("ar"), Arm("tree", 2), Arm("staged", 1)
+
+    def kinds_run(policy: AutoPolicy, prompt_len: int = 3, max_tokens: int = 64, steps: int = 14) -> list[str]:
+        d = OneNodeDrafter()
+        drafter = AutoDrafter(policy, {plain: (d, []), tree: (OneNodeDrafter(), []), staged: (OneNodeDrafter(), [])})
+        context = list(range(1, prompt_len + 1))
+        drafter.begin(context)
+        out = []
+        for _ in range(steps):
+            drafter.propose(context, SamplingParams(), None, max_tokens)
+            drafter.verified(0.01)
+            out.append(drafter._last.arm.name if drafter._last is not None else "ar")
+            context = context + [4]
+        return out
+
+    runs = kinds_run(AutoPolicy([plain, tree, staged], STEEP))  # priced, the draft arms always lose
+    assert runs.count("tree:2") == 2 and runs.count("staged:1") == 2, runs
+    first = runs.index("tree:2")
+    assert runs[first + 1] == "tree:2" and first >= FAMILY_EXPLORE_AFTER  # twice in a row, after the first steps
+    assert runs.index("staged:1") > first + 1  # one family at a time
+    assert set(runs[runs.index("staged:1") + 2:]) == {"ar"}  # then the prices decide again
+    assert set(kinds_run(AutoPolicy([plain, tree, staged], STEEP, learn_times=False))) == {"ar"}
+    # a draft whose catch-up over a long prompt is dear: 0.2 s against 5% of 64 steps of 10 ms
+    dear = CostProfile(oracle={r: 0.010 * r for r in ROWS}, drafts=[{1: 0.0005, 2: 0.0005, 64: 0.2}])
+    assert set(kinds_run(AutoPolicy([plain, tree, staged], dear), prompt_len=64)) == {"ar"}

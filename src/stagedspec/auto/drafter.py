@@ -27,6 +27,16 @@ EXPLORE_EVERY = 8  # every this many priced steps, run the arm with the highest 
 EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the priced step after an exploration
 # ... that arm's calibration raised (`stagedspec.auto.pricing.EXPLORE_WIDTH`), twice in a row (the first step
 # may catch its draft up, and its drafting time is then not learned)
+# Each draft family (`Arm.family`: tree, staged, staged with a long lookup chain) is run early in every request
+# whatever its price, and again every `FAMILY_REVISIT` priced steps: a price is a model, and a model that is
+# wrong about an arm never lets it run to show otherwise.  On an AMX Xeon the Qwen2.5-Coder pair's `auto` ran
+# `ar` on all 96 steps of a prose prompt, where a fixed 3-token chain of the 0.5B draft ran at 1.22x `ar`
+# (2026-11-28).  Such an exploration runs the family's best-priced arm twice (its second step warm, timed), a
+# family at a time, `FAMILY_EXPLORE_AFTER` priced steps apart; its draft's catch-up on the context may cost at
+# most `FAMILY_CATCH_UP_SHARE` of the request's plain decoding time (the bounded cost), or it is skipped.
+FAMILY_EXPLORE_AFTER = 2
+FAMILY_REVISIT = 32
+FAMILY_CATCH_UP_SHARE = 0.05
 FULL_PRICE_EVERY = 8  # priced steps between two that price every arm; the others price `ar`, the lookup arms
 # and the draft arms that came close at the last full pricing (`stagedspec.auto.pricing.contenders`): pricing all
 # 20 arms of the default pair cost about 200 us, 4% of a 5 ms SmolLM2 step (AMD EPYC Zen 4, 2026-11-27)
@@ -139,6 +149,8 @@ class AutoDrafter(Drafter):
         self._exploring: Arm | None = None  # the arm an exploration runs again next step
         self._contenders: frozenset[Arm] | None = None  # draft arms priced between full pricings (None: price all)
         self._until_full = 0  # priced steps until the next full pricing
+        self._families_due: list[str] = []  # draft families not yet explored in this round (`FAMILY_REVISIT`)
+        self._until_family = FAMILY_EXPLORE_AFTER  # priced steps until the next family is explored
         self._last_drafter: Drafter | None = None  # the drafter of the last step
         self._synced: dict[int, int] = {}  # id(drafter) -> context length when it last proposed
         self.request_choices: dict[str, int] = {}  # `Drafter.request_choices`
@@ -176,6 +188,7 @@ class AutoDrafter(Drafter):
         self._exploring, self._last_drafter = None, None
         self._plain_streak, self._probe_gap, self._until_probe, self._quiet_steps = 0, LOOKUP_PROBE_EVERY, 0, 0
         self._contenders, self._until_full = None, 0
+        self._families_due, self._until_family = self._draft_families(), FAMILY_EXPLORE_AFTER
         self._synced = {}
         self._own = {}
         self._realized = RealizedRates()
@@ -208,8 +221,12 @@ class AutoDrafter(Drafter):
             with self.policy.lock:
                 probe = self.policy.stats_for(sampling).arm_steps.get(Arm("ar"), 0) < AR_PROBE_MIN_STEPS
         again, self._exploring = self._exploring, None
+        family_arm = None if again is not None or not due else self._family_exploration(context, sampling, lengths,
+                                                                                         max_tokens)
         if again is not None and (self.tree_budget_cap is None or again.max_tree_budget <= self.tree_budget_cap):
             arm = self.policy.choose_again(again)  # an exploration's second step: its time is measured warm
+        elif family_arm is not None:
+            arm = self._exploring = family_arm  # run twice: this step may catch its draft up
         elif not due:
             # Deep in a run of `ar` steps, between lookup probes: nothing new to weigh (no chains looked at,
             # no draft ran, so no statistic but `ar`'s own time moved), so `ar` again without pricing every
@@ -284,6 +301,40 @@ class AutoDrafter(Drafter):
         self._synced[id(drafter)] = len(context)
         self._last_drafter = drafter
         return tree
+
+    def _draft_families(self) -> list[str]:
+        """The draft families a request explores (`FAMILY_REVISIT`), in the arms' order; none for a policy that
+        does not learn times (a seeded sampled request's choices follow its own history and the profile only)."""
+        if not self.policy.learn_times:
+            return []
+        return list(dict.fromkeys(a.family for a in self.policy.arms if a.kind in ("tree", "staged")))
+
+    def _family_exploration(self, context: Sequence[int], sampling: SamplingParams, lengths: Mapping[str, int],
+                            max_tokens: int) -> Arm | None:
+        """The arm of the next draft family due for exploration, if one is due at this priced step and its
+        catch-up fits the budget (`FAMILY_CATCH_UP_SHARE`); None otherwise.  Decided by the history alone.
+
+        Not in a batched round (the server's shared rounds price their own steps) nor on the first step (its
+        time includes the prompt's prefill)."""
+        if self._first_step or self.shared_load is not None or not self.policy.learn_times:
+            return None
+        self._until_family -= 1
+        if self._until_family > 0:
+            return None
+        if not self._families_due:  # every family explored: the next round in `FAMILY_REVISIT` priced steps
+            self._families_due, self._until_family = self._draft_families(), FAMILY_REVISIT
+            return None
+        self._until_family = FAMILY_EXPLORE_AFTER
+        family = self._families_due.pop(0)
+        arm = self.policy.best_in_family(family, sampling, lengths, self._own_stats(sampling), self.tree_budget_cap,
+                                         self._realized_now())
+        if arm is None:
+            return None
+        behind = len(context) - self._synced.get(id(self.arms[arm][0]), 0)
+        plain_seconds = max_tokens * self.policy.profile.step_seconds(1, not sampling.greedy)
+        if catch_up_seconds(arm, self.policy.profile, behind) > FAMILY_CATCH_UP_SHARE * plain_seconds:
+            return None
+        return arm
 
     def _pace_probes(self, arm: Arm) -> None:
         """After a priced step deep in a plain run (a probe): the next probe in twice the gap if it chose `ar`

@@ -144,6 +144,23 @@ class AutoPolicy:
             self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
         return arm
 
+    def best_in_family(self, family: str, sampling: SamplingParams, lookup_lengths: Mapping[str, int],
+                       stats: AcceptanceStats | None = None, max_tree_budget: int | None = None,
+                       realized: RealizedRates | None = None) -> Arm | None:
+        """The best-priced arm of one family (`Arm.family`), whatever `ar` promises: what an exploration of
+        that family runs (`AutoDrafter`).  None: the family has no arm that fits `max_tree_budget`."""
+        arms = [a for a in self.arms if a.family == family
+                and (max_tree_budget is None or a.max_tree_budget <= max_tree_budget)]
+        if not arms:
+            return None
+        with self.lock:
+            stats = stats if stats is not None else self.stats_for(sampling)
+            rates = expected_rates(arms, self.profile, stats, self.costs, lookup_lengths, not sampling.greedy,
+                                   realized=realized)
+            arm = max(rates, key=lambda a: rates[a])
+            self.choices[arm.name] = self.choices.get(arm.name, 0) + 1
+        return arm
+
     def choose_plain(self) -> Arm:
         """`ar`, counted like a choice (`AutoDrafter` skips the pricing when nothing new could change it)."""
         return self.choose_again(Arm("ar"))
