@@ -403,3 +403,33 @@ def test_eval_draft_compares_a_drafts_weight_formats_in_one_run(oracle_dir: Path
     assert run(["eval-draft", "--oracle", str(oracle_dir), "--prompts", str(prompts), "--draft", str(out),
                 "--dtype", "fp32", "--draft-weights", "int8"]) == 2
     assert "--draft-weights int8 computes in bf16" in capsys.readouterr().err
+
+
+def test_feature_draft_with_a_pruned_mlp_an_oracle_head_and_int8_weights(oracle_dir: Path, corpus: list[str],
+                                                                         tmp_path: Path) -> None:
+    """The shipped Qwen feature draft's form: fewer MLP channels than the oracle's layer, a head of the oracle's
+    own rows (saved as token ids alone) and int8 codes with a scale per group of 32.  It loads back computing
+    what was trained, up to the int8 rounding, and the file holds no head rows."""
+    from safetensors import safe_open
+
+    from stagedspec.models.draft import INT8_SCALE_SUFFIX
+
+    out = tmp_path / "feature"
+    rc = run(distill_args(oracle_dir, corpus, out, "--kind", "feature", "--ttt-steps", "2", "--mlp-width", "32",
+                          "--head-from-oracle", "--save-dtype", "int8"))
+    assert rc == 0
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["head"] == "oracle-rows" and cfg["dtype"] == "int8" and cfg["model_config"]["intermediate_size"] == 32
+    with safe_open(str(out / WEIGHTS_NAME), "pt") as f:
+        names = set(f.keys())
+        assert not any(n.startswith("head.") for n in names) and "head_tokens" in names
+        assert f.get_tensor("layers.0.mlp.w_up.weight").dtype == torch.int8
+        assert "fc.weight" + INT8_SCALE_SUFFIX in names
+    oracle, _ = load_model(str(oracle_dir), dtype=torch.float32)
+    draft = load_draft(out, oracle)
+    assert draft.layers[0].mlp.w_up.weight.shape[0] == 2 * 32 and draft.head_from_oracle
+    rows = oracle.head_weight[draft.head_tokens]
+    assert torch.equal(draft.head.weight, rows.to(draft.head.weight.dtype))  # the oracle's rows, untouched
+    ckpt = torch.load(tmp_path / "feature" / "checkpoint.pt", weights_only=True)["model"]
+    w = ckpt["layers.0.mlp.w_down.weight"]
+    assert torch.allclose(draft.layers[0].mlp.w_down.weight, w, atol=float(w.abs().max()) / 127 + 1e-6)

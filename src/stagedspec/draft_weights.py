@@ -91,6 +91,9 @@ def to_int8(draft: Transformer, oracle: Transformer, max_rows: int | None = None
         return draft
     for layer in draft.layers:
         swap_layers(layer, nn.Linear, lambda lin: RowSwitchLinear(lin.weight.detach(), lin.bias, max_rows))
+    fc = getattr(draft, "fc", None)
+    if isinstance(fc, nn.Linear):  # a feature draft's fusing layer
+        draft.fc = RowSwitchLinear(fc.weight.detach(), fc.bias, max_rows)
     own_head = getattr(draft, "head", None)
     head = own_head.weight if own_head is not None else draft.head_weight
     if own_head is not None or head is not oracle.head_weight:

@@ -48,6 +48,7 @@ TREE_TARGET_BUDGET = 16
 AT_MOST = ("draft_cost_ratio",)  # targets that are upper bounds; the others are lower bounds
 # Default --sample-batch per device type: a CPU gains little past 16 rows; an H100 sampled 256 at a time (2026-11-23).
 SAMPLE_BATCH = {"cpu": 16, "cuda": 256}
+SAVE_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
 SAMPLES_NAME = "oracle_samples.jsonl"  # per-request reply cache (stagedspec.training.reply_cache)
 LEGACY_SAMPLES_NAME = "oracle_samples.json"  # the whole-list cache of older versions
 
@@ -128,6 +129,10 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--oracle-samples", type=int_at_least(0), default=0, metavar="N",
                    help="add the oracle's own greedy replies to N chat coding requests built from the documented "
                         "functions of the corpus's Python files (and of --sample-from)")
+    d.add_argument("--chat-samples", type=int_at_least(0), default=0, metavar="N",
+                   help="add the oracle's own greedy replies to N general prose and chat requests (stories, "
+                        "explanations, advice; made offline, none of them a benchmark prompt: "
+                        "stagedspec.training.chat_requests)")
     d.add_argument("--sample-from", nargs="+", default=None, metavar="PATH",
                    help="also build oracle requests from the documented functions of these Python files or "
                         "folders (their .py files, tests skipped), e.g. installed packages' source; they are "
@@ -151,7 +156,18 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--checkpoint-every", type=int_at_least(1), default=100, metavar="S")
     d.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"],
                    help="oracle (teacher) dtype; the draft trains in fp32 either way")
-    d.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype of the saved draft")
+    d.add_argument("--save-dtype", default="bf16", choices=list(SAVE_DTYPE_NAMES),
+                   help="format of the saved draft's weights (int8: codes and a scale per group of 32, what the "
+                        "CPU kernels run; a quarter of fp32's bytes)")
+    d.add_argument("--mlp-width", type=int_at_least(1), default=None, metavar="W",
+                   help="keep W of each copied layer's MLP channels (those carrying the most weight): a draft that "
+                        "streams fewer bytes than an oracle layer (default: the oracle's width)")
+    d.add_argument("--head-from-oracle", action="store_true",
+                   help="the restricted head (--vocab-top) is the oracle's own rows, frozen, saved as token ids only "
+                        "(EAGLE's shared head: the draft's features live in the oracle's feature space)")
+    d.add_argument("--quant", default="none", metavar="Q",
+                   help="the teacher's weights: none (dense, --dtype), or auto/mixed/int4/int8 as `generate` runs "
+                        "them (a feature draft then learns the features of the oracle users decode with)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_distill)
 
@@ -357,6 +373,7 @@ def _check_files(paths: Sequence[str]) -> list[Path]:
 def cmd_distill(args: argparse.Namespace) -> int:
     import torch
 
+    from stagedspec.training.chat_requests import general_requests
     from stagedspec.training.distill import (
         DistillConfig,
         check_no_human_eval,
@@ -389,7 +406,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.resume and not (work / "checkpoint.pt").is_file():
         raise StagedSpecError(f"nothing to resume: no checkpoint at {work / 'checkpoint.pt'}")
 
-    oracle, tok = load_model(args.oracle, dtype=resolve_dtype(args.dtype, device)[0], device=device)
+    oracle, tok = load_model(args.oracle, dtype=resolve_dtype(args.dtype, device)[0], device=device,
+                             quant=args.quant)
     device_type = torch.device(device).type
     sample_batch = args.sample_batch or SAMPLE_BATCH[device_type]
     autocast = device_type == "cuda" if args.autocast is None else args.autocast
@@ -418,10 +436,16 @@ def cmd_distill(args: argparse.Namespace) -> int:
         functions += documented_functions(p.read_text(encoding="utf-8", errors="replace"))
     chats = chat_streams(tok, functions)
     samples: list[list[int]] = []
+    requests: list[str] = []
     if args.oracle_samples:
         requests = sample_requests(files + extra_requests, args.oracle_samples, args.seed, chat=chat)
         if not requests:
             raise StagedSpecError("--oracle-samples: the corpus has no documented Python functions to ask about")
+    if args.chat_samples:
+        if not chat:
+            raise StagedSpecError("--chat-samples needs an oracle with a chat template")
+        requests += general_requests(args.chat_samples, args.seed)
+    if requests:
         samples = cached_oracle_samples(oracle, tok, requests, args.sample_tokens, samples_cache,
                                         fingerprint, progress=not args.no_progress, batch_size=sample_batch, log=log,
                                         legacy=work / LEGACY_SAMPLES_NAME)
@@ -432,7 +456,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio, seed=args.seed,
         teacher_top_k=args.teacher_top_k, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         out=str(work), fingerprint=fingerprint, init_from=args.init_from, kind=args.kind, ttt_steps=args.ttt_steps,
-        ttt_decay=args.ttt_decay, feature_loss=args.feature_loss, fc_lr_scale=args.fc_lr_scale, save_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.save_dtype],
+        ttt_decay=args.ttt_decay, feature_loss=args.feature_loss, fc_lr_scale=args.fc_lr_scale,
+        save_dtype=SAVE_DTYPE_NAMES[args.save_dtype], mlp_width=args.mlp_width or 0,
+        head_from_oracle=args.head_from_oracle,
     )
     streams = order_streams(unique, repeats, cfg.heldout_fraction, args.seed)
     n_tok = [sum(map(len, s)) for s in (plain, chats, samples)]
@@ -451,13 +477,15 @@ def cmd_distill(args: argparse.Namespace) -> int:
     meta = dict(student.training_meta)
     meta["complete"] = meta.get("steps_done", 0) >= cfg.total_steps
     meta["corpus"] = {"files": len(files), "chat_wrap": args.chat_wrap, "chat_exchanges": len(chats),
-                      "oracle_samples": len(samples), "sample_tokens": args.sample_tokens,
+                      "oracle_samples": len(samples), "chat_samples": args.chat_samples,
+                      "sample_tokens": args.sample_tokens,
                       "sample_repeat": args.sample_repeat, "tokens_plain": n_tok[0], "tokens_chat": n_tok[1],
                       "tokens_samples": n_tok[2], "sample_from": list(args.sample_from or [])}
     meta["teacher_dtype"] = args.dtype
     meta["device"] = device
     meta["autocast"] = "bf16" if autocast else "off"
-    save_draft(student, out, fingerprint, meta, dtype=getattr(torch, cfg.save_dtype))
+    meta["teacher_quant"] = args.quant
+    save_draft(student, out, fingerprint, meta, dtype=cfg.save_dtype)
     last = meta.get("history", [{}])[-1] if meta.get("history") else {}
     state = "complete" if meta["complete"] else "stopped early; continue with --resume"
     print(f"draft saved to {out} ({meta.get('steps_done')}/{cfg.total_steps} steps, {state}); "

@@ -153,13 +153,24 @@ class DraftModel(Transformer):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        mlp_width: int | None = None,
+        head_from_oracle: bool = False,
     ) -> None:
+        """`mlp_width`: keep only this many of each copied layer's MLP channels (`prune_mlp`), for a draft
+        that must stream fewer bytes than an oracle layer (None: the oracle's width).  `head_from_oracle`:
+        the restricted head is the oracle's rows, frozen, and saved as its token ids alone."""
         ocfg = oracle.config
         picked = spread_layers(ocfg.n_layers, layers) if isinstance(layers, int) else [int(i) for i in layers]
         if not picked or any(not 0 <= i < ocfg.n_layers for i in picked):
             raise StagedSpecError(f"draft layers {picked} must be oracle layers in 0..{ocfg.n_layers - 1}")
+        if mlp_width is not None and not 1 <= mlp_width <= ocfg.intermediate_size:
+            raise StagedSpecError(f"a draft's MLP width must be in 1..{ocfg.intermediate_size}, got {mlp_width}")
+        if head_from_oracle and head_tokens is None:
+            raise StagedSpecError("a head taken from the oracle's rows needs its token ids")
         cfg = copy.deepcopy(ocfg)
         cfg.n_layers = len(picked)
+        if mlp_width is not None:
+            cfg.intermediate_size = int(mlp_width)
         if ocfg.local_layers:  # Gemma-3: each copied layer keeps its kind (sliding-window or global)
             cfg.local_layers = [bool(ocfg.local_layers[i]) for i in picked]
         # Build the Transformer skeleton without allocating the (large, shared) embedding.
@@ -175,6 +186,9 @@ class DraftModel(Transformer):
             self.pos_embed = nn.Embedding(ocfg.max_position, ocfg.hidden_size,
                                           _weight=_frozen(oracle.pos_embed.weight, dtype, device), _freeze=True)
         self.layers = nn.ModuleList(dequantized_copy(oracle.layers[i]).to(device=device, dtype=dtype) for i in picked)
+        if mlp_width is not None and mlp_width < ocfg.intermediate_size:
+            for layer in self.layers:
+                prune_mlp(layer.mlp, int(mlp_width))
         self.norm = copy.deepcopy(oracle.norm).to(device=device, dtype=dtype)
         self.lm_head = None
         for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):
@@ -198,6 +212,9 @@ class DraftModel(Transformer):
             self.head = nn.Linear(ocfg.hidden_size, ids.numel(), bias=False, device=device, dtype=dtype)
             with torch.no_grad():
                 self.head.weight.copy_(oracle_head.detach()[ids.to(oracle_head.device)].to(device, dtype))
+        self.head_from_oracle = bool(head_from_oracle)
+        if self.head_from_oracle:
+            self.head.weight.requires_grad_(False)
         leftover = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
         assert not leftover, f"draft skeleton left on the meta device: {leftover}"
 
@@ -291,13 +308,16 @@ class DraftModel(Transformer):
 
     # ------------------------------------------------------------------ bookkeeping
     def own_state_dict(self) -> dict[str, Tensor]:
-        """The draft's own tensors (what is trained and saved); shared oracle weights excluded."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(_SHARED_PREFIXES)}
+        """The draft's own tensors (what is trained and saved); shared oracle weights excluded (a head of the
+        oracle's rows is kept as its token ids alone)."""
+        shared = _SHARED_PREFIXES + (("head.",) if self.head_from_oracle else ())
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(shared)}
 
     def make_own_weights_trainable(self) -> None:
         """Let the draft's own weights (not the shared, frozen oracle ones) train again after loading."""
+        shared = _SHARED_PREFIXES + (("head.",) if self.head_from_oracle else ())
         for name, p in self.named_parameters():
-            if not name.startswith(_SHARED_PREFIXES):
+            if not name.startswith(shared):
                 _make_trainable(p)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -309,6 +329,32 @@ class DraftModel(Transformer):
         tensors = [*self.layers.parameters(), *self.layers.buffers(), *self.norm.parameters()]
         tensors += [*self.head_q.parameters(), *self.head_q.buffers()] if self.head_q is not None else [self.head_weight]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def prune_mlp(mlp: nn.Module, width: int) -> None:
+    """Keep the `width` channels of a gated MLP that carry the most weight, in place.
+
+    A channel's weight is the product of its gate and up rows' norms and its
+    down column's norm: what it can add to the residual stream for an input
+    of unit norm.  The kept channels compute exactly what they computed in the
+    full layer, so a pruned copy of an oracle layer starts near that layer
+    (the rest is what training has to make up).
+    """
+    w_up, w_down = mlp.w_up.weight, mlp.w_down.weight
+    inner = w_down.shape[1]
+    gated = w_up.shape[0] == 2 * inner
+    gate, up = (w_up[:inner], w_up[inner:]) if gated else (w_up, None)
+    score = gate.float().norm(dim=1) * w_down.float().norm(dim=0)
+    if up is not None:
+        score = score * up.float().norm(dim=1)
+    keep = score.topk(width).indices.sort().values.to(w_up.device)
+    rows = torch.cat([keep, keep + inner]) if gated else keep
+    with torch.no_grad():
+        mlp.w_up.weight = nn.Parameter(w_up[rows].clone(), requires_grad=w_up.requires_grad)
+        mlp.w_down.weight = nn.Parameter(w_down[:, keep].clone(), requires_grad=w_down.requires_grad)
+        if mlp.w_up.bias is not None:
+            mlp.w_up.bias = nn.Parameter(mlp.w_up.bias[rows].clone(), requires_grad=mlp.w_up.bias.requires_grad)
+    mlp.w_up.out_features, mlp.w_down.in_features = rows.numel(), width
 
 
 def grown_layers(existing: Sequence[int], n_oracle: int, n_layers: int) -> tuple[list[int], list[bool]]:
@@ -405,14 +451,67 @@ def _check_head_tokens(ids: Tensor, vocab_size: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------- save (loading: `draft_loading.load_draft`)
+INT8_GROUP = 32  # weights saved as int8: one scale per group of this many inputs, the native kernels' layout
+INT8_SCALE_SUFFIX = ".int8_scale"  # the scales of an int8-saved weight `W` are stored as `W.int8_scale`
+
+
+def int8_groups(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Codes [out, in] (int8) and scales [out, in / 32] (fp32) with w ≈ codes * scale, per group of 32 inputs.
+
+    Symmetric, absmax / 127 per group: requantising the decoded weights gives
+    back the same codes, so an int8-saved draft runs on the same integers it
+    was saved as."""
+    out_f, in_f = w.shape
+    g = w.detach().float().reshape(out_f, in_f // INT8_GROUP, INT8_GROUP)
+    scale = g.abs().amax(dim=-1).clamp_min(1e-12) / 127.0
+    codes = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes.reshape(out_f, in_f), scale
+
+
+def decode_int8_groups(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The fp32 weights of an int8-saved draft (`int8_groups`); tensors without scales as they are."""
+    out: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(INT8_SCALE_SUFFIX):
+            continue
+        scale = tensors.get(name + INT8_SCALE_SUFFIX)
+        if scale is None:
+            out[name] = t
+            continue
+        if t.dtype != torch.int8 or t.dim() != 2 or tuple(scale.shape) != (t.shape[0], t.shape[1] // INT8_GROUP):
+            raise StagedSpecError(f"int8 weight {name} of shape {tuple(t.shape)} does not match its scales "
+                                  f"{tuple(scale.shape)}")
+        g = t.float().reshape(t.shape[0], -1, INT8_GROUP) * scale.float()[..., None]
+        out[name] = g.reshape(t.shape)
+    return out
+
+
+def _saved_tensors(model: DraftModel, dtype: torch.dtype | str) -> dict[str, Tensor]:
+    """The draft's own tensors as written: floats cast to `dtype`, or int8 codes + scales for matrices whose
+    width is a whole number of groups (`int8_groups`; norms and biases stay bf16)."""
+    out: dict[str, Tensor] = {}
+    for k, v in model.own_state_dict().items():
+        v = v.detach().cpu()
+        if not v.is_floating_point():
+            out[k] = v.contiguous()
+        elif dtype == "int8" and v.dim() == 2 and v.shape[1] % INT8_GROUP == 0:
+            codes, scale = int8_groups(v)
+            out[k], out[k + INT8_SCALE_SUFFIX] = codes.contiguous(), scale.to(torch.float16).contiguous()
+        else:
+            cast = torch.bfloat16 if dtype == "int8" else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            out[k] = v.to(cast).contiguous()
+    return out
+
+
 def save_draft(
     model: DraftModel,
     folder: str | Path,
     fingerprint: str,
     meta: Mapping[str, Any] | None = None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
 ) -> Path:
-    """Write `draft_config.json` + `draft.safetensors` (own weights only, floats cast to `dtype`).
+    """Write `draft_config.json` + `draft.safetensors` (own weights only, floats cast to `dtype`; "int8":
+    matrices as int8 codes with a scale per group of 32, `int8_groups`).
 
     Each file is written to a temporary name and renamed, so an interrupted
     save never leaves a half-written draft that would load as corrupt.
@@ -421,10 +520,7 @@ def save_draft(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).cpu().contiguous()
-        for k, v in model.own_state_dict().items()
-    }
+    tensors = _saved_tensors(model, dtype)
     kind = getattr(model, "kind", INDEPENDENT)
     config = {
         "format": FORMAT,
@@ -435,7 +531,8 @@ def save_draft(
         "oracle_layers": list(model.oracle_layers),
         "vocab_size": model.config.vocab_size,
         "hidden_size": model.config.hidden_size,
-        "head": "restricted" if model.head_tokens is not None else "shared",
+        "head": ("oracle-rows" if model.head_from_oracle else "restricted") if model.head_tokens is not None
+        else "shared",
         "head_size": int(model.head_weight.shape[0]),
         "fingerprint": fingerprint,
         "dtype": str(dtype).removeprefix("torch."),

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
-from stagedspec.models.draft import INDEPENDENT, WEIGHTS_NAME, DraftModel, read_draft_config
+from stagedspec.models.draft import INDEPENDENT, WEIGHTS_NAME, DraftModel, decode_int8_groups, read_draft_config
 from stagedspec.models.feature_draft import FeatureDraftModel
 from stagedspec.models.transformer import Transformer
 
@@ -53,23 +53,34 @@ def load_draft(
         dcfg = ModelConfig.from_dict(cfg["model_config"])
     except (TypeError, ValueError) as exc:
         raise StagedSpecError(f"corrupt draft config in {folder}: {exc}") from None
-    for field in ("arch", "n_heads", "n_kv_heads", "head_dim", "intermediate_size"):
+    for field in ("arch", "n_heads", "n_kv_heads", "head_dim"):
         if getattr(dcfg, field) != getattr(ocfg, field):
             raise StagedSpecError(
                 f"draft {folder} does not match the oracle's architecture "
                 f"({field}: draft {getattr(dcfg, field)}, oracle {getattr(ocfg, field)})"
             )
+    if not 1 <= dcfg.intermediate_size <= ocfg.intermediate_size:  # a draft's MLP may be pruned (`prune_mlp`)
+        raise StagedSpecError(f"draft {folder} has an MLP of {dcfg.intermediate_size} channels, the oracle's "
+                              f"{ocfg.intermediate_size}: it was not made from this oracle")
     layers = cfg["oracle_layers"]
     if not isinstance(layers, list) or len(layers) != dcfg.n_layers or any(
         not isinstance(i, int) or not 0 <= i < ocfg.n_layers for i in layers
     ):
         raise StagedSpecError(f"draft {folder} was initialised from layers {layers}, which this oracle lacks")
 
-    tensors = _read_weights(folder / WEIGHTS_NAME)
-    head_tokens = tensors.get("head_tokens")
-    cls = DraftModel if cfg["kind"] == INDEPENDENT else FeatureDraftModel
     try:
-        model = cls(oracle, layers, head_tokens, dtype=dtype, device=device)
+        tensors = decode_int8_groups(_read_weights(folder / WEIGHTS_NAME))
+    except StagedSpecError as exc:
+        raise StagedSpecError(f"corrupt draft weights {folder / WEIGHTS_NAME}: {exc}") from None
+    head_tokens = tensors.get("head_tokens")
+    head_from_oracle = cfg.get("head") == "oracle-rows"
+    if head_from_oracle and head_tokens is None:
+        raise StagedSpecError(f"corrupt draft {folder}: a head of the oracle's rows without its token ids")
+    cls = DraftModel if cfg["kind"] == INDEPENDENT else FeatureDraftModel
+    mlp_width = dcfg.intermediate_size if dcfg.intermediate_size != ocfg.intermediate_size else None
+    try:
+        model = cls(oracle, layers, head_tokens, dtype=dtype, device=device, mlp_width=mlp_width,
+                    head_from_oracle=head_from_oracle)
     except StagedSpecError as exc:
         raise StagedSpecError(f"corrupt draft {folder}: {exc}") from None
     own = model.own_state_dict()

@@ -62,12 +62,15 @@ class FeatureDraftModel(DraftModel):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        mlp_width: int | None = None,
+        head_from_oracle: bool = False,
     ) -> None:
         if oracle.config.arch == "gemma3":
             # The unrolled training pass (`unrolled_hidden`) has no q/k norms, sandwich norms or window yet.
             raise StagedSpecError("feature drafts do not support Gemma-3 oracles yet (distill --kind independent)")
         picked = last_layers(oracle.config.n_layers, layers) if isinstance(layers, int) else [int(i) for i in layers]
-        super().__init__(oracle, picked, head_tokens, dtype=dtype, device=device)
+        super().__init__(oracle, picked, head_tokens, dtype=dtype, device=device, mlp_width=mlp_width,
+                         head_from_oracle=head_from_oracle)
         w = self.embed.weight
         H = self.config.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=True, device=w.device, dtype=w.dtype)

@@ -591,6 +591,9 @@ def quantize_draft(draft: nn.Module, oracle: nn.Module) -> nn.Module:
     kernels = resolve_kernels("auto")
     for layer in draft.layers:
         quantize_linears(layer, "int8", kernels)
+    fc = getattr(draft, "fc", None)
+    if isinstance(fc, nn.Linear):  # a feature draft's fusing layer: 2H x H weights streamed every pass
+        draft.fc = Int8Linear(fc.weight.detach(), fc.bias, kernels)
     own_head = getattr(draft, "head", None)
     if own_head is not None:  # a distilled draft's restricted head
         draft.head_q = Int8Linear(own_head.weight.detach(), None, kernels)

@@ -50,6 +50,7 @@ from stagedspec.training.losses import LOSS_CHUNK_ELEMENTS, autocast_bf16, bucke
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.json"
 CHECKPOINT_VERSION = 1
+SAVE_DTYPES = ("bfloat16", "float16", "float32", "int8")  # `models.draft.save_draft`'s weight formats
 
 
 @dataclass
@@ -84,12 +85,14 @@ class DistillConfig:
     ttt_decay: float = 0.8  # loss weight of unrolled step j is ttt_decay ** j
     feature_loss: float = 0.1  # feature drafts: weight of the smooth-L1 loss between predicted and oracle features
     fc_lr_scale: float = 0.0  # feature drafts: fc's learning rate over lr; 0 = chosen by `fc_lr_scale()`
+    mlp_width: int = 0  # MLP channels kept per copied layer (`models.draft.prune_mlp`); 0 = the oracle's width
+    head_from_oracle: bool = False  # the restricted head is the oracle's rows, frozen (saved as token ids only)
 
     # Fields an interrupted run may change when it is resumed (they do not affect the weights).
     RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "out", "save_dtype", "fingerprint")
     # Settings added after checkpoints existed: a checkpoint without them was written with these values.
     ADDED_DEFAULTS = {"kind": "independent", "ttt_steps": 1, "ttt_decay": 0.8, "feature_loss": 0.1,
-                      "fc_lr_scale": 0.0}
+                      "fc_lr_scale": 0.0, "mlp_width": 0, "head_from_oracle": False}
 
     def __post_init__(self) -> None:
         for name in ("layers", "tokens", "seq_len", "batch_size", "teacher_top_k", "eval_every",
@@ -104,8 +107,12 @@ class DistillConfig:
             raise StagedSpecError(f"held-out fraction must be in (0, 0.5), got {self.heldout_fraction}")
         if self.init_layers is not None and len(self.init_layers) != self.layers:
             raise StagedSpecError(f"init layers {self.init_layers} do not match layers={self.layers}")
-        if self.save_dtype not in ("bfloat16", "float16", "float32"):
-            raise StagedSpecError(f"save dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise StagedSpecError(f"save dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.mlp_width < 0:
+            raise StagedSpecError(f"mlp-width must be >= 0 (0 = the oracle's), got {self.mlp_width}")
+        if self.head_from_oracle and self.vocab_top == 0 and self.init_from is None:
+            raise StagedSpecError("a head of the oracle's rows needs a restricted vocabulary (--vocab-top V)")
         if self.kind not in ("independent", "feature"):
             raise StagedSpecError(f"draft kind must be 'independent' or 'feature', got {self.kind!r}")
         if self.ttt_steps < 1 or (self.ttt_steps > 1 and self.kind != "feature"):
@@ -337,7 +344,8 @@ def distill(
             from stagedspec.models.feature_draft import FeatureDraftModel as cls
         else:
             cls = DraftModel
-        student = cls(oracle, cfg.init_layers or cfg.layers, head_tokens, dtype=torch.float32)
+        student = cls(oracle, cfg.init_layers or cfg.layers, head_tokens, dtype=torch.float32,
+                      mlp_width=cfg.mlp_width or None, head_from_oracle=cfg.head_from_oracle)
     student.train()
     device = student.embed.weight.device
     use_autocast = device.type == "cuda" if autocast is None else bool(autocast)
@@ -426,7 +434,7 @@ def distill(
         **({"heldout_kl": history[-1]["heldout_kl"], "heldout_top1": history[-1]["heldout_top1"]} if history else {}),
     }
     if step >= total:
-        save_draft(student, out, fingerprint, student.training_meta, dtype=getattr(torch, cfg.save_dtype))
+        save_draft(student, out, fingerprint, student.training_meta, dtype=cfg.save_dtype)
     return student
 
 
