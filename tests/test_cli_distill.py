@@ -433,3 +433,19 @@ def test_feature_draft_with_a_pruned_mlp_an_oracle_head_and_int8_weights(oracle_
     ckpt = torch.load(tmp_path / "feature" / "checkpoint.pt", weights_only=True)["model"]
     w = ckpt["layers.0.mlp.w_down.weight"]
     assert torch.allclose(draft.layers[0].mlp.w_down.weight, w, atol=float(w.abs().max()) / 127 + 1e-6)
+
+
+def test_general_requests_are_distinct_seeded_and_never_a_held_out_bench_subject() -> None:
+    """`--chat-samples`: prose and chat requests made offline; none may touch a held-out bench prompt's subject
+    (`bench.prompts.PROSE` / `CHAT`), or the bench would measure text the draft was trained on."""
+    from stagedspec.bench.prompts import CHAT, PROSE
+    from stagedspec.training.chat_requests import general_requests, held_out_words
+
+    requests = general_requests(400, seed=1)
+    assert len(requests) == len(set(requests)) == 400 and requests == general_requests(400, seed=1)
+    assert requests != general_requests(400, seed=2)
+    assert not set(requests) & set(PROSE + CHAT)
+    lowered = [r.lower() for r in requests]
+    assert not [r for r in lowered for w in held_out_words() if w in r]
+    for prompt in PROSE + CHAT:  # every held-out prompt names a subject on the list
+        assert any(w in prompt.lower() for w in held_out_words()), prompt
