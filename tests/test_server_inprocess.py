@@ -1,5 +1,5 @@
 """Server pieces that need no subprocess: the API key, /health while loading, admission by memory,
-the stop-string stream, sizes, and the CLI's one-line errors."""
+sizes, and the CLI's one-line errors (stop strings: test_stops.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from stagedspec.sampling import SamplingParams  # noqa: E402
 from stagedspec.server.engine import Engine, parse_size  # noqa: E402
 from stagedspec.server.scheduler import Job, Scheduler  # noqa: E402
 from stagedspec.server.schemas import APIError  # noqa: E402
-from stagedspec.server.text import StopTextStream  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,17 +89,6 @@ def test_memory_budget_admission(engine):
         assert r.status_code == 400 and r.json()["error"]["code"] == "memory_budget_exceeded"
         assert c.post("/v1/completions", json=BODY).status_code == 200
         assert "stagedspec_memory_budget_bytes %d" % budget in c.get("/metrics").text
-
-
-def test_stop_text_stream_holds_back_a_possible_stop(engine):
-    tok = engine.tokenizer
-    ids = tok.encode("abcSTOPdef")
-    s = StopTextStream(tok, ["STOP"])
-    out = "".join(s.push([t]) for t in ids) + s.finish()
-    assert out == "abc" and s.stopped
-    s = StopTextStream(tok, ["STOPPER"])  # a stop string longer than all text so far is never half-emitted
-    out = "".join(s.push([t]) for t in ids) + s.finish()
-    assert out == "abcSTOPdef" and not s.stopped
 
 
 def test_parse_size():

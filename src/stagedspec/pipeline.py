@@ -688,12 +688,16 @@ class Pipeline:
     ) -> GenerationResult:
         """Generate from text (or token ids); `on_text` receives text pieces as they are decided.
 
+        `stop_strings`: the text is cut where the earliest of them begins, whatever their order
+        (`stagedspec.stops`, the rule the CLI and the server share); an empty one is a `StagedSpecError`.
+
         `controls`: a logit bias and/or a grammar (`stagedspec.constraints`); the output is then exactly
         constrained `ar`'s (greedy) or distributed as it (sampling), whatever the method."""
-        from stagedspec.tokenizer import StreamDecoder
+        from stagedspec.stops import StopTextStream
 
         if max_new_tokens < 1:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        text = StopTextStream(self.tokenizer, stop_strings)  # the one stop-string rule (`stagedspec.stops`)
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_tree_budget)
         if self.bit_exact and str(self.device) == "cpu" and not self._warned_amx:
@@ -701,33 +705,19 @@ class Pipeline:
             _warn_amx_bit_exact()
         processor = self.logits_processor(controls)
         governor = self.thread_governor()
-        stream = StreamDecoder(self.tokenizer, skip_special_tokens=True)
         text_parts: list[str] = []
-        held = ""  # decoded text held back while it could still begin a stop string
-        hit_stop = False
 
-        def emit(text: str) -> None:
-            if text:
-                text_parts.append(text)
+        def emit(piece: str) -> None:
+            if piece:
+                text_parts.append(piece)
                 if on_text is not None:
-                    on_text(text)
+                    on_text(piece)
 
         def on_tokens(step: list[int]) -> bool:
-            nonlocal held, hit_stop
             if governor is not None:
                 governor.tick()
-            held += "".join(stream.push(t) for t in step)
-            for s in stop_strings:
-                cut = held.find(s)
-                if cut >= 0:
-                    emit(held[:cut])
-                    held, hit_stop = "", True
-                    return True
-            keep = max((len(s) - 1 for s in stop_strings), default=0)
-            cut = max(0, len(held) - keep)  # hold back whatever could still begin a stop string
-            emit(held[:cut])
-            held = held[cut:]
-            return False
+            emit(text.push(step))
+            return text.stopped  # True ends the generation
 
         passes = RequestPasses()  # the runners this request's oracle and drafters hold, given back when it ends
         try:
@@ -744,8 +734,9 @@ class Pipeline:
             )
         finally:
             passes.release()
-        if not hit_stop:
-            emit(held + stream.flush())
+        emit(text.finish())  # the decoder's final flush, checked against the stop strings too
+        if text.stopped:
+            result.stats.finish_reason = "stop"  # also when only the final flush held the stop string
         result.stats.stages = stage_report(result.stats, drafter)
         owner = self.learned.method_of(drafter.policy)
         if owner is not None:

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculation_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", default=[], metavar="STR",
+                     help="stop string (repeatable): the text is cut where the earliest one begins")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--show-stages", action="store_true",
                      help="after generating, show the text coloured by the stage that proposed each token")
@@ -131,9 +132,11 @@ def show_stages(tokenizer, token_ids: list[int], origins: list[str]) -> str:  # 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from stagedspec.pipeline import Pipeline
+    from stagedspec.stops import checked_stops
 
     if args.max_new_tokens < 1:
         raise StagedSpecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    checked_stops(args.stop)  # a bad --stop fails before the model loads
     sampling = _sampling_from(args)
     oracle, drafts, spec = speculation_from(args)
     method = spec.method

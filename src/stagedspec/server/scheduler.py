@@ -51,7 +51,7 @@ from stagedspec.server.batching import Lane, PassBatcher
 from stagedspec.server.metrics import Metrics
 from stagedspec.server.pressure import CappedDrafter, level_tree_budget, root_only_level
 from stagedspec.server.schemas import APIError
-from stagedspec.server.text import StopTextStream
+from stagedspec.stops import StopTextStream
 
 Event = tuple  # ("text", str) | ("done", finish_reason, info) | ("error", status, message)
 
@@ -121,7 +121,7 @@ class _Running:
                                 stop_token_ids=engine.tokenizer.eos_token_ids, stats=self.stats)
         self.lane = lane
         self.outcome: tuple[tuple[list[int], int] | None, BaseException | None] = (None, None)
-        self.text = StopTextStream(engine.tokenizer, job.stop)
+        self.text = StopTextStream(engine.tokenizer, job.stop)  # the rule the CLI and library share
         self.token_ids: list[int] = []
         self.seconds = 0.0
         self.first_token_seconds: float | None = None
