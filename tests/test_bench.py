@@ -324,3 +324,20 @@ def test_the_loaded_heap_is_frozen_out_of_full_collections() -> None:
     freeze_loaded()
     assert gc.get_freeze_count() >= len(kept)
     gc.unfreeze()
+
+
+def test_the_bench_runs_and_records_the_llamacpp_build_that_passed_its_smoke_test(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """`scripts/llamacpp/build.sh` falls back to a build without AMX where the native one dies in its smoke test
+    (SIGILL in AMX tiles on an Intel Xeon); the bench then runs that build and says so in its settings."""
+    import stagedspec.bench.llamacpp as llamacpp
+
+    monkeypatch.delenv("STAGEDSPEC_LLAMACPP_BIN", raising=False)
+    monkeypatch.setattr(llamacpp, "cache_root", lambda: tmp_path)
+    root = tmp_path / f"llama.cpp-{llamacpp.LLAMACPP_PY_VERSION}"
+    assert llamacpp.bin_dir() is None and llamacpp.build_flavour() == "native (-DGGML_NATIVE=ON)"
+    (root / "build-noamx" / "bin").mkdir(parents=True)
+    (root / "build-noamx" / "bin" / "llama-server").write_text("")
+    (root / "BUILD").write_text("dir=build-noamx\nbuild=native without AMX (native build died in its smoke test, "
+                                "exit 132)\n")
+    assert llamacpp.bin_dir() == root / "build-noamx" / "bin"
+    assert llamacpp.build_flavour().startswith("native without AMX")

@@ -51,12 +51,31 @@ def draft_model_flags(draft_gguf: Path, threads: int) -> list[str]:
             "-td", str(threads)]
 
 
-def bin_dir() -> Path | None:
-    """Where llama-server is: $STAGEDSPEC_LLAMACPP_BIN, else the build script's cached build, else None."""
+def _build_record() -> dict[str, str]:
+    """The build script's record of which build passed its smoke test (`<cache>/llama.cpp-VERSION/BUILD`:
+    `dir=` and `build=` lines); empty where the script predates it or never ran."""
+    path = cache_root() / f"llama.cpp-{LLAMACPP_PY_VERSION}" / "BUILD"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return {}
+    return dict(line.split("=", 1) for line in lines if "=" in line)
 
+
+def bin_dir() -> Path | None:
+    """Where llama-server is: $STAGEDSPEC_LLAMACPP_BIN, else the build the script recorded (the native one, or
+    the one without AMX where the native one died in its smoke test), else the native build folder, else None."""
     env = os.environ.get("STAGEDSPEC_LLAMACPP_BIN")
-    folder = Path(env) if env else cache_root() / f"llama.cpp-{LLAMACPP_PY_VERSION}" / "build" / "bin"
+    build = _build_record().get("dir", "build")
+    folder = Path(env) if env else cache_root() / f"llama.cpp-{LLAMACPP_PY_VERSION}" / build / "bin"
     return folder if (folder / "llama-server").is_file() else None
+
+
+def build_flavour() -> str:
+    """Which llama.cpp build the bench runs, in words (`scripts/llamacpp/build.sh`)."""
+    if os.environ.get("STAGEDSPEC_LLAMACPP_BIN"):
+        return "from $STAGEDSPEC_LLAMACPP_BIN"
+    return _build_record().get("build", "native (-DGGML_NATIVE=ON)")
 
 
 def _free_port() -> int:
@@ -182,5 +201,5 @@ def llamacpp_method(models: BenchModels, name: str, max_context: int, draft: str
         "lookup": ", ngram-mod drafting"}[kind]
     settings = {"gguf": str(gguf), "llama_cpp_build": build, "flags": flags, "threads": threads,
                 "oracle_bytes": gguf_weight_bytes(gguf), "draft_bytes": draft_bytes,
-                "llama_cpp_source": f"llama-cpp-python {LLAMACPP_PY_VERSION} sdist (vendored), -DGGML_NATIVE=ON"}
+                "llama_cpp_source": f"llama-cpp-python {LLAMACPP_PY_VERSION} sdist (vendored), {build_flavour()}"}
     return Method(name, "llama.cpp", kind, desc, run, settings, close=server.close)
