@@ -341,3 +341,20 @@ def test_the_bench_runs_and_records_the_llamacpp_build_that_passed_its_smoke_tes
                                 "exit 132)\n")
     assert llamacpp.bin_dir() == root / "build-noamx" / "bin"
     assert llamacpp.build_flavour().startswith("native without AMX")
+
+
+def test_a_method_may_name_its_own_draft_so_one_run_compares_drafts() -> None:
+    """`auto@mixed/DRAFT` runs auto on the int4 oracle with DRAFT instead of --draft (a feature draft beside the
+    independent 0.5B in one run); its reference is still `ar@mixed`, and a method that drafts nothing refuses one."""
+    from stagedspec.bench.methods import reference_for, split_draft, split_quant
+    from stagedspec.bench.run import expand_methods
+    from stagedspec.errors import StagedSpecError
+
+    assert split_draft("auto@mixed/qwen2.5-coder-0.5b") == ("auto@mixed", "qwen2.5-coder-0.5b")
+    assert split_draft("auto@mixed") == ("auto@mixed", None)
+    assert split_quant("auto@mixed/qwen2.5-coder-0.5b") == ("auto", "mixed")
+    assert reference_for("staged@mixed/a/b") == "ar@mixed"
+    names = expand_methods(["auto@mixed", "auto@mixed/qwen2.5-coder-0.5b", "llamacpp-spec/x.gguf"])
+    assert names[0] == "ar@mixed" and "auto@mixed/qwen2.5-coder-0.5b" in names and "llamacpp-spec/x.gguf" in names
+    with pytest.raises(StagedSpecError, match="takes no draft"):
+        expand_methods(["lookup/x"])

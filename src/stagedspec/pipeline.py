@@ -342,7 +342,8 @@ def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.d
     return draft
 
 
-def draft_specs(method: str, draft: str | Sequence[str] | None, oracle: str, tokenizer) -> list[str]:
+def draft_specs(method: str, draft: str | Sequence[str] | None, oracle: str, tokenizer,
+                hidden_size: int | None = None) -> list[str]:
     """The draft specs `method` runs with, from `draft` (one spec, or for `staged` a list from the stage below
     the oracle downwards): none for `ar` and `lookup`; for `auto` with none given, the draft shipped for the
     oracle (`--draft default`, found by `tokenizer`) or the oracle's named pair (`models.named`), if any."""
@@ -359,7 +360,7 @@ def draft_specs(method: str, draft: str | Sequence[str] | None, oracle: str, tok
         from stagedspec.models.named import paired_draft
 
         pair = paired_draft(oracle) if isinstance(oracle, str) else None
-        bundled = bundled_draft_for(tokenizer_fingerprint(tokenizer)) is not None
+        bundled = bundled_draft_for(tokenizer_fingerprint(tokenizer), hidden_size) is not None
         drafts = ["default"] if bundled else [pair] if pair else []
     return drafts
 
@@ -472,7 +473,7 @@ class Pipeline:
         torch_dtype, dtype_reason = resolve_dtype(dtype, device, quant)
         model, tokenizer = load_model(oracle, dtype=torch_dtype, device=device, quant=quant, pass_options=pass_options)
         draft_models = [load_draft_model(d, model, tokenizer, torch_dtype, device, draft_weights)
-                        for d in draft_specs(s.method, draft, oracle, tokenizer)]
+                        for d in draft_specs(s.method, draft, oracle, tokenizer, model.config.hidden_size)]
         from stagedspec.models.feature_draft import is_feature_draft
 
         if any(is_feature_draft(m) for m in draft_models[1:]):

@@ -32,7 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
-from stagedspec.bench.methods import BenchModels, Method, MethodSkipped, Outcome, gguf_for, gguf_weight_bytes
+from stagedspec.bench.methods import (BenchModels, Method, MethodSkipped, Outcome, gguf_for, gguf_weight_bytes,
+                                      split_draft)
 from stagedspec.sampling import SamplingParams
 from stagedspec.paths import cache_root
 
@@ -165,14 +166,15 @@ def llamacpp_method(models: BenchModels, name: str, max_context: int, draft: str
     flags: list[str] = []
     draft_bytes: list[int] = []
     kind = "baseline"
-    if name == "llamacpp-spec":
+    base = split_draft(name)[0]  # `llamacpp-spec/DRAFT.gguf` names its own draft (`draft` is already it)
+    if base == "llamacpp-spec":
         draft_gguf = gguf_for(draft) if draft and draft != "default" else None  # "default": our distilled draft
         if draft_gguf is None:
             raise MethodSkipped("llama.cpp's draft-model speculation needs the draft as a GGUF (--draft FILE.gguf)")
         flags = draft_model_flags(draft_gguf, torch.get_num_threads())
         draft_bytes = [gguf_weight_bytes(draft_gguf)]
         kind = "spec"
-    elif name == "llamacpp-ngram":
+    elif base == "llamacpp-ngram":
         flags = ["--spec-type", "ngram-mod"]
         kind = "lookup"
     threads = torch.get_num_threads()

@@ -58,9 +58,18 @@ NEEDS_DRAFT = ("chain", "tree", "tree-adaptive", "tree-best-first", "tree-fixed"
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
 
+def split_draft(name: str) -> tuple[str, str | None]:
+    """`auto@mixed/qwen2.5-coder-0.5b` -> ("auto@mixed", "qwen2.5-coder-0.5b"): a method may name its own draft,
+    so one run compares drafts side by side (`auto` with a feature draft and with an independent one, llama.cpp's
+    `-md` with a GGUF while ours run a draft folder).  No suffix: (name, None), the run's `--draft`."""
+    base, sep, draft = name.partition("/")
+    return (base, draft) if sep and draft else (name, None)
+
+
 def split_quant(name: str) -> tuple[str, str]:
-    """`staged@int4` -> ("staged", "int4"); a name without a suffix runs unquantised ("none")."""
-    base, _, quant = name.partition("@")
+    """`staged@int4` -> ("staged", "int4"); a name without a suffix runs unquantised ("none").  A method's own
+    draft (`split_draft`) is not part of either."""
+    base, _, quant = split_draft(name)[0].partition("@")
     return base, quant or "none"
 
 

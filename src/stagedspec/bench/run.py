@@ -42,6 +42,7 @@ from stagedspec.bench.methods import (
     Outcome,
     ours,
     reference_for,
+    split_draft,
     split_quant,
     transformers_method,
 )
@@ -102,7 +103,10 @@ def expand_methods(names: Sequence[str]) -> list[str]:
             continue
         group = GROUPS.get(name)
         base, quant = split_quant(name)
-        known = name in ALL_METHODS or (base in QUANTISABLE and quant in QUANTISED)
+        plain, own_draft = split_draft(name)
+        known = plain in ALL_METHODS or (base in QUANTISABLE and quant in QUANTISED)
+        if own_draft is not None and base not in NEEDS_DRAFT + ("auto", "llamacpp-spec"):
+            raise StagedSpecError(f"bench method {name!r}: {base} takes no draft")
         if group is None and not known:
             raise StagedSpecError(
                 f"unknown bench method {name!r}: use {', '.join(ALL_METHODS)}, any of ours or their variants with "
@@ -253,8 +257,11 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
                              "(pass --draft FOLDER or --draft layers:N to measure them)")
                 draft = None
 
+    run_draft = draft
     for name in names:
         base, quant = split_quant(name)
+        own = split_draft(name)[1]
+        draft = own if own is not None else run_draft  # a method's own draft (`name/DRAFT`), else --draft
         try:
             if base in NEEDS_DRAFT and draft is None:
                 raise MethodSkipped(f"needs a draft model: {draft_problem}")
@@ -277,7 +284,7 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
             else:
                 from stagedspec.bench.llamacpp import llamacpp_method
 
-                methods.append(llamacpp_method(models, name, max_context, cfg.draft))
+                methods.append(llamacpp_method(models, name, max_context, own if own is not None else cfg.draft))
         except MethodSkipped as e:
             skipped.append({"name": name, "reason": str(e)})
     for stage_spec in cfg.stages:

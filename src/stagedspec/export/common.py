@@ -59,7 +59,7 @@ def load_for_export(draft_spec: str, oracle_spec: str) -> tuple[Transformer, Any
     if fmt != "folder":
         raise StagedSpecError(f"{draft_spec} is not a stagedspec draft folder (no {CONFIG_NAME}); an HF folder "
                               "or a GGUF draft is already a standalone model: serve it as it is")
-    draft = load_draft(draft_folder(draft_spec, tokenizer), oracle,
+    draft = load_draft(draft_folder(draft_spec, tokenizer, oracle.config.hidden_size), oracle,
                        expected_fingerprint=tokenizer_fingerprint(tokenizer), dtype=torch.float32, device="cpu")
     return oracle, tokenizer, draft
 

@@ -65,20 +65,26 @@ def _assets() -> Path:
     return Path(__file__).resolve().parent.parent / "assets"
 
 
-def bundled_draft_for(fingerprint: str) -> Path | None:
-    """The bundled draft trained for the oracle whose tokenizer has this fingerprint, if any."""
+def bundled_draft_for(fingerprint: str, hidden_size: int | None = None) -> Path | None:
+    """The bundled draft trained for the oracle whose tokenizer has this fingerprint (and, where given, this
+    width), if any.
+
+    Why the width: one tokenizer serves several oracles (Qwen2.5-Coder-1.5B and -0.5B), and a draft reads its
+    oracle's embedding and features, so it fits only the oracle of the width it was made for."""
     for name in BUNDLED_DRAFTS:
         folder = _assets() / name
         try:
-            recorded = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")).get("fingerprint")
-        except (OSError, ValueError, AttributeError):
+            recorded = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
             continue
-        if recorded == fingerprint:
+        if not isinstance(recorded, dict) or recorded.get("fingerprint") != fingerprint:
+            continue
+        if hidden_size is None or recorded.get("hidden_size") == hidden_size:
             return folder
     return None
 
 
-def default_draft_dir(fingerprint: str | None = None) -> Path:
+def default_draft_dir(fingerprint: str | None = None, hidden_size: int | None = None) -> Path:
     """The bundled draft for the oracle with this tokenizer fingerprint (None: the default oracle's).
 
     Why by fingerprint: `--draft default` must work however the oracle was named (`gemma3-270m`, the
@@ -92,7 +98,7 @@ def default_draft_dir(fingerprint: str | None = None) -> Path:
             f"no default draft is bundled (expected {folder}); train one with distillation "
             "or pass --draft FOLDER / layers:N"
         )
-    folder = bundled_draft_for(fingerprint)
+    folder = bundled_draft_for(fingerprint, hidden_size)
     if folder is None:
         known = "; ".join(BUNDLED_DRAFTS.values())
         raise StagedSpecError(

@@ -71,9 +71,10 @@ def _load_layers(spec: str, source: DraftSource) -> Transformer:
     return truncated_copy(source.oracle, n)
 
 
-def draft_folder(spec: str, tokenizer: Any) -> Path:
-    """The folder of a `folder` spec: `default` is the draft shipped for `tokenizer` (`default_draft_dir`)."""
-    return default_draft_dir(tokenizer_fingerprint(tokenizer)) if spec == "default" else Path(spec)
+def draft_folder(spec: str, tokenizer: Any, hidden_size: int | None = None) -> Path:
+    """The folder of a `folder` spec: `default` is the draft shipped for `tokenizer` and an oracle of
+    `hidden_size` (`default_draft_dir`)."""
+    return default_draft_dir(tokenizer_fingerprint(tokenizer), hidden_size) if spec == "default" else Path(spec)
 
 
 def _is_folder(spec: str) -> bool:
@@ -84,7 +85,7 @@ def _load_folder(spec: str, source: DraftSource) -> Transformer:
     from stagedspec.models.draft_loading import load_draft
     from stagedspec.models.matmul_plan import plan_matmuls
 
-    draft = load_draft(draft_folder(spec, source.tokenizer), source.oracle,
+    draft = load_draft(draft_folder(spec, source.tokenizer, source.oracle.config.hidden_size), source.oracle,
                        expected_fingerprint=tokenizer_fingerprint(source.tokenizer), dtype=source.dtype,
                        device=source.device)
     return plan_matmuls(draft)
