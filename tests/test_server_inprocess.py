@@ -404,3 +404,18 @@ def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, m
         solo = Pipeline(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
             j.prompt_ids, max_new_tokens=j.max_tokens, sampling=j.sampling, seed=j.seed)
         assert ev[-1][2]["token_ids"] == solo.token_ids
+
+
+def test_the_model_answers_to_the_names_a_user_would_try(engine):
+    """Its id, and the spec the server was started with (`"model": "default"` was a 404); replies still name the
+    id, and another name is still a 404."""
+    import dataclasses
+
+    started = dataclasses.replace(engine, model_aliases=("default", "SmolLM2-135M-Instruct"))
+    with local_client(create_app(started, log=lambda s: None)) as c:
+        for name in ("tiny", "default", "SmolLM2-135M-Instruct"):
+            r = c.post("/v1/completions", json=BODY | {"model": name})
+            assert r.status_code == 200 and r.json()["model"] == "tiny", name
+            assert c.get(f"/v1/models/{name}").json()["id"] == "tiny"
+        r = c.post("/v1/completions", json=BODY | {"model": "qwen2.5-coder-1.5b"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

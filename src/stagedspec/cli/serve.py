@@ -158,9 +158,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     try:
+        import httpx  # noqa: F401
         import openai  # noqa: F401
-    except ImportError:
-        raise StagedSpecError("stagedspec bench-serve needs the openai client: pip install openai") from None
+    except ImportError as e:
+        raise StagedSpecError(f"stagedspec bench-serve needs the openai client and httpx ({e.name} is missing): "
+                              "pip install -e '.[bench]'") from None
     from stagedspec.bench.serve import run_bench_serve
 
     return run_bench_serve(args)

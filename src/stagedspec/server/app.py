@@ -155,7 +155,7 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
     async def get_model(model_id: str, request: Request) -> JSONResponse:
         check_auth(request)
         sched = state.ready()
-        if model_id != sched.engine.model_name:
+        if not sched.engine.serves(model_id):
             raise unknown_model(model_id, sched)
         return JSONResponse(model_card(sched))
 
@@ -175,7 +175,7 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
         sched = state.ready()
         if req.model is None:
             raise bad("'model' is required", "model")
-        if req.model != sched.engine.model_name:
+        if not sched.engine.serves(req.model):
             raise unknown_model(req.model, sched)
         prompt_ids = encode_prompt(sched.engine, req)
         max_tokens = check_context(sched.engine, req, len(prompt_ids))

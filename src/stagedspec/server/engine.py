@@ -123,6 +123,9 @@ class Engine:
     _grammar_compiler: Any = None
     # `--threads`: "auto" follows the machine's load where results allow (`stagedspec.threads`), N fixes it.
     threads: str | int = "auto"
+    # Other names a request's `model` may use for this server's model (`serves`): the spec it was started with
+    # (`default`, `qwen2.5-coder-1.5b`, a path) and the model's name without the weight suffix.
+    model_aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.bit_exact is None:
@@ -144,8 +147,15 @@ class Engine:
             draft_weights = "native"
         pipe = Pipeline.load(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant,
                              draft_weights=draft_weights, pass_options=pass_options)
-        return cls(pipe.model, pipe.tokenizer, list(pipe.draft_models), speculation, pipe.ngram,
-                   model_name or default_model_name(oracle, quant), list(drafts), bit_exact)
+        engine = cls(pipe.model, pipe.tokenizer, list(pipe.draft_models), speculation, pipe.ngram,
+                     model_name or default_model_name(oracle, quant), list(drafts), bit_exact)
+        engine.model_aliases = tuple(dict.fromkeys([str(oracle), default_model_name(oracle)]))
+        return engine
+
+    def serves(self, name: str) -> bool:
+        """Whether a request's `model` names this server's model: its id, or a name a user would try
+        (`model_aliases`)."""
+        return name == self.model_name or name in self.model_aliases
 
     # ---------------------------------------------------------------- per request
     def speculation_for(self, req: SpeculationRequest) -> SpeculationConfig:
