@@ -62,9 +62,9 @@ def local_client(app, **kw):  # noqa: ANN001, ANN003, ANN201
 
 
 # `stagedspec serve` with this test run's timed-choice files: the fp32 kernel plan and the draft-weight choices
-# the test process uses (`conftest.py` points both at session folders).  A server on the user's cached plan
-# could run other kernels than the test process's solo runs, whose logits then differ in the last bit and
-# whose cost profiles (keyed by the plan) differ, so seeded requests chose other arms than their solo runs.
+# the test process uses (in the test run's cache, `conftest.py`, unless a test points them elsewhere).  A server
+# on another plan could run other kernels than the test process's solo runs, whose logits then differ in the last
+# bit and whose cost profiles (keyed by the plan) differ, so seeded requests chose other arms than their solo runs.
 _BOOT = """
 import sys
 from pathlib import Path

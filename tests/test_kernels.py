@@ -4,7 +4,14 @@ Speculation verifies a tree of R rows in one pass and keeps the accepted
 rows' results as if each had been decoded alone; that is only exact if a
 row's output never depends on the other rows.  These tests check it bit for
 bit for every row count 1..64 and every position, across thread counts and
-across every instruction set this CPU runs.
+on every instruction-set path this CPU runs, each forced in turn
+(`isa_kernels`: portable, AVX2, AVX-512 VNNI), against the portable path and
+against each other.
+
+A kernel build that fails where a C++ compiler exists fails these tests with
+the compiler's first error (the `kernels` fixture, `tests/_native.py`); they
+skip only where there is no compiler.  The library itself falls back with one
+line, tested here too.
 """
 
 from __future__ import annotations
@@ -13,9 +20,6 @@ import pytest
 import torch
 
 from stagedspec.kernels import grid, native, packing
-
-kernels = native.native_kernels()
-needs_native = pytest.mark.skipif(kernels is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
 
 def _layers(n: int = 40, k: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,9 +50,8 @@ def test_q4_1_groups_come_back_exactly() -> None:
     assert torch.equal(packing.dequantize_int4(c, s, lo), w)
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_matches_its_dequantised_weights(dtype: torch.dtype) -> None:
+def test_native_matches_its_dequantised_weights(dtype: torch.dtype, kernels: native.NativeKernels) -> None:
     """Only the activations' int8 rounding separates the kernel from x @ W^T (about 0.5% here)."""
     p4, w4, p8, w8 = _layers(n=64, k=256)
     x = torch.randn(9, 256).to(dtype)
@@ -58,9 +61,10 @@ def test_native_matches_its_dequantised_weights(dtype: torch.dtype) -> None:
         assert ((y.float() - ref).norm() / ref.norm()).item() < 0.02
 
 
-@needs_native
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_every_row_count_and_position_is_bit_identical_to_the_row_alone(kind: str) -> None:
+def test_every_row_count_and_position_is_bit_identical_to_the_row_alone(kind: str,
+                                                                        isa_kernels: native.NativeKernels) -> None:
+    kernels = isa_kernels
     p4, _, p8, _ = _layers(n=24, k=64)
     run = (lambda x: kernels.q4_linear(x, p4, 24)) if kind == "q4" else (lambda x: kernels.q8_linear(x, p8, 24))
     x = torch.randn(64, 64, dtype=torch.bfloat16) * torch.rand(64, 1).bfloat16() * 3
@@ -72,8 +76,8 @@ def test_every_row_count_and_position_is_bit_identical_to_the_row_alone(kind: st
     assert torch.equal(run(x[17:50]), alone[17:50])
 
 
-@needs_native
-def test_results_do_not_depend_on_the_thread_count() -> None:
+def test_results_do_not_depend_on_the_thread_count(isa_kernels: native.NativeKernels) -> None:
+    kernels = isa_kernels
     p4, _, p8, _ = _layers(n=200, k=128)
     x = torch.randn(11, 128)
     before = torch.get_num_threads()
@@ -87,20 +91,49 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
 
 
-@needs_native
-def test_every_instruction_set_this_cpu_runs_gives_the_same_bits() -> None:
+def _every_kernel_result(kernels: native.NativeKernels) -> dict[str, torch.Tensor]:
+    """Each kernel's result on fixed random inputs: int4 and int8 layers, a weight of every format as segments,
+    and attention, with fp32 and bf16 activations."""
+    g = torch.Generator().manual_seed(4)
     p4, _, p8, _ = _layers(n=48, k=160, seed=4)
-    x = torch.randn(13, 160) * 2
-    portable = kernels.with_isa(0)
-    best = int(torch.ops.stagedspec_qlinear.best_isa())
-    for isa in range(1, best + 1):
-        fast = kernels.with_isa(isa)
-        assert torch.equal(fast.q4_linear(x, p4, 48), portable.q4_linear(x, p4, 48)), native.ISA_NAMES[isa]
-        assert torch.equal(fast.q8_linear(x, p8, 48), portable.q8_linear(x, p8, 48)), native.ISA_NAMES[isa]
+    segments = packing.random_segments(("q4_k", "q6_k", "int8", "q5_0", "int4"), 256, g)
+    q, keys, values = (torch.randn(1, 4, 5, 64, generator=g), torch.randn(1, 2, 23, 64, generator=g) * 3,
+                       torch.randn(1, 2, 23, 64, generator=g))
+    visible = torch.rand(5, 23, generator=g) < 0.6
+    visible[:, 0] = True
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(13, 160, generator=g) * 2).to(dtype)
+        xs = (torch.randn(9, 256, generator=g) * torch.rand(9, 1, generator=g) * 4).to(dtype)
+        bias = torch.zeros(5, 23, dtype=dtype).masked_fill_(~visible, float("-inf")).repeat(2, 1)
+        name = str(dtype).removeprefix("torch.")
+        out[f"q4_linear {name}"] = kernels.q4_linear(x, p4, 48)
+        out[f"q8_linear {name}"] = kernels.q8_linear(x, p8, 48)
+        out[f"qlinear segments {name}"] = kernels.qlinear(xs, *segments)
+        out[f"attention {name}"] = kernels.attention(q.to(dtype), keys.to(dtype), values.to(dtype), bias, 0.125)
+    return out
 
 
-@needs_native
-def test_zero_rows_and_extreme_activations() -> None:
+def test_each_instruction_set_path_gives_the_portable_paths_bits(isa_kernels: native.NativeKernels) -> None:
+    """The path forced here computes every kernel's result to the portable C++ path's bit."""
+    portable = _every_kernel_result(isa_kernels.with_isa(0))
+    for what, got in _every_kernel_result(isa_kernels).items():
+        assert torch.equal(got, portable[what]), f"{isa_kernels.name} differs from the portable path: {what}"
+
+
+def test_every_pair_of_paths_this_cpu_runs_gives_the_same_bits(kernels: native.NativeKernels) -> None:
+    """All paths this CPU runs, against each other (a difference names both paths and the kernel)."""
+    runs = native.cpu_isa()
+    assert runs is not None
+    results = {isa: _every_kernel_result(kernels.with_isa(isa)) for isa in range(runs + 1)}
+    differ = [f"{native.ISA_NAMES[a]} vs {native.ISA_NAMES[b]}: {what}"
+              for a in results for b in results if a < b
+              for what in results[a] if not torch.equal(results[a][what], results[b][what])]
+    assert not differ, differ
+
+
+def test_zero_rows_and_extreme_activations(isa_kernels: native.NativeKernels) -> None:
+    kernels = isa_kernels
     p4, _, _, _ = _layers(n=8, k=32)
     assert kernels.q4_linear(torch.zeros(0, 32), p4, 8).shape == (0, 8)
     assert torch.equal(kernels.q4_linear(torch.zeros(2, 32), p4, 8), torch.zeros(2, 8))
@@ -108,21 +141,90 @@ def test_zero_rows_and_extreme_activations() -> None:
     assert torch.isfinite(kernels.q4_linear(big, p4, 8)).all()
 
 
-def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_SWITCH, "torch")
-    assert native._load(quiet=True) == (None, None)
-
-
-def test_a_failed_build_falls_back_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    def no_compiler(quiet: bool) -> None:
-        raise RuntimeError("c++: command not found\nmore detail")
-
-    monkeypatch.setattr(native, "_registered", lambda: False)
-    monkeypatch.setattr(native, "_build", no_compiler)
+@pytest.fixture
+def fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`native_kernels()` as in a new process: nothing loaded or built yet (the loaded library stays loaded)."""
     monkeypatch.setattr(native, "_state", {})
+
+
+def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch, fresh_state: None) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "torch")
+    assert native.native_kernels() is None and native.switched_off()
+    assert native.unavailable_reason() is None  # nothing was tried
+
+
+# What `torch.utils.cpp_extension.load` raises when a source does not compile: its prefix, ninja's output.
+NINJA_LOG = """Error building extension 'stagedspec_qlinear': [1/6] c++ -MMD -MF qlinear.o.d -DTORCH_EXTENSION_NAME=x \
+-O3 -ffp-contract=off -c /src/stagedspec/kernels/qlinear.cpp -o qlinear.o
+FAILED: qlinear.o
+c++ -MMD -MF qlinear.o.d -O3 -c /src/stagedspec/kernels/qlinear.cpp -o qlinear.o
+/src/stagedspec/kernels/qlinear.cpp: In function 'int64_t best_isa()':
+/src/stagedspec/kernels/qlinear.cpp:1012:3: error: expected ';' before '}' token
+/src/stagedspec/kernels/qlinear.cpp:1020:1: error: expected declaration before '}' token
+ninja: build stopped: subcommand failed.
+"""
+
+
+def _broken_source(quiet: bool) -> None:
+    raise RuntimeError(NINJA_LOG)
+
+
+def test_a_failed_build_falls_back_with_one_line_quoting_the_compiler(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, fresh_state: None) -> None:
+    """A user's run keeps going on PyTorch's kernels, saying so in one line that names the compiler's first error;
+    the whole failure stays on record for the test suite (`build_failure`)."""
+    monkeypatch.setattr(native, "_registered", lambda: False)
+    monkeypatch.setattr(native, "_build", _broken_source)
     assert native.native_kernels() is None
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "c++: command not found" in err[0] and "PyTorch's kernels" in err[0]
+    first = "/src/stagedspec/kernels/qlinear.cpp:1012:3: error: expected ';' before '}' token"
+    assert len(err) == 1 and first in err[0] and "PyTorch's kernels" in err[0], err
+    failure = native.build_failure()
+    assert failure is not None and failure.error == first and failure.output == NINJA_LOG
+
+
+def test_without_a_compiler_the_notice_is_one_line_saying_so(monkeypatch: pytest.MonkeyPatch, tmp_path,  # noqa: ANN001
+                                                             capsys: pytest.CaptureFixture, fresh_state: None) -> None:
+    """No library built yet and `$CXX` not there: the one-line notice says there is no compiler, and the test
+    helper would skip (not fail) for that reason alone."""
+    from _native import native_kernels_unless_no_compiler
+
+    monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setattr(native, "_registered", lambda: False)
+    assert native.missing_compiler() is not None and "no-such-c++" in native.missing_compiler()
+    assert native.native_kernels() is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no C++ compiler" in err[0] and "PyTorch's kernels" in err[0], err
+    assert native_kernels_unless_no_compiler() is None
+
+
+def test_a_failed_build_with_a_compiler_present_fails_the_test_helper(
+        monkeypatch: pytest.MonkeyPatch, fresh_state: None) -> None:
+    from _native import native_kernels_or_fail
+
+    monkeypatch.setattr(native, "_registered", lambda: False)
+    monkeypatch.setattr(native, "_build", _broken_source)
+    monkeypatch.setattr(native, "missing_compiler", lambda: None)
+    with pytest.raises(pytest.fail.Exception, match=r"failed to build: .*qlinear.cpp:1012:3: error: expected ';'"):
+        native_kernels_or_fail()
+
+
+def test_a_path_forced_by_name_is_used_where_the_cpu_runs_it(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture,
+                                                             kernels: native.NativeKernels) -> None:
+    """`STAGEDSPEC_QKERNELS=<path>` is read at each call; a path the CPU lacks, or an unknown name, keeps the
+    checked best path and says so once."""
+    monkeypatch.setenv(native.ENV_SWITCH, "auto")
+    best, runs = native.native_kernels(), native.cpu_isa()
+    assert best is not None and runs is not None
+    for key, isa in native.ISA_KEYS.items():
+        monkeypatch.setenv(native.ENV_SWITCH, key)
+        got = native.native_kernels()
+        assert got is not None and got.isa == (isa if isa <= runs else best.isa), key
+    monkeypatch.setenv(native.ENV_SWITCH, "avx9000")
+    assert native.native_kernels() == best and native.native_kernels() == best
+    assert capsys.readouterr().err.count("STAGEDSPEC_QKERNELS=avx9000 ignored") == 1
 
 
 def _q4_k_like(n: int = 64, k: int = 256, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,8 +249,7 @@ def test_grid_detection_keeps_4_bit_codes_and_finds_other_groups_off_grid() -> N
     assert ((levels >= 2) & (levels <= 16)).all()
 
 
-@needs_native
-def test_native_grid_scan_agrees_with_the_reference() -> None:
+def test_native_grid_scan_agrees_with_the_reference(kernels: native.NativeKernels) -> None:
     w, _, _ = _q4_k_like(seed=5)
     w = torch.cat([w, torch.randn(8, 256), torch.zeros(2, 256)])
     ref = grid.grid_steps_reference(w)
@@ -168,9 +269,9 @@ def test_q5_0_and_q8_0_groups_keep_their_codes_in_int8() -> None:
         assert torch.equal(packing.dequantize_int8(c, s), w)
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_attention_matches_sdpa_with_gqa_and_a_tree_mask(dtype: torch.dtype) -> None:
+def test_native_attention_matches_sdpa_with_gqa_and_a_tree_mask(dtype: torch.dtype,
+                                                                 kernels: native.NativeKernels) -> None:
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(6)
@@ -190,13 +291,13 @@ def test_native_attention_matches_sdpa_with_gqa_and_a_tree_mask(dtype: torch.dty
     assert torch.allclose(got.float(), ref, atol=tol, rtol=tol)
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 128, 24])
 def test_native_attention_is_the_same_bits_on_every_instruction_set_and_ignores_masked_slots(
-        dtype: torch.dtype, D: int) -> None:
-    """The AVX2 path (8 keys at a time) gives the portable path's bits, and a row's result depends only on
-    its visible keys in order: moving them to other slots (as a tree pass does) changes nothing."""
+        dtype: torch.dtype, D: int, isa_kernels: native.NativeKernels) -> None:
+    """The path forced here (AVX2's 8 keys at a time) gives the portable path's bits, and a row's result depends
+    only on its visible keys in order: moving them to other slots (as a tree pass does) changes nothing."""
+    kernels = isa_kernels
     g = torch.Generator().manual_seed(11)
     H, Hkv, T, S = 4, 2, 3, 37
     q = torch.randn(1, H, T, D, generator=g).to(dtype)
@@ -213,7 +314,7 @@ def test_native_attention_is_the_same_bits_on_every_instruction_set_and_ignores_
         assert torch.equal(alone, got[:, :, t:t + 1])
 
 
-def _tiny_quantised_llama(dtype: torch.dtype = torch.float32):  # noqa: ANN202
+def _tiny_quantised_llama(dtype: torch.dtype, kernels: native.NativeKernels):  # noqa: ANN202
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.quant import quantize_model
     from stagedspec.models.transformer import Transformer, init_random
@@ -224,15 +325,15 @@ def _tiny_quantised_llama(dtype: torch.dtype = torch.float32):  # noqa: ANN202
     return quantize_model(model, "int4", dtype, kernels)
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row(dtype: torch.dtype) -> None:
+def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row(dtype: torch.dtype,
+                                                                      isa_kernels: native.NativeKernels) -> None:
     """A tree row's logits equal one-token decoding of its path; a prompt split in two passes equals one pass;
     a one-row pass equals a row of a longer one, over the filled keys or the whole cache.  So the oracle runs a
     native model's bf16 passes without the dense bf16 path's fixed width and second row (`wants_fixed_width`)."""
     from stagedspec.runner import wants_fixed_width
 
-    model = _tiny_quantised_llama(dtype)
+    model = _tiny_quantised_llama(dtype, isa_kernels)
     assert not wants_fixed_width(model)
     ids = [5, 9, 33, 2, 200, 17, 41]
     P = len(ids)
@@ -258,6 +359,25 @@ def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row(dtype: tor
     assert torch.equal(one_row[None], whole[6:]) and torch.equal(one_row[64], whole[6:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_quantised_model_gives_the_portable_paths_logits_on_every_path(dtype: torch.dtype,
+                                                                          isa_kernels: native.NativeKernels) -> None:
+    """A whole model (every decoder layer in one native call) on the path forced here: the portable path's logits
+    for a prompt pass and a tree pass, bit for bit."""
+    def passes(kernels: native.NativeKernels) -> list[torch.Tensor]:
+        model = _tiny_quantised_llama(dtype, kernels)
+        with torch.inference_mode():
+            cache = model.new_cache(64)
+            prompt = model(torch.tensor([[5, 9, 33, 2, 200, 17]]), torch.arange(6), cache)
+            cache.commit()
+            tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+            nodes = model(torch.tensor([[7, 8, 9]]), torch.tensor([6, 7, 7]), cache, tree_mask=tree)
+        return [prompt, nodes]
+
+    for what, got, want in zip(("prompt", "tree"), passes(isa_kernels), passes(isa_kernels.with_isa(0))):
+        assert torch.equal(got, want), f"{isa_kernels.name}: the {what} pass differs from the portable path's"
+
+
 def test_a_dense_bf16_model_keeps_the_fixed_width() -> None:
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.transformer import Transformer, init_random
@@ -270,10 +390,10 @@ def test_a_dense_bf16_model_keeps_the_fixed_width() -> None:
     assert wants_fixed_width(model.to(torch.bfloat16))
 
 
-@needs_native
 @pytest.mark.parametrize("mode, dtype, qkv_bias", [("int4", torch.float32, False), ("mixed", torch.float32, True),
                                                     ("int8", torch.bfloat16, True)])
-def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: torch.dtype, qkv_bias: bool) -> None:
+def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: torch.dtype, qkv_bias: bool,
+                                                             isa_kernels: native.NativeKernels) -> None:
     """`layer.cpp` runs a block's operations in the Python path's order: prompt, tree and batched passes agree
     bit for bit with the layers run op by op (Qwen2's q|k|v bias included), one call per block or one call for
     all of them."""
@@ -284,7 +404,8 @@ def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: t
     cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       intermediate_size=128, max_position=128, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True,
                       qkv_bias=qkv_bias)
-    model = quantize_model(init_random(Transformer(cfg), seed=5).eval().requires_grad_(False), mode, dtype, kernels)
+    model = quantize_model(init_random(Transformer(cfg), seed=5).eval().requires_grad_(False), mode, dtype,
+                           isa_kernels)
     assert all(isinstance(b.native_layer, NativeDecoderLayer) for b in model.layers)
 
     def passes() -> list[torch.Tensor]:

@@ -4,8 +4,10 @@ A Q4_K_M file (Qwen2.5-Coder-1.5B's) stores most layers as Q4_K and the
 head, `ffn_down` and `attn_v` of half the layers as Q6_K.  These tests check
 that the stored codes and scales decode exactly as gguf's own dequantisation
 does, that the native kernels run them with every row bit-identical to the
-row alone on every instruction set, and that `--quant auto` loads such a file
-into those formats (a fused q|k|v with parts of two types as segments).
+row alone on every instruction-set path this CPU runs (each forced in turn,
+`isa_kernels`), and that `--quant auto` loads such a file into those formats
+(a fused q|k|v with parts of two types as segments), on each path.  A kernel
+build that fails where a compiler exists fails these tests (`tests/_native.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from _native import ISA_KEY, ISA_PARAMS
 from stagedspec.kernels import native, packing
 from stagedspec.models.gguf_codes import RawTensor, dequantized, q4k_codes, q5_0_codes, q6k_codes
 
-kernels = native.native_kernels()
-needs_native = pytest.mark.skipif(kernels is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, d: float = 2e-4) -> np.ndarray:
@@ -77,9 +78,8 @@ def _weight(case: str, k: int = 256, seed: int = 0) -> tuple[torch.Tensor, list[
     return packed, [packing.FORMATS[case]], [20], w
 
 
-@needs_native
 @pytest.mark.parametrize("case", CASES)
-def test_kernels_match_the_weights_they_stand_for(case: str) -> None:
+def test_kernels_match_the_weights_they_stand_for(case: str, kernels: native.NativeKernels) -> None:
     """Only the activations' int8 rounding separates the kernel from x @ W^T."""
     packed, formats, outs, w = _weight(case)
     x = torch.randn(9, 256)
@@ -88,11 +88,13 @@ def test_kernels_match_the_weights_they_stand_for(case: str) -> None:
     assert y.shape == ref.shape and ((y - ref).norm() / ref.norm()).item() < 0.02
 
 
-@needs_native
 @pytest.mark.parametrize("case", CASES)
-def test_every_row_count_position_thread_count_and_isa_gives_the_row_alone(case: str) -> None:
+def test_every_row_count_position_thread_count_and_isa_gives_the_row_alone(case: str,
+                                                                           isa_kernels: native.NativeKernels) -> None:
+    """On the path forced here: every row count and position, one thread, and the portable path give the row
+    computed alone."""
     packed, formats, outs, _ = _weight(case, seed=3)
-    run = lambda x, k=kernels: k.qlinear(x, packed, formats, outs)  # noqa: E731
+    run = lambda x, k=isa_kernels: k.qlinear(x, packed, formats, outs)  # noqa: E731
     x = torch.randn(64, 256, dtype=torch.bfloat16) * torch.rand(64, 1).bfloat16() * 3
     alone = torch.cat([run(x[i:i + 1]) for i in range(64)])
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 16, 31, 33, 64):
@@ -105,7 +107,7 @@ def test_every_row_count_position_thread_count_and_isa_gives_the_row_alone(case:
         assert torch.equal(run(x[:11]), alone[:11])
     finally:
         torch.set_num_threads(before)
-    portable = kernels.with_isa(0)
+    portable = isa_kernels.with_isa(0)
     assert torch.equal(run(x[:9], portable), alone[:9])
 
 
@@ -145,23 +147,34 @@ def save_kquant_gguf(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def kquant_model(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    from stagedspec.models.loading import load_model
-
+def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf"
     save_kquant_gguf(path)
-    model, tok = load_model(path, torch.float32, quant="auto")
-    return path, model, tok
+    return path
 
 
-@needs_native
+@pytest.fixture(scope="module", params=ISA_PARAMS)
+def kquant_model(request: pytest.FixtureRequest, kquant_gguf: Path):  # noqa: ANN201
+    """The tiny K-quant GGUF loaded as a user loads it, on each instruction-set path in turn: forced by
+    `STAGEDSPEC_QKERNELS` (the switch `native_kernels()` reads at each load)."""
+    from _native import kernels_on
+    from stagedspec.models.loading import load_model
+
+    kernels = kernels_on(request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.ENV_SWITCH, ISA_KEY[request.param])
+        model, tok = load_model(kquant_gguf, torch.float32, quant="auto")
+    return kquant_gguf, model, tok, kernels
+
+
 def test_auto_loads_k_quants_in_their_own_formats_exactly(kquant_model) -> None:  # noqa: ANN001
     import gguf
 
     from stagedspec.models.quant import SegmentLinear, describe_weights
 
-    path, model, _ = kquant_model
-    assert describe_weights(model).startswith("q4_k x 2, q4_k+q6_k x 2, q5_0 x 2, q6_k x 2 layers + q6_k head")
+    path, model, _, kernels = kquant_model
+    assert describe_weights(model) == ("q4_k x 2, q4_k+q6_k x 2, q5_0 x 2, q6_k x 2 layers + q6_k head, "
+                                       f"on {kernels.name}")
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     parts = lambda *names: torch.cat([_gguf_dequantized(tensors[n].tensor_type.name, np.asarray(tensors[n].data))  # noqa: E731
                                       for n in names])
@@ -173,12 +186,11 @@ def test_auto_loads_k_quants_in_their_own_formats_exactly(kquant_model) -> None:
     assert torch.equal(model.head_q.dequantized(), parts("output.weight"))
 
 
-@needs_native
 def test_a_k_quant_model_is_bit_identical_per_row_and_speculation_reproduces_ar(kquant_model) -> None:  # noqa: ANN001
     """A tree pass equals one-token decoding of each path, so speculative greedy output is `ar`'s."""
     from stagedspec.pipeline import Pipeline, SpeculationConfig
 
-    _, model, tok = kquant_model
+    _, model, tok, _ = kquant_model
     ids = [5, 9, 33, 2, 200, 17, 41]
     with torch.inference_mode():
         whole = model(torch.tensor([ids]), torch.arange(7), model.new_cache(64))[0]

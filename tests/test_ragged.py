@@ -255,14 +255,13 @@ def test_feature_draft_segments_and_hidden_states_match_solo_passes():
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("pad", [False, True])
-def test_quantised_models_on_the_native_kernels_batch_bit_identically(mode: str, pad: bool) -> None:
-    """int4/int8 oracles serve: each segment of a (padded) ragged pass is its solo pass to the bit."""
-    from stagedspec.kernels.native import native_kernels
+def test_quantised_models_on_the_native_kernels_batch_bit_identically(mode: str, pad: bool,
+                                                                     isa_kernels) -> None:  # noqa: ANN001
+    """int4/int8 oracles serve: each segment of a (padded) ragged pass is its solo pass to the bit, on each
+    instruction-set path (forced in turn by `isa_kernels`; a failed kernel build fails this test)."""
     from stagedspec.models.quant import quantize_model
 
-    kernels = native_kernels(quiet=True)
-    if kernels is None:
-        pytest.skip("native kernels unavailable")
+    kernels = isa_kernels
     cfg = ModelConfig(arch="llama", vocab_size=80, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       intermediate_size=64, max_position=96)  # input sizes in whole groups of 32
     model = quantize_model(init_random(Transformer(cfg), seed=1).eval(), mode, torch.float32, kernels)

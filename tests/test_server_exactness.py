@@ -1,7 +1,8 @@
 """What the server says about its exactness under batching: at start, in /v1/models, and that it is right.
 
 A quantised oracle on the native kernels computes each row alone, so batching keeps every output; a dense
-one does not, and the server must say so rather than let the README's guarantee mislead."""
+one does not, and the server must say so rather than let the README's guarantee mislead.  The native kernels come
+from the `kernels` fixture: a failed build fails these tests rather than skipping them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 pytest.importorskip("fastapi")
 
 from _server import local_client, tiny_engine, tiny_model_folder  # noqa: E402
-from stagedspec.kernels.native import native_kernels  # noqa: E402
 from stagedspec.models.quant import row_exact  # noqa: E402
 from stagedspec.pipeline import Pipeline, SpeculationConfig  # noqa: E402
 from stagedspec.server.app import create_app  # noqa: E402
@@ -53,18 +53,14 @@ def test_bit_exact_bf16_is_exact_on_the_cpu(folder):
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
-def test_a_quantised_oracle_on_the_native_kernels_is_exact(folder, quant):
-    if native_kernels(quiet=True) is None:
-        pytest.skip("native kernels unavailable")
+def test_a_quantised_oracle_on_the_native_kernels_is_exact(folder, quant, kernels):  # noqa: ANN001
     pipe = loaded(folder, "fp32", quant)
     assert row_exact(pipe.model) and all(row_exact(d) for d in pipe.draft_models)
     got = batch_exactness(pipe.model, pipe.draft_models, batch_passes=True, bit_exact=False)
     assert (got.greedy, got.seeded, got.notice()) == (True, True, None)
 
 
-def test_a_dense_draft_under_a_native_oracle_keeps_greedy_but_not_seeded(folder):
-    if native_kernels(quiet=True) is None:
-        pytest.skip("native kernels unavailable")
+def test_a_dense_draft_under_a_native_oracle_keeps_greedy_but_not_seeded(folder, kernels):  # noqa: ANN001
     oracle = loaded(folder, "fp32", "int8").model
     dense = loaded(folder, "fp32", "none").model
     got = batch_exactness(oracle, [dense], batch_passes=True, bit_exact=False)

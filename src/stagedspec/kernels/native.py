@@ -21,13 +21,22 @@ loading recovers its codes.
 Before the kernels are used, the fastest instruction set the CPU has is
 checked against the portable C++ path on random data, bit for bit (the kernels
 promise the same bits on every instruction set); one that disagrees is not
-used.  `STAGEDSPEC_QKERNELS=torch` skips the native kernels altogether.
+used.  `STAGEDSPEC_QKERNELS=torch` skips the native kernels altogether;
+`STAGEDSPEC_QKERNELS=portable|avx2|avx512-vnni` forces one path (read at each
+`native_kernels()` call, so at each model load), which is how a wrong result is
+pinned to one instruction set.
+
+A failed build keeps its record (`build_failure()`: the compiler's first error
+line and the whole log) so that the test suite can fail with the compiler's own
+words instead of quietly running on the fallback, as a user's run does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
 import sys
 import threading
 from dataclasses import dataclass
@@ -41,7 +50,11 @@ from stagedspec.paths import cache_root
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp",
                                                       "layer.cpp"))
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
+# The values of STAGEDSPEC_QKERNELS that force one instruction set; each CPU runs the paths up to its best.
+ISA_KEYS = {"portable": 0, "avx2": 1, "avx512-vnni": 2}
 ENV_SWITCH = "STAGEDSPEC_QKERNELS"
+OFF_VALUES = ("torch", "0", "off", "none")
+AUTO_VALUES = ("", "auto", "native")
 # -ffp-contract=off: the portable path's float operations stay the ones written (no fused multiply-adds the
 # vector paths do not make).  -fopenmp: at::parallel_for is inline and splits work only where OpenMP is on;
 # the runtime it links is libgomp.so.1, the soname of the copy PyTorch has loaded, so one thread pool serves both.
@@ -123,6 +136,30 @@ class NativeKernels:
         return NativeKernels(isa)
 
 
+@dataclass(frozen=True)
+class BuildFailure:
+    """Why the kernels did not build, kept for whoever must not fall back quietly (the test suite)."""
+
+    error: str  # the compiler's first error line ("qlinear.cpp:12:5: error: ..."), else the failure's first line
+    output: str  # everything the failed build said
+
+    @classmethod
+    def of(cls, exc: BaseException) -> BuildFailure:
+        output = str(exc)
+        return cls(first_compiler_error(output) or first_line(exc), output)
+
+
+def first_compiler_error(output: str) -> str | None:
+    """The first line of a build log in which the compiler (or linker) reports an error, else None.
+
+    Why not the exception's first line: `torch.utils.cpp_extension` starts its message with ninja's command
+    lines ("Error building extension ...: [1/6] c++ -MMD ..."), which say nothing about what is wrong."""
+    for line in output.splitlines():
+        if re.search(r"\berror:", line) or "undefined reference" in line:
+            return line.strip()
+    return None
+
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -133,14 +170,28 @@ def build_dir() -> Path:
 
 
 def native_kernels(quiet: bool = False) -> NativeKernels | None:
-    """The native kernels, built and checked once per process; None (with one warning line) where they cannot run."""
+    """The native kernels, built and checked once per process; None (with one warning line) where they cannot run.
+
+    `STAGEDSPEC_QKERNELS` is read at every call: `torch` (or off) gives None, a path's name (`ISA_KEYS`) those
+    kernels on that path where the CPU runs it, anything else the checked best path."""
+    choice = _switch()
+    if choice in OFF_VALUES:
+        return None
     with _lock:
         if "result" not in _state:
             _state["result"], _state["why"] = _load(quiet)
             if _state["result"] is None and not quiet and _state["why"]:
                 print(f"stagedspec: native int4/int8 kernels unavailable ({_state['why']}); "
                       "using PyTorch's kernels", file=sys.stderr)
-        return _state["result"]  # type: ignore[return-value]
+        best: NativeKernels | None = _state["result"]  # type: ignore[assignment]
+        if best is None or choice in AUTO_VALUES:
+            return best
+        return _forced(best, choice, quiet)
+
+
+def switched_off() -> bool:
+    """Whether `STAGEDSPEC_QKERNELS` asks for PyTorch's kernels (then `native_kernels()` is None by request)."""
+    return _switch() in OFF_VALUES
 
 
 def unavailable_reason() -> str | None:
@@ -148,14 +199,57 @@ def unavailable_reason() -> str | None:
     return _state.get("why")  # type: ignore[return-value]
 
 
+def build_failure() -> BuildFailure | None:
+    """The failed build of this process (after `native_kernels()` was called), else None."""
+    return _state.get("failure")  # type: ignore[return-value]
+
+
+def missing_compiler() -> str | None:
+    """Why there is no C++ compiler to build the kernels with, or None where there is one.
+
+    The compiler is the one `torch.utils.cpp_extension` runs: `$CXX`, else `c++`."""
+    given = os.environ.get("CXX", "").strip()
+    words = given.split() or ["c++"]
+    if shutil.which(words[0]) is not None:
+        return None
+    if given:
+        return f"$CXX is {given!r}, which is not an executable on PATH"
+    return "`c++` is not on PATH (install g++ or clang++, or set CXX)"
+
+
+def cpu_isa() -> int | None:
+    """The best instruction set this CPU runs (a key of `ISA_NAMES`), once the kernels are loaded, else None."""
+    return int(torch.ops.stagedspec_qlinear.best_isa()) if _registered() else None
+
+
+def _switch() -> str:
+    return os.environ.get(ENV_SWITCH, "").strip().lower()
+
+
+def _forced(best: NativeKernels, choice: str, quiet: bool) -> NativeKernels:
+    """The kernels on the path `choice` names, or `best` (said once) where the name is unknown or the CPU lacks
+    the path.  A forced path skips the load-time check against the portable one: it is what is being checked."""
+    isa = ISA_KEYS.get(choice)
+    runs = cpu_isa()
+    if isa is not None and runs is not None and isa <= runs:
+        return NativeKernels(isa)
+    warned: set[str] = _state.setdefault("warned", set())  # type: ignore[assignment]
+    if not quiet and choice not in warned:
+        warned.add(choice)
+        why = (f"this CPU does not run {ISA_NAMES[isa]}" if isa is not None
+               else f"not one of {', '.join((*ISA_KEYS, 'auto', 'torch'))}")
+        print(f"stagedspec: {ENV_SWITCH}={choice} ignored ({why}); using {best.name}", file=sys.stderr)
+    return best
+
+
 def _load(quiet: bool) -> tuple[NativeKernels | None, str | None]:
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("torch", "0", "off", "none"):
-        return None, None
     if not hasattr(torch.ops, "stagedspec_qlinear") or not _registered():
         try:
             _build(quiet)
         except Exception as exc:  # noqa: BLE001 - any build failure means the fallback, said in one line
-            return None, f"build failed: {first_line(exc)}"
+            failure = BuildFailure.of(exc)
+            _state["failure"] = failure
+            return None, f"build failed: {failure.error}"
     _register_fakes()
     best = int(torch.ops.stagedspec_qlinear.best_isa())
     for isa in range(best, -1, -1):
@@ -203,6 +297,9 @@ def _build(quiet: bool) -> None:
     if library.exists():
         torch.ops.load_library(str(library))
         return
+    missing = missing_compiler()
+    if missing is not None:
+        raise RuntimeError(f"no C++ compiler: {missing}")
     if not quiet:
         print("stagedspec: building the native int4/int8 kernels for this CPU (once, about 30 s)...",
               file=sys.stderr, flush=True)
