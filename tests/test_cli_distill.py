@@ -449,3 +449,24 @@ def test_general_requests_are_distinct_seeded_and_never_a_held_out_bench_subject
     assert not [r for r in lowered for w in held_out_words() if w in r]
     for prompt in PROSE + CHAT:  # every held-out prompt names a subject on the list
         assert any(w in prompt.lower() for w in held_out_words()), prompt
+
+
+def test_a_draft_made_from_a_quantised_oracle_trains_through_pytorch_s_norms(oracle_dir: Path) -> None:
+    """The native norm and attention kernels have no backward.  A draft copied from an oracle on them (distill
+    --quant, a feature draft learning the features users decode with) must run PyTorch's, or the gradients
+    through its norms are silently wrong (PyTorch only warns)."""
+    import warnings
+
+    from stagedspec.models.feature_draft import FeatureDraftModel
+    from stagedspec.models.quant import NativeRMSNorm
+
+    oracle, _ = load_model(str(oracle_dir), dtype=torch.float32, quant="int8")
+    if not any(isinstance(m, NativeRMSNorm) for m in oracle.modules()):
+        pytest.skip("the native kernels are not built here, so the oracle runs PyTorch's norms anyway")
+    draft = FeatureDraftModel(oracle, 1, torch.arange(32), dtype=torch.float32, head_from_oracle=True)
+    assert not any(isinstance(m, NativeRMSNorm) for m in draft.modules())
+    assert all(layer.attn.native_attention is None for layer in draft.layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sum(h.sum() for h in draft.unrolled_hidden(torch.randint(0, 32, (1, 8)), None, 2)).backward()
+    assert draft.norm.weight.grad is not None and draft.layers[0].attn_norm.weight.grad is not None

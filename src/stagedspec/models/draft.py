@@ -195,7 +195,7 @@ class DraftModel(Transformer):
         if mlp_width is not None and mlp_width < ocfg.intermediate_size:
             for layer in self.layers:
                 prune_mlp(layer.mlp, int(mlp_width))
-        self.norm = copy.deepcopy(oracle.norm).to(device=device, dtype=dtype)
+        self.norm = dequantized_copy(oracle.norm).to(device=device, dtype=dtype)
         self.lm_head = None
         for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):
             if hasattr(oracle, name):

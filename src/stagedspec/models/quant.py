@@ -558,14 +558,29 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     Drafts copy oracle layers as their starting point and own float weights
     (they are trained and saved as such), whatever the oracle runs on.
     """
+    from stagedspec.models.transformer import Attention, RMSNorm
+
+    if isinstance(module, NativeRMSNorm):
+        return _as_rms_norm(copy.deepcopy(module), RMSNorm)
     module = copy.deepcopy(module)
     swap_layers(module, (Int4Linear, Int8Linear, SegmentLinear), _as_linear)
+    # The native norm and attention kernels have no backward: a copy that is trained must run PyTorch's
+    # (on a quantised teacher, gradients through a native norm were silently wrong)
+    swap_layers(module, NativeRMSNorm, lambda norm: _as_rms_norm(norm, RMSNorm))
     for m in module.modules():
+        if isinstance(m, Attention):
+            m.native_attention = None
         if getattr(m, "native_layer", None) is not None:
             m.native_layer = None  # it would still run the quantised copies
         if getattr(m, "native_stack", None) is not None:
             m.native_stack = None
     return module
+
+
+def _as_rms_norm(norm: "NativeRMSNorm", cls: type) -> nn.Module:
+    plain = cls(norm.weight.shape[0], norm.eps)
+    plain.weight = norm.weight
+    return plain
 
 
 def _as_linear(layer: Int4Linear | Int8Linear | SegmentLinear) -> nn.Linear:
