@@ -433,6 +433,12 @@ def test_feature_draft_with_a_pruned_mlp_an_oracle_head_and_int8_weights(oracle_
     ckpt = torch.load(tmp_path / "feature" / "checkpoint.pt", weights_only=True)["model"]
     w = ckpt["layers.0.mlp.w_down.weight"]
     assert torch.allclose(draft.layers[0].mlp.w_down.weight, w, atol=float(w.abs().max()) / 127 + 1e-6)
+    # the draft so far of a checkpoint (scripts/distill/checkpoint_draft.py): the same draft, its weights exact
+    from stagedspec.training.distill import draft_from_checkpoint
+
+    again = draft_from_checkpoint(out / "checkpoint.pt", oracle, draft.fingerprint)
+    assert again.head_from_oracle and again.training_meta["steps_done"] == 4 and again.training_meta["complete"]
+    assert all(torch.equal(v, ckpt[k]) for k, v in again.own_state_dict().items())
 
 
 def test_general_requests_are_distinct_seeded_and_never_a_held_out_bench_subject() -> None:

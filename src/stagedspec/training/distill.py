@@ -573,14 +573,7 @@ def _save_checkpoint(path: Path, student: DraftModel, opt: torch.optim.Optimizer
 
 def _load_checkpoint(path: Path, student: DraftModel, opt: torch.optim.Optimizer, cfg: DistillConfig,
                      data: TokenData, head_tokens: Tensor | None) -> tuple[int, list[dict[str, Any]]]:
-    if not path.is_file():
-        raise StagedSpecError(f"nothing to resume: no checkpoint at {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle/zip errors of a truncated or foreign file
-        raise StagedSpecError(f"corrupt checkpoint {path}: {exc}") from None
-    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-        raise StagedSpecError(f"{path} is not a stagedspec distillation checkpoint")
+    state = _read_checkpoint(path)
     saved, now = state["config"], _recorded_config(cfg)
     changed = sorted(k for k in now if saved.get(k, DistillConfig.ADDED_DEFAULTS.get(k)) != now[k])
     if changed:
@@ -601,6 +594,48 @@ def _load_checkpoint(path: Path, student: DraftModel, opt: torch.optim.Optimizer
     _move_optimizer_state(opt)
     _set_rng_state(state.get("rng") or {}, p.device)
     return int(state["step"]), list(state["history"])
+
+
+def draft_from_checkpoint(path: str | Path, oracle: Transformer, fingerprint: str) -> DraftModel:
+    """The draft a checkpoint holds (its recorded kind, layers, MLP width and head), without the corpus or the
+    optimizer: the draft so far of a run still going or stopped, to measure or ship (`scripts/distill/
+    checkpoint_draft.py`).  Its `training_meta` records the step, the history and the run's settings."""
+    state = _read_checkpoint(Path(path))
+    cfg = {**DistillConfig.ADDED_DEFAULTS, **state["config"]}
+    if cfg["kind"] == "feature":
+        from stagedspec.models.feature_draft import FeatureDraftModel as cls
+    else:
+        cls = DraftModel
+    keys = state["model"]
+    layers = sorted({int(k.split(".")[1]) for k in keys if k.startswith("layers.")})
+    picked = cfg["init_layers"] or (len(layers) if cfg["init_from"] else cfg["layers"])
+    student = cls(oracle, picked, state["head_tokens"], dtype=torch.float32, mlp_width=cfg["mlp_width"] or None,
+                  head_from_oracle=cfg["head_from_oracle"])
+    missing = sorted(set(student.own_state_dict()) - set(keys))
+    if missing:
+        raise StagedSpecError(f"checkpoint {path} does not hold a whole draft (missing {missing[:3]})")
+    student.load_state_dict({k: v.to(student.embed.weight.device) for k, v in keys.items()}, strict=False)
+    step = int(state["step"])
+    total = max(1, math.ceil(cfg["tokens"] / (cfg["batch_size"] * cfg["seq_len"])))
+    history = list(state["history"])
+    student.fingerprint = fingerprint
+    student.training_meta = {"steps_done": step, "total_steps": total, "tokens_seen": step * cfg["batch_size"] *
+                             cfg["seq_len"], "config": cfg, "history": history[-20:], "complete": step >= total,
+                             **({"heldout_kl": history[-1]["heldout_kl"], "heldout_top1": history[-1]["heldout_top1"]}
+                                if history else {})}
+    return student.eval()
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise StagedSpecError(f"nothing to resume: no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle/zip errors of a truncated or foreign file
+        raise StagedSpecError(f"corrupt checkpoint {path}: {exc}") from None
+    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+        raise StagedSpecError(f"{path} is not a stagedspec distillation checkpoint")
+    return state
 
 
 def _to_cpu(obj: Any) -> Any:
