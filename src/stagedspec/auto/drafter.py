@@ -35,7 +35,7 @@ EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the p
 # family at a time, `FAMILY_EXPLORE_AFTER` priced steps apart; its draft's catch-up on the context may cost at
 # most `FAMILY_CATCH_UP_SHARE` of the request's plain decoding time (the bounded cost), or it is skipped.
 FAMILY_EXPLORE_AFTER = 2
-FAMILY_REVISIT = 32
+FAMILY_REVISIT = 64  # (a family that ran on its price since the last round is not explored again)
 FAMILY_CATCH_UP_SHARE = 0.05
 FULL_PRICE_EVERY = 8  # priced steps between two that price every arm; the others price `ar`, the lookup arms
 # and the draft arms that came close at the last full pricing (`stagedspec.auto.pricing.contenders`): pricing all
@@ -151,6 +151,7 @@ class AutoDrafter(Drafter):
         self._until_full = 0  # priced steps until the next full pricing
         self._families_due: list[str] = []  # draft families not yet explored in this round (`FAMILY_REVISIT`)
         self._until_family = FAMILY_EXPLORE_AFTER  # priced steps until the next family is explored
+        self._families_ran: set[str] = set()  # draft families that ran since the last round was planned
         self._last_drafter: Drafter | None = None  # the drafter of the last step
         self._synced: dict[int, int] = {}  # id(drafter) -> context length when it last proposed
         self.request_choices: dict[str, int] = {}  # `Drafter.request_choices`
@@ -189,6 +190,7 @@ class AutoDrafter(Drafter):
         self._plain_streak, self._probe_gap, self._until_probe, self._quiet_steps = 0, LOOKUP_PROBE_EVERY, 0, 0
         self._contenders, self._until_full = None, 0
         self._families_due, self._until_family = self._draft_families(), FAMILY_EXPLORE_AFTER
+        self._families_ran = set()
         self._synced = {}
         self._own = {}
         self._realized = RealizedRates()
@@ -261,6 +263,7 @@ class AutoDrafter(Drafter):
             if explore and arm.kind != "ar":
                 self._exploring = arm
         self.request_choices[arm.name] = self.request_choices.get(arm.name, 0) + 1
+        self._families_ran.add(arm.family)
         self._plain_streak = self._plain_streak + 1 if arm.kind == "ar" else 0
         self._since_plain = 0 if arm.kind == "ar" else self._since_plain + 1
         drafter, resizes = self.arms[arm]
@@ -321,8 +324,13 @@ class AutoDrafter(Drafter):
         self._until_family -= 1
         if self._until_family > 0:
             return None
-        if not self._families_due:  # every family explored: the next round in `FAMILY_REVISIT` priced steps
+        if not self._families_due:  # every family explored: the next round in `FAMILY_REVISIT` priced steps, of
+            # the families that have not run on their own price by then
             self._families_due, self._until_family = self._draft_families(), FAMILY_REVISIT
+            self._families_ran = set()
+            return None
+        self._families_due = [f for f in self._families_due if f not in self._families_ran]
+        if not self._families_due:
             return None
         self._until_family = FAMILY_EXPLORE_AFTER
         family = self._families_due.pop(0)
