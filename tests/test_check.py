@@ -46,6 +46,7 @@ def test_check_passes_on_a_correct_pair_and_flags_its_control(tiny: Path, capsys
     greedy = rows(out, "greedy")
     # chain tree lookup staged auto, in fp32 (and in bf16 bit-exact where --dtype auto picks bf16)
     assert len(greedy) in (5, 10) and all(" PASS " in r for r in greedy), greedy
+    assert all("mean accepted length " in r for r in greedy), greedy  # and drafts were accepted (else FAIL)
     sampling = rows(out, "sampling")
     assert len(sampling) == 2 and all(" PASS " in r for r in sampling), sampling
     assert all("detects TV >=" in r for r in sampling)
@@ -101,6 +102,29 @@ def test_a_wrong_verifier_in_the_real_path_fails(tiny: Path, capsys, monkeypatch
     assert code == 1, out + err
     assert all(" FAIL " in r for r in rows(out, "sampling")), rows(out, "sampling")
     assert all(" PASS " in r for r in rows(out, "greedy"))  # greedy goes through the real rule
+    assert "result: FAIL" in out
+
+
+def reject_every_draft(tree, logits, sampling, generator):  # noqa: ANN001, ANN201
+    """WRONG for speed, right for output: greedy steps accept no drafted token and emit the oracle's own argmax,
+    so every method's greedy output is still `ar`'s, and an identity with `ar` alone would pass."""
+    from stagedspec.verification import VerifyResult
+
+    if not sampling.greedy:
+        return verify(tree, logits, sampling, generator)
+    return VerifyResult([], int(logits[0].argmax()))
+
+
+def test_greedy_rows_fail_when_no_draft_was_accepted(tiny: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    """Outputs identical to `ar` with nothing drafted accepted prove nothing: each such row FAILs and says why."""
+    monkeypatch.setattr("stagedspec.generation.verify", reject_every_draft)
+    code, out, err = run_check(["--oracle", str(tiny), "--draft", "layers:1", "--quick", "--samples", "300"],
+                               capsys)
+    assert code == 1, out + err
+    greedy = rows(out, "greedy")
+    assert greedy and all(" FAIL " in r and "prompts identical" in r and "mean accepted length 1.00" in r
+                          and "no drafted token was accepted (" in r and "tested nothing" in r
+                          for r in greedy), greedy
     assert "result: FAIL" in out
 
 

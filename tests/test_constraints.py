@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _exactness import assert_drafts_used
 from stagedspec.constraints import GrammarSpec, LogitControls, LogitsProcessor, grammar_available, parse_logit_bias
 from stagedspec.errors import StagedSpecError
 from stagedspec.tree import TokenTree
@@ -83,7 +84,10 @@ def test_bias_moves_greedy_and_every_method_matches_ar(tiny) -> None:  # noqa: A
     want = pipes["ar"].generate(prompt, max_new_tokens=24, controls=controls).token_ids
     assert not set(banned) & set(want) and want != plain[: len(want)]
     for name, pipe in pipes.items():
-        assert pipe.generate(prompt, max_new_tokens=24, controls=controls).token_ids == want, name
+        out = pipe.generate(prompt, max_new_tokens=24, controls=controls)
+        assert out.token_ids == want, name
+        if name != "ar":
+            assert_drafts_used(out, f"{name} with a logit bias")
 
 
 def test_no_controls_wrap_nothing(tiny) -> None:  # noqa: ANN001
@@ -130,6 +134,7 @@ def test_processor_rows_follow_each_nodes_path() -> None:
 def test_grammar_greedy_every_method_is_constrained_ar(tiny, grammar: GrammarSpec) -> None:  # noqa: ANN001
     pipes = pipelines(tiny)
     controls = LogitControls(grammar=grammar)
+    runs: dict[str, list] = {}
     for prompt in PROMPTS:
         want = pipes["ar"].generate(prompt, max_new_tokens=40, controls=controls)
         compiler = pipes["ar"].grammar_compiler()
@@ -138,8 +143,12 @@ def test_grammar_greedy_every_method_is_constrained_ar(tiny, grammar: GrammarSpe
             assert bool(state.allowed()[t]), (t, want.token_ids)
             state = state.child(t)
         for name, pipe in pipes.items():
-            got = pipe.generate(prompt, max_new_tokens=40, controls=controls).token_ids
-            assert got == want.token_ids, name
+            got = pipe.generate(prompt, max_new_tokens=40, controls=controls)
+            assert got.token_ids == want.token_ids, name
+            runs.setdefault(name, []).append(got)
+    for name, outs in runs.items():
+        if name != "ar":
+            assert_drafts_used(outs, f"{name} under a {grammar.kind} grammar")
 
 
 @needs_grammar
@@ -170,6 +179,10 @@ def test_grammar_sampling_is_seed_reproducible_and_valid(tiny) -> None:  # noqa:
         first = pipes[name].generate(PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=3, controls=controls)
         again = pipes[name].generate(PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=3, controls=controls)
         assert first.token_ids == again.token_ids
+        # The seed decided the draws: a loop that ignored it would repeat these tokens under other seeds too.
+        others = [pipes[name].generate(PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=s,
+                                       controls=controls).token_ids for s in (4, 5)]
+        assert any(o != first.token_ids for o in others), f"{name}: seeds 3, 4 and 5 gave the same tokens"
         state = compiler.initial_state(compiler.compile(controls.grammar))
         for t in first.token_ids:
             assert bool(state.allowed()[t])

@@ -14,10 +14,11 @@ import importlib.util
 import pytest
 import torch
 
+from _exactness import assert_drafts_used
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.runner import StaticRunner, pass_mode, set_pass_mode
-from tests.test_runner import all_methods
+from tests.test_runner import all_method_runs, assert_every_method_is_ar_with_drafts_used
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -63,15 +64,16 @@ def test_graph_replay_is_bit_identical_to_the_eager_static_pass(dtype: torch.dty
 
 @pytest.mark.parametrize("mode", ["graphs", "static"])
 def test_greedy_fp32_every_method_identical_to_ar(mode: str) -> None:
+    runs: dict[str, list] = {}
     for seed in range(3):
         oracle, draft = tiny(seed), tiny(seed + 50, layers=1)
         set_pass_mode(oracle, mode)
         set_pass_mode(draft, mode)
         prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
         with torch.inference_mode():
-            out = all_methods(oracle, draft, prompt, 40)
-        for name, tokens in out.items():
-            assert tokens == out["ar"], f"{mode}, seed {seed}: {name}"
+            for name, run in all_method_runs(oracle, draft, prompt, 40).items():
+                runs.setdefault(name, []).append(run)
+    assert_every_method_is_ar_with_drafts_used(runs, [r.token_ids for r in runs["ar"]], f"{mode}, seeds 0-2")
 
 
 def test_bit_exact_bf16_rows_keep_their_bits_whatever_shares_the_pass() -> None:
@@ -113,6 +115,8 @@ def test_sampled_methods_run_end_to_end_on_cuda_and_reproduce_their_seed() -> No
     for name, factory in factories.items():
         a, b = run(factory, 3), run(factory, 3)
         assert len(a) == 30 and a == b, name
+        # and the seed is what decided them: a loop that ignored it would repeat itself under another seed too
+        assert run(factory, 4) != a, f"{name}: seeds 3 and 4 gave the same 30 sampled tokens"
 
 
 def test_capture_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -142,9 +146,11 @@ def test_default_model_greedy_fp32_identical_to_ar_with_graphs() -> None:
     for method in ("ar", "tree", "lookup", "staged", "auto"):
         pipe = Pipeline.load("default", "default" if method in ("tree", "staged") else None,
                              speculation=SpeculationConfig(method=method, ngram=None), dtype="fp32", device="cuda")
-        outs[method] = pipe.generate(prompt, max_new_tokens=48).token_ids
-    for method, tokens in outs.items():
-        assert tokens == outs["ar"], method
+        outs[method] = pipe.generate(prompt, max_new_tokens=48)
+    for method, out in outs.items():
+        assert out.token_ids == outs["ar"].token_ids, method
+        if method != "ar":
+            assert_drafts_used(out, f"{method} on the default model, CUDA graphs")
 
 
 @pytest.mark.parametrize("mode", ["graphs", "static"])
@@ -156,6 +162,7 @@ def test_feature_draft_greedy_fp32_tree_and_staged_identical_to_ar(mode: str) ->
     from stagedspec.models.feature_draft import FeatureDraftModel
     from stagedspec.stages import StageDrafter
 
+    runs: dict[str, list] = {}
     for seed in range(3):
         oracle = tiny(seed)
         set_pass_mode(oracle, mode)
@@ -168,6 +175,9 @@ def test_feature_draft_greedy_fp32_tree_and_staged_identical_to_ar(mode: str) ->
                                      chain_length=3, branching=2)):
             out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=40)
             assert out.token_ids == ref, (seed, mode, type(drafter).__name__)
+            runs.setdefault(type(drafter).__name__, []).append(out)
+    for name, outs in runs.items():
+        assert_drafts_used(outs, f"{name} with a feature draft ({mode})")
 
 
 def _on_cuda(tree, logits, sampling, generator):  # noqa: ANN001, ANN202

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _exactness import assert_drafts_used
 from stagedspec.drafters.feature import FeatureDrafter, FeatureStage
 from stagedspec.drafters.lookup import LookupDrafter
 from stagedspec.drafters.merged import MergedDrafter
@@ -66,6 +67,7 @@ def feature_draft(oracle: Transformer, seed: int, head: list[int] | None = None)
 # ---------------------------------------------------------------------- greedy identity
 @pytest.mark.parametrize("mode", ["eager", "static"])
 def test_tree_chain_and_staged_greedy_equal_ar(mode: str) -> None:
+    runs: dict[str, list] = {}
     for seed in range(6):
         oracle = tiny(seed)
         set_pass_mode(oracle, mode)
@@ -87,6 +89,9 @@ def test_tree_chain_and_staged_greedy_equal_ar(mode: str) -> None:
             out = speculative_generate(ModelOracle(oracle, 300), drafter, prompt, max_new_tokens=40)
             assert out.token_ids == ref, f"seed {seed}, {name}, {mode} passes"
             assert drafter.forward_passes > 0
+            runs.setdefault(name, []).append(out)
+    for name, outs in runs.items():
+        assert_drafts_used(outs, f"{name} ({mode} passes)")
 
 
 def test_pipeline_runs_a_feature_draft_in_tree_staged_and_auto(tmp_path: Path) -> None:
@@ -108,7 +113,9 @@ def test_pipeline_runs_a_feature_draft_in_tree_staged_and_auto(tmp_path: Path) -
         if method == "auto":  # every arm gets its turn, the feature tree and stage among them
             flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
             pipe.learned.set_policy("auto", AutoPolicy(arms_for(True, True), flat))
-        assert pipe.generate(prompt, max_new_tokens=30).token_ids == ref, method
+        out = pipe.generate(prompt, max_new_tokens=30)
+        assert out.token_ids == ref, method
+        assert_drafts_used(out, f"{method} with a feature draft")
     # Below another stage it would read no oracle features: refused.
     pipe = Pipeline(oracle, tok, [truncated_copy(oracle, 1), draft], SpeculationConfig(method="staged"))
     with pytest.raises(StagedSpecError, match="top draft stage"):

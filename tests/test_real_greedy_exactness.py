@@ -14,6 +14,7 @@ import importlib.util
 import pytest
 import torch
 
+from _exactness import assert_drafts_used
 from stagedspec.bench.prompts import chat_instruction, humaneval_prompts
 from stagedspec.pipeline import Pipeline, SpeculationConfig
 
@@ -75,14 +76,13 @@ def test_greedy_tokens_identical_to_ar(setup, name: str, drafts: str, kw: dict) 
 
         flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
         pipe.learned.set_policy("auto", AutoPolicy(arms_for(True, True), flat))
-    drafted = 0
+    runs = []
     cases = list(zip(prompts, refs))
     for ids, ref in cases[:4] if name.startswith("auto") else cases:  # auto: 4 prompts keep CI's time in bounds
-        out = pipe.generate(ids, max_new_tokens=NEW_TOKENS)
-        assert out.token_ids == ref, f"{name} diverged from ar"
-        drafted += sum(out.stats.accepted_lengths)
+        runs.append(pipe.generate(ids, max_new_tokens=NEW_TOKENS))
+        assert runs[-1].token_ids == ref, f"{name} diverged from ar"
     # Proposals were accepted: the identity above compared a speculative run with `ar`, not `ar` with itself.
-    assert drafted > 0, f"{name}: no drafted token was ever accepted"
+    assert_drafts_used(runs, name)
     if name == "auto-flat-costs":
         assert len(pipe.auto_policy().choices) >= 3, pipe.auto_policy().choices
 
@@ -164,8 +164,11 @@ def test_bf16_bit_exact_output_identical_to_ar(bf16_setup, bf16_refs, name: str,
     draft = DraftModel(model, layers=[0, 1], head_tokens=torch.arange(4096))
     pipe = Pipeline(model, tok, [draft], SpeculationConfig(**kw))
     pipe.bit_exact = True
+    runs = []
     for ids, ref in zip(prompts, bf16_refs):
-        assert pipe.generate(ids, max_new_tokens=48).token_ids == ref, name
+        runs.append(pipe.generate(ids, max_new_tokens=48))
+        assert runs[-1].token_ids == ref, name
+    assert_drafts_used(runs, f"{name} (bf16, bit-exact)")
 
 
 # --- fp32 with forced kernel plans: passes of neighbouring sizes on different kernels -----------------------------
@@ -192,5 +195,8 @@ def test_greedy_tokens_identical_to_ar_with_forced_kernel_plans(kind: str, tmp_p
     for method in ("tree", "staged"):
         spec = SpeculationConfig(method=method, ngram="default" if method == "staged" else None)
         pipe = Pipeline(model, tok, drafts, spec, ngram if spec.ngram else None)
+        runs = []
         for ids, ref in zip(prompts, refs):
-            assert pipe.generate(ids, max_new_tokens=40).token_ids == ref, f"{method} with the {kind} plan diverged"
+            runs.append(pipe.generate(ids, max_new_tokens=40))
+            assert runs[-1].token_ids == ref, f"{method} with the {kind} plan diverged"
+        assert_drafts_used(runs, f"{method} with the {kind} plan")

@@ -16,11 +16,12 @@ from collections import Counter
 import pytest
 import torch
 
+from _exactness import assert_drafts_used
 from stagedspec import runner as runner_mod
 from stagedspec.drafters.lookup import LookupDrafter
 from stagedspec.drafters.merged import MergedDrafter
 from stagedspec.drafters.model import ModelDrafter
-from stagedspec.generation import ModelOracle, NoDrafter, generate_ar, speculative_generate
+from stagedspec.generation import GenerationResult, ModelOracle, NoDrafter, generate_ar, speculative_generate
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.pass_options import PassOptions
@@ -105,37 +106,56 @@ def test_static_pass_on_sliding_window_layers() -> None:
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, list[int]]:
-    """Greedy tokens of ar, tree, chain, staged, staged + lookup, lookup and, on static passes, trees grown
-    level by level (also used by tests/test_cuda.py)."""
-    out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n).token_ids}
+def all_method_runs(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, GenerationResult]:
+    """Greedy runs of ar, tree, chain, staged, staged + lookup, lookup and, on static passes, trees grown level by
+    level (also used by tests/test_cuda.py): their tokens for the identity, their stats for the drafts used."""
+    out = {"ar": generate_ar(oracle, prompt, max_new_tokens=n)}
     out["tree"] = speculative_generate(ModelOracle(oracle, 300), ModelDrafter(draft, tree_budget=16, max_len=300),
-                                       prompt, max_new_tokens=n).token_ids
+                                       prompt, max_new_tokens=n)
     out["chain"] = speculative_generate(ModelOracle(oracle, 300),
                                         ModelDrafter(draft, method="chain", chain_length=4, max_len=300),
-                                        prompt, max_new_tokens=n).token_ids
+                                        prompt, max_new_tokens=n)
     staged = StageDrafter(ModelOracle(draft, 300), LookupDrafter(None, context=True, chain_length=4),
                           chain_length=4, branching=2)
-    out["staged"] = speculative_generate(ModelOracle(oracle, 300), staged, prompt, max_new_tokens=n).token_ids
+    out["staged"] = speculative_generate(ModelOracle(oracle, 300), staged, prompt, max_new_tokens=n)
     merged = MergedDrafter(staged, LookupDrafter(None, context=True, chain_length=4))
-    out["staged+lookup"] = speculative_generate(ModelOracle(oracle, 300), merged, prompt, max_new_tokens=n).token_ids
+    out["staged+lookup"] = speculative_generate(ModelOracle(oracle, 300), merged, prompt, max_new_tokens=n)
     out["lookup"] = speculative_generate(ModelOracle(oracle, 300), LookupDrafter(None, context=True, chain_length=5),
-                                         prompt, max_new_tokens=n).token_ids
+                                         prompt, max_new_tokens=n)
     if pass_mode(draft) != "eager":  # trees grown level by level on the device
         levels = ModelDrafter(draft, tree_budget=16, max_len=300, growth="levels")
-        out["tree-levels"] = speculative_generate(ModelOracle(oracle, 300), levels, prompt, max_new_tokens=n).token_ids
+        out["tree-levels"] = speculative_generate(ModelOracle(oracle, 300), levels, prompt, max_new_tokens=n)
     return out
 
 
+def all_methods(oracle: Transformer, draft: Transformer, prompt: list[int], n: int) -> dict[str, list[int]]:
+    """The greedy tokens of `all_method_runs`."""
+    return {name: run.token_ids for name, run in all_method_runs(oracle, draft, prompt, n).items()}
+
+
+def assert_every_method_is_ar_with_drafts_used(runs: dict[str, list[GenerationResult]], reference: list[list[int]],
+                                               label: str) -> None:
+    """Each method's runs (one per prompt) emit the reference's tokens, and together accepted drafted tokens:
+    the identity compared speculation with `ar`, not `ar` with itself (also used by tests/test_cuda.py)."""
+    for name, outs in runs.items():
+        for i, (out, ref) in enumerate(zip(outs, reference)):
+            assert out.token_ids == ref, f"{label}, prompt {i}: {name}"
+        if name != "ar":
+            assert_drafts_used(outs, f"{name} ({label})")
+
+
 def test_static_greedy_fp32_every_method_identical_to_eager_ar() -> None:
+    runs: dict[str, list[GenerationResult]] = {}
+    references = []
     for seed in range(4):
         oracle, draft = tiny(seed, layers=3), tiny(seed + 50)
         prompt = torch.randint(0, 24, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-        reference = generate_ar(oracle, prompt, max_new_tokens=40).token_ids  # the eager path
+        references.append(generate_ar(oracle, prompt, max_new_tokens=40).token_ids)  # the eager path
         set_pass_mode(oracle, "static")
         set_pass_mode(draft, "static")
-        for name, tokens in all_methods(oracle, draft, prompt, 40).items():
-            assert tokens == reference, f"seed {seed}: {name}"
+        for name, run in all_method_runs(oracle, draft, prompt, 40).items():
+            runs.setdefault(name, []).append(run)
+    assert_every_method_is_ar_with_drafts_used(runs, references, "static passes, seeds 0-3")
 
 
 def test_static_bf16_prompt_longer_than_a_bucket() -> None:
@@ -149,15 +169,15 @@ def test_static_bf16_prompt_longer_than_a_bucket() -> None:
     prompt = torch.randint(0, 24, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     set_pass_mode(oracle, "static")
     set_pass_mode(draft, "static")
-    out = all_methods(oracle, draft, prompt, 24)
+    runs = all_method_runs(oracle, draft, prompt, 24)
+    out = {name: run.token_ids for name, run in runs.items()}
     seq = prompt + out["ar"]
     with torch.inference_mode():  # one eager pass over prompt + reply: the logits that chose each reply token
         rows = oracle(torch.tensor([seq]), torch.arange(len(seq)), oracle.new_cache(len(seq)))[0, len(prompt) - 1:-1]
     top2 = rows.float().topk(2, dim=-1).values
     assert float((top2[:, 0] - top2[:, 1]).min()) >= 0.09, "the reply passes a near-tie: pick another prompt"
     assert len(out["ar"]) == 24 and len(set(out["ar"])) > 3  # a varied reply, not one token repeated
-    for name, tokens in out.items():
-        assert tokens == out["ar"], name
+    assert_every_method_is_ar_with_drafts_used({k: [v] for k, v in runs.items()}, [out["ar"]], "static bf16")
 
 
 def assert_chain_rows_are_one_token_rows(model: Transformer, prompt: list[int], chain: list[int],

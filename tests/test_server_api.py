@@ -116,6 +116,9 @@ def test_sampled_with_seed_repeats(client):
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert a.model_extra["stagedspec"]["token_ids"] == b.model_extra["stagedspec"]["token_ids"]
     assert a.model_extra["stagedspec"]["method"] == "ar"
+    # The seed decided the draws: a server that ignored it would repeat these tokens under other seeds too.
+    others = [client.completions.create(**{**kw, "seed": s}).model_extra["stagedspec"]["token_ids"] for s in (8, 9)]
+    assert any(o != a.model_extra["stagedspec"]["token_ids"] for o in others), "seeds 7, 8 and 9 gave the same tokens"
 
 
 def test_stop_string_cuts_text(client):

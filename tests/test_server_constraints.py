@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from _exactness import assert_drafts_used  # noqa: E402
 from _server import local_client, tiny_engine  # noqa: E402
 from stagedspec.constraints import grammar_available  # noqa: E402
 from stagedspec.server.app import create_app  # noqa: E402
@@ -24,7 +25,15 @@ needs_grammar = pytest.mark.skipif(not grammar_available(), reason="llguidance i
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):  # noqa: ANN001, ANN201
+    from stagedspec.auto import AutoPolicy, arms_for
+    from stagedspec.costs import CostProfile
+
     engine = tiny_engine(tmp_path_factory.mktemp("constraints"))
+    # `auto` on a hand-made profile where speculation looks nearly free: its arms take turns, so an identity of
+    # `auto` with `ar` runs drafts on any machine (on measured costs it may choose `ar` throughout), and no
+    # profile is measured
+    flat = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
+    engine.learned.set_policy("auto", AutoPolicy(arms_for(True, True), flat))
     with local_client(create_app(engine, log=lambda s: None)) as c:
         yield c
 
@@ -38,6 +47,13 @@ def ids(response) -> list[int]:  # noqa: ANN001
     return response.json()["stagedspec"]["token_ids"]
 
 
+def speculative_ids(response, method: str) -> list[int]:  # noqa: ANN001
+    """`ids`, for a speculative method whose output is compared with `ar`'s: its drafts must have been accepted."""
+    tokens = ids(response)
+    assert_drafts_used(response.json()["stagedspec"], f"{method} through the server")
+    return tokens
+
+
 @pytest.mark.parametrize("endpoint, base", [("completions", COMP), ("chat/completions", CHAT)])
 def test_logit_bias_is_honoured_and_every_method_agrees(client, endpoint: str, base: dict) -> None:  # noqa: ANN001
     plain = ids(post(client, endpoint, base))
@@ -45,7 +61,8 @@ def test_logit_bias_is_honoured_and_every_method_agrees(client, endpoint: str, b
     want = ids(post(client, endpoint, {**base, "logit_bias": bias, "speculation": {"method": "ar"}}))
     assert want != plain and not {int(t) for t in bias} & set(want)
     for method in ("tree", "lookup", "staged"):
-        got = ids(post(client, endpoint, {**base, "logit_bias": bias, "speculation": {"method": method}}))
+        got = speculative_ids(post(client, endpoint, {**base, "logit_bias": bias, "speculation": {"method": method}}),
+                              method)
         assert got == want, method
 
 
@@ -64,13 +81,17 @@ def test_bad_logit_bias_is_a_400(client, bias, says: str) -> None:  # noqa: ANN0
                                  {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}],
                          ids=["json_object", "json_schema"])
 def test_response_format_is_constrained_ar_for_every_method(client, fmt: dict) -> None:  # noqa: ANN001
-    body = {**CHAT, "response_format": fmt}
+    # A message with JSON in it: prompt lookup has text to copy, so `lookup` drafts (after "hi" it drafts
+    # nothing the grammar lets through, and its identity with `ar` would compare `ar` with `ar`).
+    body = {**CHAT, "messages": [{"role": "user", "content": '{"ok": true} {"ok": false} {"ok": true}'}],
+            "max_tokens": 48, "response_format": fmt}
     want = post(client, "chat/completions", {**body, "speculation": {"method": "ar"}})
     assert want.status_code == 200, want.text
     text = want.json()["choices"][0]["message"]["content"]
     assert text.startswith("{")
     for method in ("tree", "lookup", "staged", "auto"):
-        assert ids(post(client, "chat/completions", {**body, "speculation": {"method": method}})) == ids(want), method
+        got = speculative_ids(post(client, "chat/completions", {**body, "speculation": {"method": method}}), method)
+        assert got == ids(want), method
 
 
 @needs_grammar

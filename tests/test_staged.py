@@ -182,12 +182,15 @@ def test_staged_sampling_is_reproducible_with_a_seed() -> None:
     oracle = tiny(3, layers=3)
     sampling = SamplingParams(temperature=1.0, top_k=10)
 
-    def run() -> list[int]:
+    def run(seed: int) -> list[int]:
         below = StageDrafter(ModelOracle(tiny(99), 300), LookupDrafter(None, True), chain_length=4)
         return speculative_generate(ModelOracle(oracle, 300), below, [1, 2, 3], max_new_tokens=30,
-                                    sampling=sampling, seed=7).token_ids
+                                    sampling=sampling, seed=seed).token_ids
 
-    assert run() == run()
+    first = run(7)
+    assert run(7) == first
+    # The seed decided the draws: a loop that ignored it would give these 30 tokens under any seed.
+    assert run(8) != first, "seeds 7 and 8 gave the same 30 sampled tokens"
 
 
 @pytest.mark.parametrize("native", [True, False])
