@@ -3,10 +3,13 @@
 Eight requests of different prompts and lengths start at staggered times and
 stream concurrently through `AsyncOpenAI`; each one's token ids and text must
 equal what `Pipeline.generate` produces for the same request alone, in this
-process, for `ar`, `tree`, `staged` and `auto`, greedy and seeded sampling, in fp32 (seeded there non-strict:
-fp32 batched passes are not row-exact, see FP32_SEEDED);
-in bf16 for `staged`; with `--bit-exact` for `ar`, `tree` and `staged`; and with the oracle's weight format
-forced to int4 and to int8 (`--quant`, the native kernels) for `ar`, `tree` and `staged`.  The
+process, for `ar`, `tree`, `staged` and `auto`, greedy and seeded sampling, in
+fp32 (seeded there without the equality: fp32 batched passes are not
+row-exact, so the fp32 server does not claim it, and the test holds it to
+saying so in `/v1/models`; every other check of those requests is strict); in
+bf16 for `staged`; with `--bit-exact` for `ar`, `tree` and `staged`; and with
+the oracle's weight format forced to int4 and to int8 (`--quant`, the native
+kernels) for `ar`, `tree` and `staged`.  The
 server batches the requests' passes (ragged passes: they share the matmuls,
 each attends over its own cache); the interleaved scheduler
 (`--no-batch-passes`) is checked too.  See docs/serving.md, "Batched passes".
@@ -168,18 +171,32 @@ async def one_stream(client, i: int, case: str, temperature: float):  # noqa: AN
     return text, ext, (t0, time.monotonic())
 
 
-# fp32 batched passes run the fp32 kernel plan (`models.matmul_plan`) at the pass's total row count, which can
-# round a logit's last bit differently from the solo pass's; a seeded draw that falls that close to a boundary
-# then differs (seen for `auto`, request 4, token 6, in about one run in ten on 2 cores: 182 or 290 either way).
-# The row-exact formats (int4, int8) are held to it strictly below; greedy fp32 holds in every run.
-FP32_SEEDED = pytest.mark.xfail(strict=False, reason="fp32 batched passes are not row-exact: the kernel plan "
-                                "follows the pass's total rows (docs/serving.md)")
+def exactness_claim(server) -> dict:  # noqa: ANN001
+    """What the server says in `/v1/models` about a request's output against its solo run."""
+    import httpx
+
+    return httpx.get(server.base + "/v1/models", timeout=10).json()["data"][0]["stagedspec"]
 
 
-@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=FP32_SEEDED)], ids=["greedy", "seeded"])
+def test_fp32_server_says_its_batched_passes_are_not_row_exact(server):
+    """fp32 batched passes run the fp32 kernel plan (`models.matmul_plan`) at the pass's total row count, which can
+    round a logit's last bit differently from the solo pass's; a seeded draw that falls that close to a boundary
+    then differs (seen for `auto`, request 4, token 6, in about one run in ten on 2 cores: 182 or 290 either way).
+    The server must say so, and say what makes it exact, rather than let the README's guarantee mislead."""
+    claim = exactness_claim(server)
+    assert claim["exact_under_batching"] == {"greedy": False, "seeded": False}, claim
+    note = claim["note"]
+    assert "float32 oracle are not row-exact" in note and "--quant" in note and "--no-batch-passes" in note, note
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("method", ["ar", "tree", "tree-fixed", "staged", "auto"])
 def test_eight_concurrent_streams_equal_solo_runs(server, solo, method, temperature):
-    check_concurrent_equals_solo(server, solo, method, temperature)
+    """Greedy fp32 output equals the solo runs in every run, although the server claims it only for row-exact
+    passes: held strictly.  A seeded fp32 sample is held to its solo run only where `/v1/models` claims it (it
+    does not, `test_fp32_server_says_its_batched_passes_are_not_row_exact`); every other check is strict."""
+    claimed = exactness_claim(server)["exact_under_batching"]["seeded"]
+    check_concurrent_equals_solo(server, solo, method, temperature, equal=temperature == 0.0 or claimed)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
@@ -198,7 +215,10 @@ def test_interleaved_scheduler_still_equals_solo_runs(server_interleaved, solo, 
 
 
 def check_concurrent_equals_solo(server, solo, method: str, temperature: float,  # noqa: ANN001
-                                 batched: bool = True) -> None:
+                                 batched: bool = True, equal: bool = True) -> None:
+    """8 staggered streams: each one's reply names its method and has 1 to `max_tokens` tokens, the requests
+    overlapped, and passes carried several requests exactly when `batched`; with `equal`, each reply's token ids
+    and text are its solo run's."""
     before = server.metric("batched_request_passes_total") - server.metric("batched_passes_total")
 
     async def main():  # noqa: ANN202
@@ -209,10 +229,12 @@ def check_concurrent_equals_solo(server, solo, method: str, temperature: float, 
     results = asyncio.run(main())
     sampling = SamplingParams(temperature=temperature)
     for i, (text, ext, _) in enumerate(results):
-        ids, solo_text = solo(method, PROMPTS[i], 6 + 5 * i, sampling, 100 + i)
         assert ext is not None and ext["method"] == request_of(method)["method"]
-        assert ext["token_ids"] == ids, f"request {i} differs from its solo run"
-        assert text == solo_text
+        assert 1 <= len(ext["token_ids"]) <= 6 + 5 * i, f"request {i}: {len(ext['token_ids'])} tokens"
+        if equal:
+            ids, solo_text = solo(method, PROMPTS[i], 6 + 5 * i, sampling, 100 + i)
+            assert ext["token_ids"] == ids, f"request {i} differs from its solo run"
+            assert text == solo_text
     spans = sorted(span for _, _, span in results)
     overlapping = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
     assert overlapping >= 2, "the requests did not overlap: the test exercised no batching"
