@@ -106,8 +106,11 @@ def test_tune_measures_and_caches_the_cost_curves(tmp_path: Path, capsys, monkey
     monkeypatch.setattr("stagedspec.costs.profile_path", lambda key: tmp_path / "costs" / f"{key}.json")
     code, out, err = run_cli(["tune", "--draft", "layers:2", "--dtype", "fp32"], capsys)
     assert code == 0, err
-    assert "oracle pass:" in out and "draft layers:2 pass:" in out and "cached in" in out
-    assert list((tmp_path / "costs").glob("*.json"))
+    assert "oracle pass:" in out and "draft layers:2 pass:" in out
+    # cached where the machine was idle; beside a busy process it says it was not (a profile measured then would
+    # price every later run by that load)
+    cached = list((tmp_path / "costs").glob("*.json"))
+    assert ("cached in" in out) == bool(cached) and (bool(cached) or "not cached: other processes" in out)
 
 
 def test_show_stages_colours_tokens() -> None:

@@ -277,7 +277,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"{getattr(model, 'weight_format', 'native')} weights ({getattr(model, 'weight_reason', '')})")
         print_cost_curve(curve)
         _print_kernel_plan(model)
-    print(f"\ncached in {profile_path(profile.key)}")
+    path = profile_path(profile.key)
+    if path.is_file():
+        print(f"\ncached in {path}")
+    else:  # `costs.load_or_measure` keeps no profile measured beside a busy process
+        print("\nnot cached: other processes kept a CPU busy while it was measured; run tune again on an idle machine")
     return 0
 
 
