@@ -602,6 +602,7 @@ def draft_from_checkpoint(path: str | Path, oracle: Transformer, fingerprint: st
     checkpoint_draft.py`).  Its `training_meta` records the step, the history and the run's settings."""
     state = _read_checkpoint(Path(path))
     cfg = {**DistillConfig.ADDED_DEFAULTS, **state["config"]}
+    run = DistillConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(DistillConfig) if f.name in cfg})
     if cfg["kind"] == "feature":
         from stagedspec.models.feature_draft import FeatureDraftModel as cls
     else:
@@ -616,11 +617,11 @@ def draft_from_checkpoint(path: str | Path, oracle: Transformer, fingerprint: st
         raise StagedSpecError(f"checkpoint {path} does not hold a whole draft (missing {missing[:3]})")
     student.load_state_dict({k: v.to(student.embed.weight.device) for k, v in keys.items()}, strict=False)
     step = int(state["step"])
-    total = max(1, math.ceil(cfg["tokens"] / (cfg["batch_size"] * cfg["seq_len"])))
     history = list(state["history"])
     student.fingerprint = fingerprint
-    student.training_meta = {"steps_done": step, "total_steps": total, "tokens_seen": step * cfg["batch_size"] *
-                             cfg["seq_len"], "config": cfg, "history": history[-20:], "complete": step >= total,
+    student.training_meta = {"steps_done": step, "total_steps": run.total_steps,
+                             "tokens_seen": step * run.tokens_per_step, "config": cfg, "history": history[-20:],
+                             "complete": step >= run.total_steps,
                              **({"heldout_kl": history[-1]["heldout_kl"], "heldout_top1": history[-1]["heldout_top1"]}
                                 if history else {})}
     return student.eval()
