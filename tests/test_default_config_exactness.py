@@ -23,10 +23,11 @@ steps, and then its identity with `ar` would compare `ar` with `ar`.  So:
   runs must have run a speculative step somewhere in the set (each draft family is explored early in every
   request, whatever its price), and `auto` must have had drafted tokens accepted.
 - Qwen pair: measuring its cost profile takes one to six minutes per draft set on two cores, so the measured
-  methods price their arms with a hand-made profile on which speculation looks free instead: every step then
-  drafts, and the same policy code chooses among the same arms.  Which arms run depends on prices; exactness
-  does not.  It runs in the CPU's default dtype (`--dtype auto`); the other dtype is marked `slow` (each
-  dtype is about five minutes on two cores).
+  methods price their arms with a hand-made profile on which speculation looks free instead.  `auto`'s arms are
+  still rescaled by the request's own realized step times, so on a CPU they may choose `ar` on most steps after
+  trying the drafts; as for SmolLM2, the measured runs must have run speculative steps, and the same methods run
+  again with `--sizing fixed`, where a floor holds.  It runs in the CPU's default dtype (`--dtype auto`); the
+  other dtype is marked `slow` (each dtype is about five minutes on two cores).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class Pair:
     oracle: str
     draft: str
     # the floor on the mean accepted length (tokens per oracle step over the 8 prompts) of each run whose sizes
-    # are fixed; about half the gain over 1.0 measured on an AMD Zen 5 (2 busy cores), so a drafter that stops
-    # proposing most of its tokens fails while noise does not
+    # are fixed; about half the gain over 1.0 measured on an AMD Zen 5 (the Qwen pair in bf16 on 2026-11-28:
+    # chain 2.41, tree 2.49, lookup 1.17, staged 1.89), so a drafter that stops proposing most of its tokens fails
+    # while noise does not
     floors: dict[str, float]
     measured_prices: bool  # False: a hand-made profile on which speculation looks free (see the module docstring)
 
@@ -66,7 +68,7 @@ class Pair:
 SMOLLM2 = Pair("default", "default", {"chain": 1.15, "tree": 1.15, "lookup": 1.04, "staged": 1.15},
                measured_prices=True)
 QWEN = Pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b",
-            {"chain": 1.5, "tree": 1.5, "lookup": 1.0, "staged": 1.5, "auto": 1.5}, measured_prices=False)
+            {"chain": 1.5, "tree": 1.5, "lookup": 1.08, "staged": 1.5}, measured_prices=False)
 
 
 def _missing(pair: Pair) -> str | None:
@@ -183,11 +185,12 @@ def check_method(loaded: Loaded, method: str, *flags: str) -> None:
                         f"{out.token_ids[at:at + 4]} != {ref[at:at + 4]} (steps by arm: {out.stats.auto_choices})",
                         pytrace=False)
         runs.append(out)
-    if not spec.measured or not pair.measured_prices:  # every step of these drafts: a floor holds
-        assert_drafts_used(runs, label, pair.floors.get(method, 1.0))
-    elif method == "auto":  # measured prices: auto drafts where it pays (copies of code prompts at least)
+    if not spec.measured:  # every step of these drafts: a floor holds
+        print(f"{label}: mean accepted length "
+              f"{assert_drafts_used(runs, label, pair.floors.get(method, 1.0)):.2f}")
+    elif method == "auto":  # measured sizes: auto drafts where it pays (copies of code prompts at least)
         assert_drafts_used(runs, label)
-    else:  # measured prices: the fixed-size runs prove the drafts; here, that speculation ran at all
+    else:  # measured sizes: the fixed-size runs prove the drafts; here, that speculation ran at all
         steps = sum(n for out in runs for arm, n in out.stats.auto_choices.items() if arm != "ar")
         assert steps > 0, f"{label}: measured sizing ran no speculative step on any of the {len(runs)} prompts"
 
@@ -228,3 +231,10 @@ def qwen(request):  # noqa: ANN001, ANN201
 @pytest.mark.parametrize("method", METHODS)
 def test_qwen_pair_default_flags_greedy_identical_to_ar(qwen, method):  # noqa: ANN001
     check_method(qwen, method)
+
+
+@pytest.mark.qwen
+@pytest.mark.parametrize("method", MEASURED)
+def test_qwen_pair_fixed_sizes_greedy_identical_to_ar(qwen, method):  # noqa: ANN001
+    """The measured methods at their default sizes on every step (`--sizing fixed`): each step drafts."""
+    check_method(qwen, method, "--sizing", "fixed")
