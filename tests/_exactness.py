@@ -55,3 +55,25 @@ def assert_drafts_used(runs: Any | Iterable[Any], method: str, floor: float = 1.
         f"{len(items)} runs), floor {floor:g}: no draft was proven used, so its identity with ar compared ar "
         "with ar")
     return mean
+
+
+def assert_bit_identical(got: Any, want: Any, what: str) -> None:
+    """Assert two tensors are equal bit for bit, and say where they first differ when they are not.
+
+    Why: the row-exactness tests compare a row computed among others with the same row computed alone; a bare
+    `torch.equal` failure prints two tensors that agree to every shown digit and says nothing of which row or
+    how far apart."""
+    import torch
+
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    if torch.equal(got, want):
+        return
+    differs = got != want
+    if got.is_floating_point():
+        differs &= ~(torch.isnan(got) & torch.isnan(want))
+    at = tuple(int(i) for i in differs.nonzero()[0])
+    gap = (got.float() - want.float()).abs().max().item()
+    raise AssertionError(f"{what}: not bit-identical: first at index {at} ({got[at].item()!r} != "
+                         f"{want[at].item()!r}), {int(differs.sum())} of {differs.numel()} values differ, "
+                         f"largest gap {gap:.3g}")

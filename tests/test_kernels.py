@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _exactness import assert_bit_identical
 from stagedspec.kernels import grid, native, packing
 
 
@@ -50,7 +51,7 @@ def test_q4_1_groups_come_back_exactly() -> None:
     assert torch.equal(packing.dequantize_int4(c, s, lo), w)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_matches_its_dequantised_weights(dtype: torch.dtype, kernels: native.NativeKernels) -> None:
     """Only the activations' int8 rounding separates the kernel from x @ W^T (about 0.5% here)."""
     p4, w4, p8, w8 = _layers(n=64, k=256)
@@ -61,19 +62,21 @@ def test_native_matches_its_dequantised_weights(dtype: torch.dtype, kernels: nat
         assert ((y.float() - ref).norm() / ref.norm()).item() < 0.02
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_every_row_count_and_position_is_bit_identical_to_the_row_alone(kind: str,
+def test_every_row_count_and_position_is_bit_identical_to_the_row_alone(kind: str, dtype: torch.dtype,
                                                                         isa_kernels: native.NativeKernels) -> None:
     kernels = isa_kernels
     p4, _, p8, _ = _layers(n=24, k=64)
     run = (lambda x: kernels.q4_linear(x, p4, 24)) if kind == "q4" else (lambda x: kernels.q8_linear(x, p8, 24))
-    x = torch.randn(64, 64, dtype=torch.bfloat16) * torch.rand(64, 1).bfloat16() * 3
+    x = (torch.randn(64, 64) * torch.rand(64, 1) * 3).to(dtype)
     alone = torch.cat([run(x[i:i + 1]) for i in range(64)])
+    where = f"{isa_kernels.name} {kind} {dtype}"
     for rows in range(1, 65):
-        assert torch.equal(run(x[:rows]), alone[:rows]), rows
+        assert_bit_identical(run(x[:rows]), alone[:rows], f"{where}: {rows} rows in one pass against each alone")
     perm = torch.randperm(64)
-    assert torch.equal(run(x[perm]), alone[perm])
-    assert torch.equal(run(x[17:50]), alone[17:50])
+    assert_bit_identical(run(x[perm]), alone[perm], f"{where}: 64 rows shuffled")
+    assert_bit_identical(run(x[17:50]), alone[17:50], f"{where}: rows 17-49")
 
 
 def test_results_do_not_depend_on_the_thread_count(isa_kernels: native.NativeKernels) -> None:
@@ -269,7 +272,7 @@ def test_q5_0_and_q8_0_groups_keep_their_codes_in_int8() -> None:
         assert torch.equal(packing.dequantize_int8(c, s), w)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_attention_matches_sdpa_with_gqa_and_a_tree_mask(dtype: torch.dtype,
                                                                  kernels: native.NativeKernels) -> None:
     import torch.nn.functional as F
@@ -291,7 +294,7 @@ def test_native_attention_matches_sdpa_with_gqa_and_a_tree_mask(dtype: torch.dty
     assert torch.allclose(got.float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("D", [64, 128, 24])
 def test_native_attention_is_the_same_bits_on_every_instruction_set_and_ignores_masked_slots(
         dtype: torch.dtype, D: int, isa_kernels: native.NativeKernels) -> None:
@@ -354,9 +357,11 @@ def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row(dtype: tor
             cache.commit()
             one_row[width] = model(torch.tensor([ids[6:]]), torch.tensor([6]), cache, key_width=width)[0]
             cache.truncate(4)
-    assert torch.equal(split, whole[4:])
-    assert torch.equal(tree_logits[[0, 1, 3]], whole[4:])
-    assert torch.equal(one_row[None], whole[6:]) and torch.equal(one_row[64], whole[6:])
+    where = f"{isa_kernels.name} {dtype}"
+    assert_bit_identical(split, whole[4:], f"{where}: a prompt in two passes against one pass")
+    assert_bit_identical(tree_logits[[0, 1, 3]], whole[4:], f"{where}: a tree path's rows against the prompt pass")
+    for width, got in one_row.items():
+        assert_bit_identical(got, whole[6:], f"{where}: a one-row pass (key width {width}) against a row of seven")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from _exactness import assert_bit_identical
 from _native import ISA_KEY, ISA_PARAMS
 from stagedspec.kernels import native, packing
 from stagedspec.models.gguf_codes import RawTensor, dequantized, q4k_codes, q5_0_codes, q6k_codes
@@ -88,27 +89,29 @@ def test_kernels_match_the_weights_they_stand_for(case: str, kernels: native.Nat
     assert y.shape == ref.shape and ((y - ref).norm() / ref.norm()).item() < 0.02
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES)
-def test_every_row_count_position_thread_count_and_isa_gives_the_row_alone(case: str,
+def test_every_row_count_position_thread_count_and_isa_gives_the_row_alone(case: str, dtype: torch.dtype,
                                                                            isa_kernels: native.NativeKernels) -> None:
     """On the path forced here: every row count and position, one thread, and the portable path give the row
     computed alone."""
     packed, formats, outs, _ = _weight(case, seed=3)
     run = lambda x, k=isa_kernels: k.qlinear(x, packed, formats, outs)  # noqa: E731
-    x = torch.randn(64, 256, dtype=torch.bfloat16) * torch.rand(64, 1).bfloat16() * 3
+    x = (torch.randn(64, 256) * torch.rand(64, 1) * 3).to(dtype)
     alone = torch.cat([run(x[i:i + 1]) for i in range(64)])
+    where = f"{isa_kernels.name} {case} {dtype}"
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 16, 31, 33, 64):
-        assert torch.equal(run(x[:rows]), alone[:rows]), rows
+        assert_bit_identical(run(x[:rows]), alone[:rows], f"{where}: {rows} rows in one pass against each alone")
     perm = torch.randperm(64)
-    assert torch.equal(run(x[perm]), alone[perm])
+    assert_bit_identical(run(x[perm]), alone[perm], f"{where}: 64 rows shuffled")
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(run(x[:11]), alone[:11])
+        assert_bit_identical(run(x[:11]), alone[:11], f"{where}: 11 rows on one thread")
     finally:
         torch.set_num_threads(before)
     portable = isa_kernels.with_isa(0)
-    assert torch.equal(run(x[:9], portable), alone[:9])
+    assert_bit_identical(run(x[:9], portable), alone[:9], f"{where}: the portable path against this one")
 
 
 # ---------------------------------------------------------------------- a K-quant GGUF, loaded

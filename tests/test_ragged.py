@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _exactness import assert_bit_identical
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.ragged import Segment, forward_ragged, padded_rows
 from stagedspec.models.transformer import Transformer, init_random
@@ -272,8 +273,10 @@ def test_quantised_models_on_the_native_kernels_batch_bit_identically(mode: str,
         stack, model.native_stack = model.native_stack, None  # the same pass op by op, from Python
         by_ops, _ = run(model, True, False, seed=3, pad=pad)
         model.native_stack = stack
-    for a, b, c in zip(solo, ragged, by_ops):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    for a, b in zip(solo_caches, ragged_caches):
-        assert torch.equal(b.k[:, :, :, :a.length], a.k[:, :, :, :a.length])
-        assert torch.equal(b.v[:, :, :, :a.length], a.v[:, :, :, :a.length])
+    where = f"{kernels.name} {mode}{' padded' if pad else ''}"
+    for i, (a, b, c) in enumerate(zip(solo, ragged, by_ops)):
+        assert_bit_identical(b, a, f"{where}: segment {i} of the ragged pass against its solo pass")
+        assert_bit_identical(c, a, f"{where}: segment {i} of the ragged pass op by op against its solo pass")
+    for i, (a, b) in enumerate(zip(solo_caches, ragged_caches)):
+        assert_bit_identical(b.k[:, :, :, :a.length], a.k[:, :, :, :a.length], f"{where}: segment {i}'s keys")
+        assert_bit_identical(b.v[:, :, :, :a.length], a.v[:, :, :, :a.length], f"{where}: segment {i}'s values")
