@@ -353,9 +353,9 @@ def test_feature_draft_passes_join_the_ragged_passes(feature_engine, method, mon
         sched.stop()
     infos = [ev[-1][2] for ev in events]
     assert [ev[-1][0] for ev in events] == ["done"] * 5
-    for p, info in zip(prompts, infos):
+    for i, (p, info) in enumerate(zip(prompts, infos)):
         solo = Pipeline(eng.model, eng.tokenizer, [draft], spec).generate(p, max_new_tokens=12)
-        assert info["token_ids"] == solo.token_ids
+        assert info["token_ids"] == solo.token_ids, f"request {i} differs from its solo run"
         # the same proposals as alone: the served draft reads the oracle's hidden states too
         assert info["tokens_by_stage"] == dict(Counter(solo.stats.token_origins))
     draft_calls = sum(row["forward_passes"] for info in infos for row in info["stages"] if row["stage"] == "draft")
