@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -21,31 +21,11 @@ from torch import Tensor
 from stagedspec.drafters.base import Drafter, StageTelemetry
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.transformer import Transformer
+from stagedspec.oracle import Oracle
 from stagedspec.runner import ModelOracle  # noqa: F401 - re-exported: the loop's model runner lives there
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 from stagedspec.verification import VerifyResult, verify
-
-
-class Oracle(Protocol):
-    """The model whose output must be reproduced exactly.
-
-    `bit_exact` (optional, False when absent): greedy steps keep only what was
-    verified on slot-aligned rows (`keep_slot_aligned`); `ModelOracle` sets it.
-    """
-
-    forward_passes: int
-    bit_exact: bool
-
-    def prefill(self, prompt_ids: Sequence[int]) -> None: ...
-
-    def score(self, tree: TokenTree) -> Tensor:
-        """Logits [N, V]: row i is the next-token distribution after the path to node i."""
-        ...
-
-    def commit(self, accepted: Sequence[int]) -> None:
-        """Keep the root and the `accepted` nodes (in order) of the last scored tree."""
-        ...
 
 
 class NoDrafter(Drafter):

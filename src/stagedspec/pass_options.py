@@ -14,10 +14,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from stagedspec.runner import StaticRunner
+from typing import Any
 
 PASS_MODES = ("eager", "static", "graphs")
 
@@ -83,7 +80,9 @@ class PassRuntime:
 
     options: PassOptions = field(default_factory=PassOptions.from_environment)
     compiled_forward: Callable[..., Any] | None = None  # the model's `forward_static` through torch.compile
-    runners: list[StaticRunner] = field(default_factory=list, repr=False)
+    # `runner.StaticRunner`s, leased and given back by `runner.acquire_runner` alone (typed loosely here: this
+    # module sits below the runner and imports nothing of the package)
+    runners: list[Any] = field(default_factory=list, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `runners` and their leases
 
     def __reduce__(self) -> tuple[type[PassRuntime], tuple[PassOptions]]:

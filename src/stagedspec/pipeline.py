@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
+from stagedspec.auto.drafter import AutoDrafter
 from stagedspec.exactness import default_bit_exact
 from stagedspec.errors import StagedSpecError
 from stagedspec.generation import (
@@ -739,7 +740,7 @@ class Pipeline:
         if text.stopped:
             result.stats.finish_reason = "stop"  # also when only the final flush held the stop string
         result.stats.stages = stage_report(result.stats, drafter)
-        owner = self.learned.method_of(drafter.policy)
+        owner = self.learned.method_of(drafter.policy) if isinstance(drafter, AutoDrafter) else None
         if owner is not None:
             self.learned.save(owner)  # the kept policy learned something (a seeded run's own is dropped)
         result.stats.dtype = dtype_name(self.dtype)

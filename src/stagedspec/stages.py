@@ -30,7 +30,8 @@ from torch import Tensor
 
 from stagedspec.drafters.base import Drafter, StageTelemetry, check_size
 from stagedspec.errors import StagedSpecError
-from stagedspec.generation import GenerationStats, Oracle, iter_steps
+from stagedspec.generation import GenerationStats, iter_steps
+from stagedspec.oracle import Oracle
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree
 

@@ -21,7 +21,7 @@ from stagedspec.tree import TokenTree
 
 if TYPE_CHECKING:
     from stagedspec.drafters.lookup import LookupDrafter
-    from stagedspec.generation import Oracle
+    from stagedspec.oracle import Oracle
 
 EXPLORE_EVERY = 8  # every this many priced steps, run the arm with the highest optimistic rate ...
 EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the priced step after an exploration
@@ -126,7 +126,6 @@ class AutoDrafter(Drafter):
     """
 
     name = "auto"
-    reads_shared_load = True
 
     def __init__(self, policy: AutoPolicy, arms: Mapping[Arm, tuple[Drafter, Sequence[Resize]]],
                  lookup: LookupDrafter | None = None) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -27,8 +27,7 @@ from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 
 if TYPE_CHECKING:
-    from stagedspec.auto import AutoPolicy, SharedLoad
-    from stagedspec.generation import Oracle
+    from stagedspec.oracle import Oracle
 
 
 @dataclass
@@ -56,10 +55,6 @@ class Drafter(ABC):
     forward_passes: int = 0
     """Draft-model forward passes run so far (the stats' `draft_forward_passes`); 0 for a model-free drafter."""
 
-    policy: AutoPolicy | None = None
-    """The `--method auto` policy this drafter chooses its arms with (None: it has none).  After a request
-    the pipeline saves what a shared policy learned (`LearnedState.save`)."""
-
     request_choices: Mapping[str, int] = MappingProxyType({})
     """Steps run per `auto` arm during the current request (the stats' `auto_choices`); empty when the
     drafter does not choose between arms."""
@@ -68,15 +63,6 @@ class Drafter(ABC):
     """Most nodes a tree may have (None: any), set by the server under memory pressure before each step
     (`stagedspec.server.pressure`).  A drafter that chooses its tree's size (`auto`) picks one that fits
     rather than have it cut; any other ignores it, and the server cuts its tree to the cap."""
-
-    reads_shared_load: ClassVar[bool] = False
-    """Whether this drafter prices its steps by the batched round they share (`auto`): only then does the
-    server's scheduler build `shared_load` for it before each round."""
-
-    shared_load: SharedLoad | None = None
-    """The batched round this request's next step shares (`auto.SharedLoad`), set by the server's scheduler
-    between rounds for a drafter that `reads_shared_load` (never for a seeded sampled request, whose choices
-    must not depend on its neighbours).  None: priced alone."""
 
     @abstractmethod
     def begin(self, prompt_ids: Sequence[int]) -> None:

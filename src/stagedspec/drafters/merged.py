@@ -23,7 +23,7 @@ from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 
 if TYPE_CHECKING:
-    from stagedspec.generation import Oracle
+    from stagedspec.oracle import Oracle
 
 
 class MergedDrafter(Drafter):

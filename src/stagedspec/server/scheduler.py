@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from stagedspec.auto.drafter import AutoDrafter
 from stagedspec.constraints.processor import ConstrainedOracle, LogitsProcessor
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
@@ -113,7 +114,7 @@ class _Running:
             raise
         # `auto` prices its arms by the batched round it shares (`auto.SharedLoad`), except for a seeded
         # sampled request: its tree shapes, and so its draws, must be its solo run's.
-        self.load_aware = self.drafter.reads_shared_load and not reproducible
+        self.load_aware = isinstance(self.drafter, AutoDrafter) and not reproducible
         self.switch = CappedDrafter(self.drafter, job.spec.max_tree_budget, level)
         self.stats = GenerationStats()
         self.steps = iter_steps(self.oracle, self.switch, job.prompt_ids, max_new_tokens=job.max_tokens,
