@@ -30,7 +30,8 @@ from stagedspec.auto import (
     spine,
     verify_rows,
 )
-from stagedspec.costs import PROFILE_VERSION, CostProfile, interpolate, load_or_measure, monotone, profile_path
+from stagedspec.costs import PROFILE_VERSION, CostProfile, interpolate, monotone, profile_path
+from stagedspec.profiling import load_or_measure
 from stagedspec.drafters.base import Drafter
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
@@ -390,7 +391,7 @@ def test_requests_arriving_together_share_one_measured_profile(tmp_path, monkeyp
     import threading
     import time
 
-    import stagedspec.costs as costs
+    import stagedspec.profiling as profiling
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.transformer import Transformer, init_random
 
@@ -404,9 +405,9 @@ def test_requests_arriving_together_share_one_measured_profile(tmp_path, monkeyp
     def measure(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a slow measurement, different every time
         calls.append(1)
         time.sleep(0.05)
-        return CostProfile(oracle={1: 0.01 * len(calls), 4: 0.02}, drafts=[], key=costs.profile_key(oracle, [], "cpu"))
+        return CostProfile(oracle={1: 0.01 * len(calls), 4: 0.02}, drafts=[], key=profiling.profile_key(oracle, [], "cpu"))
 
-    monkeypatch.setattr(costs, "measure_profile", measure)
+    monkeypatch.setattr(profiling, "measure_profile", measure)
     got = []
     threads = [threading.Thread(target=lambda: got.append(load_or_measure(oracle, [], "cpu"))) for _ in range(4)]
     for t in threads:

@@ -73,18 +73,18 @@ def test_fp32_as_a_reference_only_measures_nothing_of_its_own_speed(tiny: Path, 
     their `auto` takes its arms by a hand-made profile, and only the serving models' costs are measured."""
     import os
 
-    import stagedspec.costs as costs
+    import stagedspec.profiling as profiling
     import stagedspec.models.matmul_plan as matmul_plan
 
     planned, measured = [], []
-    real_measure = costs.measure_profile
+    real_measure = profiling.measure_profile
 
     def measure_profile(oracle, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         measured.append(oracle.quantised)
         return real_measure(oracle, *args, **kwargs)
 
     monkeypatch.setattr(matmul_plan, "apply_plan", lambda model, plans: planned.append(model))
-    monkeypatch.setattr(costs, "measure_profile", measure_profile)
+    monkeypatch.setattr(profiling, "measure_profile", measure_profile)
     code, out, err = run_check(["--oracle", str(tiny), "--draft", "layers:1", "--quick", "--quant", "int8",
                                 "--samples", "300"], capsys)
     assert code == 0, out + err

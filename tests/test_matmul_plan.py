@@ -128,7 +128,7 @@ def test_timings_are_cached_per_shape_count_and_machine(tmp_path: Path) -> None:
 
 
 def test_the_plan_is_part_of_the_cost_profile_key(tmp_path: Path) -> None:
-    from stagedspec.costs import model_fingerprint
+    from stagedspec.profiling import model_fingerprint
 
     plain = _model()
     a = mp.plan_matmuls(_model(), measure=_measure({1})[0], cache_file=tmp_path / "a.json")

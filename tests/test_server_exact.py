@@ -74,19 +74,19 @@ def pin_cost_profile(folder, dtype: str, quant: str) -> None:  # noqa: ANN001
     Why: `auto` and measured sizing price arms by the machine's cost profile, and a seeded request's sample
     depends on the arms chosen.  Left to each process, the server and this test process measure a profile of
     their own, and one measured while the machine is busy is used for that process only and not cached
-    (`costs.load_or_measure`): the two then price by different timings and a seeded `auto` request chooses
+    (`profiling.load_or_measure`): the two then price by different timings and a seeded `auto` request chooses
     other arms than its solo run.  One written profile gives both the same prices."""
-    from stagedspec import costs
+    from stagedspec import costs, profiling
     from stagedspec.paths import write_text_atomic
 
     with one_torch_thread():
         # the models as the server loads them (a quantised oracle's draft is planned and formatted there)
         pipe = Pipeline.load(str(folder), "layers:1", speculation=SpeculationConfig(method="tree"), dtype=dtype,
                              quant=quant)
-        path = costs.profile_path(costs.profile_key(pipe.model, pipe.draft_models, "cpu"))
+        path = costs.profile_path(profiling.profile_key(pipe.model, pipe.draft_models, "cpu"))
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            profile = costs.measure_profile(pipe.model, pipe.draft_models, "cpu", quiet=True)
+            profile = profiling.measure_profile(pipe.model, pipe.draft_models, "cpu", quiet=True)
             write_text_atomic(path, profile.to_json())
 
 

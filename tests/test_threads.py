@@ -97,20 +97,20 @@ def test_threads_flag_values() -> None:
 
 
 def test_a_cost_profile_measured_beside_a_busy_process_is_not_cached(monkeypatch, tmp_path, capsys) -> None:  # noqa: ANN001
-    from stagedspec import costs
+    from stagedspec import costs, profiling
 
     busy = iter([0.0, 10.0])  # 10 CPU-seconds of others' work over the measurement
     monkeypatch.setattr("stagedspec.threads.read_busy_seconds", lambda cpus: next(busy))
-    monkeypatch.setattr(costs, "profile_key", lambda o, d, dev: "k")
+    monkeypatch.setattr(profiling, "profile_key", lambda o, d, dev: "k")
     monkeypatch.setattr(costs, "profile_path", lambda key: tmp_path / f"{key}.json")
 
     def measure(oracle, drafts, device, quiet=False):  # noqa: ANN001, ANN202
-        load = costs.OthersLoad()
+        load = profiling.OthersLoad()
         load._start = (load._start[0] - 5.0, load._start[1], load._start[2])  # 5 s of wall time
         return costs.CostProfile({1: 0.01}, others_load=load.since_start())
 
-    monkeypatch.setattr(costs, "measure_profile", measure)
-    profile = costs.load_or_measure(None, [], "cpu")  # type: ignore[arg-type]
+    monkeypatch.setattr(profiling, "measure_profile", measure)
+    profile = profiling.load_or_measure(None, [], "cpu")  # type: ignore[arg-type]
     assert profile.others_load >= 1.0
     assert not (tmp_path / "k.json").exists()
     assert "measured again next time" in capsys.readouterr().err

@@ -127,7 +127,7 @@ def choose_draft_weights(
     `load_mixed`: the draft in its quantised GGUF's own formats (None: its
     source is not a quantised GGUF).  The chosen format and why are left on
     the draft as `weight_format` ("native", "int8" or "mixed") and `weight_reason`.  `measure` times a draft's
-    passes by row count (default: `costs.forward_cost_curve` at
+    passes by row count (default: `profiling.forward_cost_curve` at
     `MEASURED_ROWS`); `cache_file` keeps auto's measured choices (default:
     under the cost-profile folder).
     """
@@ -174,7 +174,7 @@ def _mark(draft: Transformer, fmt: str, reason: str) -> Transformer:
 
 
 def _default_measure(model: Transformer) -> dict[int, float]:
-    from stagedspec.costs import forward_cost_curve
+    from stagedspec.profiling import forward_cost_curve
 
     return forward_cost_curve(model, sizes=MEASURED_ROWS, context=256, repeats=7, fixed_width=False)
 
@@ -184,7 +184,7 @@ def _cache_file() -> Path:
 
 
 def _cache_key(draft: Transformer) -> str:
-    from stagedspec.costs import model_fingerprint
+    from stagedspec.profiling import model_fingerprint
 
     return f"{model_fingerprint(draft)}|{hardware.fingerprint('cpu')}"
 

@@ -60,7 +60,7 @@ class LearnedState:
         rather than assumed."""
         cached = self._pass_seconds
         if cached is None or max(cached) < max_rows:
-            from stagedspec.costs import forward_cost_curve
+            from stagedspec.profiling import forward_cost_curve
 
             sizes = sorted({r for r in PASS_ROWS if r < max_rows} | {max_rows})
             context = min(256, model.config.max_position - max_rows - 1)

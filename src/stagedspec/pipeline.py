@@ -497,7 +497,7 @@ class Pipeline:
 
     def cost_profile(self, remeasure: bool = False, quiet: bool = False):  # noqa: ANN201 - costs.CostProfile
         """This machine's pass costs for these models (cached on disk; measured at first use)."""
-        from stagedspec.costs import load_or_measure
+        from stagedspec.profiling import load_or_measure
 
         return load_or_measure(self.model, self.draft_models, self.device, remeasure=remeasure, quiet=quiet)
 

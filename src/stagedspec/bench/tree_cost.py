@@ -4,6 +4,6 @@ The measurement lives in the core (`stagedspec.costs`), where `--method auto`
 and the adaptive tree budget use it; this module keeps the bench's name for it.
 """
 
-from stagedspec.costs import forward_cost_curve, print_cost_curve
+from stagedspec.profiling import forward_cost_curve, print_cost_curve
 
 __all__ = ["forward_cost_curve", "print_cost_curve"]

@@ -239,7 +239,8 @@ def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: flo
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from stagedspec.costs import print_cost_curve, profile_path
+    from stagedspec.costs import profile_path
+    from stagedspec.profiling import print_cost_curve
     from stagedspec.pipeline import Pipeline, SpeculationConfig, dtype_name
 
     drafts = [] if args.draft in ("none", "") else args.draft.split(",")
@@ -280,7 +281,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     path = profile_path(profile.key)
     if path.is_file():
         print(f"\ncached in {path}")
-    else:  # `costs.load_or_measure` keeps no profile measured beside a busy process
+    else:  # `profiling.load_or_measure` keeps no profile measured beside a busy process
         print("\nnot cached: other processes kept a CPU busy while it was measured; run tune again on an idle machine")
     return 0
 
