@@ -6,8 +6,9 @@ bench results.
     python scripts/readme_table.py --check   # exit 1 if either block differs from the data
 
 The runs are chosen in docs/bench/headline.json, newest first; every number is read from the bench
-results.json each names (greedy runs, temperature 0).  The README shows the newest run of each machine and
-model (so that install, the quickstart and the commands stay near its top); benchmarks.md shows them all.
+results.json each names (greedy runs, temperature 0).  The README shows one row per machine kind and model:
+the default command (`auto`) of the newest run, against our `ar` and llama.cpp in that run, at most 8 rows, so
+that install, the quickstart and the commands stay near its top.  benchmarks.md shows every run, every method.
 """
 from __future__ import annotations
 
@@ -39,22 +40,63 @@ def _identical(entry: dict) -> str:
     return f"{exact['identical_prompts']}/{exact['prompts']}"
 
 
+def machine_kind(machine: str) -> str:
+    """The kind of machine a run's machine is: the CPU kinds the project measures (Intel Xeon with AMX, AMD with
+    AVX-512, AMD with AVX2 only), or the GPU's own name."""
+    if "AMX" in machine and "no AMX" not in machine:
+        return "Intel Xeon, AMX"
+    if "AVX2" in machine and "no AVX-512" in machine:
+        return "AMD EPYC, AVX2 only"
+    if "AVX-512" in machine:
+        return "AMD EPYC, AVX-512"
+    return machine.split(",")[0]
+
+
+def model_name(model: str) -> str:
+    """The model and its weights' format, without the run's notes ("Qwen2.5-Coder-1.5B Q4_K_M")."""
+    name = model.split(",")[0].split(" (")[0]
+    return name.replace(" GGUF dequantised to bf16", "").replace(" GGUF", "")
+
+
 def newest_per_machine_and_model(rows: list[dict]) -> list[dict]:
-    """The first row (the newest: headline.json lists newest first) of each (machine, model name); a machine
-    named with its core generation ("AMD EPYC (Zen 3), AVX2 ...") is the one named without it."""
+    """The first row (the newest: headline.json lists newest first) of each (machine kind, model name)."""
     seen, kept = set(), []
     for row in rows:
-        key = (re.sub(r" \(Zen \d+\)", "", row["machine"]), row["model"].split(" ")[0].split(",")[0])
+        key = (machine_kind(row["machine"]), row["model"].split(" ")[0].split(",")[0])
         if key not in seen:
             seen.add(key)
             kept.append(row)
     return kept
 
 
-def table(headline_path: Path = HEADLINE, root: Path = ROOT, every_run: bool = False) -> str:
-    """The table of the README (the newest run per machine and model) or, `every_run`, of benchmarks.md."""
+def readme_table(headline_path: Path = HEADLINE, root: Path = ROOT) -> str:
+    """The README's table: per machine kind and model, the newest run's default command (`auto`)."""
     spec = json.loads(headline_path.read_text())
-    rows = spec["rows"] if every_run else newest_per_machine_and_model(spec["rows"])
+    lines = [
+        "| machine | model | default command | tok/s | vs our `ar` | vs llama.cpp | greedy = `ar` | run |",
+        "|---|---|---|---:|---:|---:|---|---|",
+    ]
+    for row in newest_per_machine_and_model(spec["rows"]):
+        auto = next((name for name, label in row["methods"].items() if "auto" in label), None)
+        if auto is None:
+            continue
+        folder = Path(row["results"]).parent.as_posix()
+        summary = _summary(json.loads((root / row["results"]).read_text()))
+        entry = summary[auto]
+        tps = entry["tokens_per_second"]["median"]
+        ref = row.get("llamacpp")
+        vs_llama = f"{tps / summary[ref]['tokens_per_second']['median']:.2f}x" if ref else "–"
+        vs_ar = f"{entry['speedup_vs_ar']['median']:.2f}x" if entry.get("speedup_vs_ar") else "–"
+        lines.append(f"| {machine_kind(row['machine'])} | {model_name(row['model'])} | {row['methods'][auto]} | "
+                     f"{tps:.1f} | {vs_ar} | {vs_llama} | {_identical(entry)} | "
+                     f"[{row['date']}, `{row['commit']}`]({folder}/) |")
+    return "\n".join(lines) + "\n"
+
+
+def table(headline_path: Path = HEADLINE, root: Path = ROOT) -> str:
+    """benchmarks.md's table: every headline run, every method."""
+    spec = json.loads(headline_path.read_text())
+    rows = spec["rows"]
     lines = [
         "| date, commit | machine | model, weights | method | tok/s | vs `ar` | vs llama.cpp | greedy output = `ar`'s (prompts) | data |",
         "|---|---|---|---|---:|---:|---:|---|---|",
@@ -94,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 if README.md's table is out of date")
     args = ap.parse_args(argv)
     stale = []
-    for path, block in ((README, table()), (BENCHMARKS, table(every_run=True))):
+    for path, block in ((README, readme_table()), (BENCHMARKS, table())):
         if not (args.write or args.check):
             if path == README:
                 sys.stdout.write(block)

@@ -17,25 +17,34 @@ def _script():
 def test_readme_headline_table_matches_the_measured_files() -> None:
     script = _script()
     readme = (ROOT / "README.md").read_text()
-    assert script.replace_block(readme, script.table()) == readme, "run: python scripts/readme_table.py --write"
+    assert script.replace_block(readme, script.readme_table()) == readme, "run: python scripts/readme_table.py --write"
+
+
+def test_readme_headline_table_has_at_most_8_rows_one_per_machine_kind_and_model() -> None:
+    body = [line for line in _script().readme_table().splitlines()[2:] if line.startswith("|")]
+    assert 0 < len(body) <= 8, len(body)
+    keys = [tuple(cell.strip() for cell in line.split("|")[1:3]) for line in body]
+    assert len(set(keys)) == len(keys), keys
 
 
 def test_benchmarks_table_of_every_headline_run_matches_the_measured_files() -> None:
     script = _script()
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    assert script.replace_block(text, script.table(every_run=True)) == text, \
+    assert script.replace_block(text, script.table()) == text, \
         "run: python scripts/readme_table.py --write"
 
 
-def test_readme_shows_the_newest_run_of_each_machine_and_model_only() -> None:
-    rows = [{"machine": "A", "model": "SmolLM2-135M Q4_1", "date": "2"},
-            {"machine": "A", "model": "SmolLM2-135M, bf16", "date": "1"},
-            {"machine": "A", "model": "Qwen2.5-Coder-1.5B Q4_K_M", "date": "2"},
-            {"machine": "B", "model": "SmolLM2-135M Q4_1", "date": "1"},
-            {"machine": "A (Zen 3)", "model": "SmolLM2-135M Q4_1", "date": "0"}]
-    kept = _script().newest_per_machine_and_model(rows)
-    assert [(r["machine"], r["model"], r["date"]) for r in kept] == [
-        ("A", "SmolLM2-135M Q4_1", "2"), ("A", "Qwen2.5-Coder-1.5B Q4_K_M", "2"), ("B", "SmolLM2-135M Q4_1", "1")]
+def test_readme_shows_the_newest_run_of_each_machine_kind_and_model_only() -> None:
+    rows = [{"machine": "AMD EPYC (Zen 4), AVX-512 VNNI + BF16 (no AMX)", "model": "SmolLM2-135M Q4_1", "date": "2"},
+            {"machine": "AMD EPYC, AVX-512 BF16 (no AMX)", "model": "SmolLM2-135M, bf16", "date": "1"},
+            {"machine": "AMD EPYC (Zen 4), AVX-512 VNNI", "model": "Qwen2.5-Coder-1.5B Q4_K_M", "date": "2"},
+            {"machine": "Intel Xeon, AVX-512 BF16 + AMX", "model": "SmolLM2-135M Q4_1", "date": "1"},
+            {"machine": "AMD EPYC (Zen 3), AVX2 (no AVX-512)", "model": "SmolLM2-135M Q4_1", "date": "0"}]
+    script = _script()
+    kept = script.newest_per_machine_and_model(rows)
+    assert [(script.machine_kind(r["machine"]), r["model"], r["date"]) for r in kept] == [
+        ("AMD EPYC, AVX-512", "SmolLM2-135M Q4_1", "2"), ("AMD EPYC, AVX-512", "Qwen2.5-Coder-1.5B Q4_K_M", "2"),
+        ("Intel Xeon, AMX", "SmolLM2-135M Q4_1", "1"), ("AMD EPYC, AVX2 only", "SmolLM2-135M Q4_1", "0")]
 
 
 def test_every_headline_row_names_a_date_a_commit_and_an_existing_results_file() -> None:
