@@ -17,16 +17,14 @@ from stagedspec.costs import CostProfile
 from stagedspec.errors import StagedSpecError
 from stagedspec.learned_state import auto_state_path
 from stagedspec.models.draft_formats import truncated_copy
-from stagedspec.pipeline import (
-    MEASURED_METHODS,
-    Pipeline,
-    SpeculationConfig,
-    choose_sizing,
-)
+from stagedspec.methods import METHODS
+from stagedspec.pipeline import Pipeline, SpeculationConfig, choose_sizing
 from stagedspec.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cost_cache")
 
+# the methods `--sizing measured` sizes by measured costs (`auto` always does)
+MEASURED_METHODS = tuple(name for name, m in METHODS.items() if m.sizable and not m.always_measured)
 FLAT = CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])  # every arm is worth a turn
 PROMPT = [1, 5, 9, 5, 9, 5, 9, 2, 7]
 

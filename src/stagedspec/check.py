@@ -41,6 +41,7 @@ from torch import Tensor
 
 from stagedspec.drafters.base import Drafter
 from stagedspec.errors import StagedSpecError
+from stagedspec.methods import METHODS
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree
 
@@ -354,11 +355,11 @@ class _Loaded:
         from stagedspec.pipeline import Pipeline, SpeculationConfig
 
         spec = SpeculationConfig.tuned(method, self.quant, ngram="given" if self.ngram is not None else None)
-        drafts = [] if method in ("ar", "lookup") else self.drafts
+        drafts = self.drafts if METHODS[method].uses_drafts else []
         pipe = Pipeline(self.model, self.tokenizer, drafts, spec, self.ngram)
         pipe.bit_exact = bit_exact
         profile = reference_profile() if every_arm else self.auto_profile
-        if method == "auto" and profile is not None:
+        if METHODS[method].always_measured and profile is not None:
             from stagedspec.auto import AutoPolicy, arms_for
 
             arms = arms_for(self.ngram is not None or spec.context, bool(drafts), self.device, has_context=spec.context)
@@ -482,11 +483,11 @@ def _greedy(report: Report, loaded: _Loaded, label: str, prompts: list[list[int]
         tokens = sum(r.stats.new_tokens for r in results)
         seconds = sum(r.stats.seconds for r in results)
         speeds[method] = tokens / seconds if seconds > 0 else 0.0
-        if method == "ar":
+        if not METHODS[method].speculates:  # `ar`: the reference
             refs = [r.token_ids for r in results]
             continue
         rerun = ""
-        if method == "auto" and _drafts_used(results)[2] == 0:
+        if METHODS[method].always_measured and _drafts_used(results)[2] == 0:
             # `auto` chose `ar` on every step by this machine's costs: its arms are then run in turn (every
             # pass priced as nearly free), so that the identity covers what it would run elsewhere
             pipe = loaded.pipeline(method, bit_exact, every_arm=True)

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
-from torch import Tensor
 
 from stagedspec.drafters.base import Drafter, StageTelemetry
 from stagedspec.errors import StagedSpecError

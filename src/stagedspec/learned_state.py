@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stagedspec.methods import METHODS
 from stagedspec.paths import write_text_atomic
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def auto_state_path(profile_key: str, method: str = "auto") -> Path:
     profile it was learned with."""
     from stagedspec.costs import profile_path
 
-    name = "auto" if method == "auto" else f"{method}-sizes"
+    name = "auto" if METHODS[method].always_measured else f"{method}-sizes"
     return profile_path(profile_key).with_name(f"{profile_key}.{name}.json")  # whatever the profile's version
 
 

@@ -7,83 +7,45 @@ means the same thing everywhere.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from stagedspec.auto.drafter import AutoDrafter
+from stagedspec.drafting import DraftParts, fixed_drafter, measured_drafter
 from stagedspec.exactness import default_bit_exact
+from stagedspec.dtypes import DTYPES, dtype_name, parse_dtype, parse_weights, resolve_dtype  # noqa: F401 - re-exported
 from stagedspec.errors import StagedSpecError
 from stagedspec.generation import (
     Drafter,
     GenerationResult,
     ModelOracle,
-    NoDrafter,
     Oracle,
     context_budget,
     speculative_generate,
 )
 from stagedspec.learned_state import LearnedState
+from stagedspec.methods import method_named
 from stagedspec.models.draft_formats import DraftSource, draft_format, load_draft_spec
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions, PassRuntime
-from stagedspec.runner import RequestPasses, draft_cache_len
+from stagedspec.runner import RequestPasses
 from stagedspec.sampling import SamplingParams
+from stagedspec.speculation import (  # noqa: F401 - re-exported: the library's names since the start
+    CUDA_DEFAULTS,
+    NATIVE_BF16_DEFAULTS,
+    QUANTISED_DEFAULTS,
+    SIZINGS,
+    SpeculationConfig,
+    choose_sizing,
+    sized_method,
+)
 from stagedspec.tokenizer import tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from stagedspec.constraints.grammar import GrammarCompiler
     from stagedspec.threads import ThreadGovernor
     from stagedspec.constraints.processor import LogitControls, LogitsProcessor
-
-METHODS = ("auto", "ar", "chain", "tree", "lookup", "staged")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return resolve_dtype(name, "cpu")[0]
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise StagedSpecError(f"unknown dtype {name!r}: use auto, bf16 or fp32") from None
-
-
-def resolve_dtype(name: str, device: str, quant: str = "none") -> tuple[torch.dtype, str]:
-    """(dtype, why) for a --dtype value; `auto` asks the hardware (`stagedspec.hardware.auto_dtype`).
-
-    Quantised weights on the native kernels take either dtype (activations are
-    quantised to int8 inside them), so `auto` asks the hardware for the rest
-    of the pass too; PyTorch's fallback kernels compute in bf16 only.
-    """
-    if name != "auto":
-        return parse_dtype(name), "as asked"
-    if quant != "none":
-        from stagedspec.kernels.native import native_kernels
-
-        if native_kernels() is None:
-            return torch.bfloat16, f"--quant {quant} on PyTorch's kernels computes in bf16"
-    from stagedspec.hardware import auto_dtype
-
-    chosen, why = auto_dtype(device)
-    return DTYPES[chosen], why
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
-
-
-def parse_weights(name: str) -> tuple[torch.dtype, str]:
-    """A weight format as the engine benchmarks name it: bf16, fp32, or int4/int8 (quantised, bf16 compute)."""
-    if name in ("int4", "int8"):
-        return torch.bfloat16, name
-    try:
-        return DTYPES[name], "none"
-    except KeyError:
-        raise StagedSpecError(f"unknown weight format {name!r}: use bf16, fp32, int8 or int4") from None
-
 
 def check_device(device: str) -> str:
     """A valid device name, with CUDA set up for our passes.
@@ -102,179 +64,6 @@ def check_device(device: str) -> str:
     if device.startswith("cuda") and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
         torch.backends.cuda.enable_cudnn_sdp(False)
     return device
-
-
-# Speculation defaults on int4/int8 oracle weights (see `SpeculationConfig.tuned`).
-QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "chain_length": 2, "lookup_chain_length": 2,
-                      "stage_chain_length": 1}
-# On a GPU with CUDA graphs a 16-row oracle pass costs 1.2x a 1-row one and 64 rows 1.3x (H100, docs/gpu.md),
-# while each draft pass costs about as much host work as an oracle pass: so wider trees at the same depth
-# (more nodes per draft pass) and longer lookup chains (free to propose).
-CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_chain_length": 8}
-# bf16 on a CPU with native bf16 (AVX-512 BF16 or AMX): a verification row costs next to nothing (AMX, 2
-# threads: 12 rows 1.1x one), so `staged` merges a longer prompt-lookup chain into the oracle's tree
-# (AMX Xeon, 2026-11-23, docs/benchmarks.md: 1.75x -> 1.78-1.87x bf16 `ar` greedy in four runs, T=1 1.44-1.51x).  Where rows are dear
-# (AVX2 CPUs: a 16-row bf16 pass 6.3x one row), the chain stays `lookup_chain_length` long.
-NATIVE_BF16_DEFAULTS = {"oracle_lookup_length": 8}
-# Methods whose sizes can be chosen each step by this machine's measured costs (`SpeculationConfig.sizing`).
-# `chain` stays the textbook k-token baseline; `auto` always chooses.
-MEASURED_METHODS = ("tree", "lookup", "staged")
-SIZINGS = ("fixed", "measured")
-# The fields that size each method: setting any of them on the command line asks for fixed sizes.
-SIZE_FIELDS = {
-    "tree": ("tree_budget", "tree_depth", "branching", "adaptive_budget"),
-    "lookup": ("lookup_chain_length",),
-    "staged": ("stage_chain_length", "stage_branching", "lookup_chain_length", "oracle_lookup_length",
-               "oracle_lookup"),
-}
-
-
-@dataclass
-class SpeculationConfig:
-    """How drafts are proposed.
-
-    Defaults were tuned on the reference 2-core CPU with the default models
-    (docs/benchmarks.md, the AVX-512 BF16 EPYC of 2026-11-22): there a bf16 pass over 4 tokens costs what one
-    token costs, 8 cost 1.2x and 16 cost 1.5x (`stagedspec bench-engine
-    --tree-cost`), so small trees of likely tokens beat wide ones.
-
-    - chain / tree: one draft model proposes for the oracle;
-    - lookup: model-free drafts (prompt lookup and/or an n-gram) for the oracle;
-    - auto: each step, whichever of ar / lookup / tree / staged (and of
-      their sizes) this machine's measured costs and the acceptance so far
-      say is fastest (`stagedspec.auto`); the other fields do not apply;
-    - staged: oracle <- draft model(s) <- lookup; each model stage decodes
-      `stage_chain_length` tokens per proposal speculatively against the stage below;
-      with `oracle_lookup` the prompt-lookup chain is also merged into the
-      tree the oracle verifies (it catches the copies a small draft misses).
-    """
-
-    method: str = "auto"
-    tree_budget: int = 8
-    tree_depth: int = 4
-    branching: int = 2
-    chain_length: int = 4
-    ngram: str | None = None  # n-gram spec for lookup/staged: "default" or a file
-    context: bool = True  # prompt lookup at the bottom of lookup/staged
-    lookup_chain_length: int = 4  # tokens per lookup chain
-    stage_chain_length: int = 3  # tokens each model stage decodes per proposal
-    stage_branching: int = 1  # spine token + (b - 1) alternatives per position
-    oracle_lookup: bool = True  # staged: prompt-lookup chains also go straight to the oracle's tree
-    oracle_lookup_length: int | None = None  # staged: tokens of that chain (None: lookup_chain_length)
-    adaptive_budget: bool = False  # tree: verify only the nodes that pay for themselves (tree_budget = the most)
-    # tree: "best-first" on the host, "levels" on the device with one copy back (`stagedspec.tree_levels`),
-    # "auto": levels where a copy back waits for the device (CUDA), best-first on a CPU
-    tree_growth: str = "auto"
-    # tree / lookup / staged: "fixed" runs the sizes above every step; "measured" lets `auto`'s policy pick,
-    # each step, `ar` or one of this method's sizes by this machine's measured costs and the acceptance so
-    # far (`Pipeline.sized_policy`), so the method is never knowingly slower than plain decoding.  The
-    # CLI, the server and the bench run "measured" unless a size is given; the library keeps "fixed".
-    sizing: str = "fixed"
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise StagedSpecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
-        if self.sizing not in SIZINGS:
-            raise StagedSpecError(f"unknown --sizing {self.sizing!r}: use one of {', '.join(SIZINGS)}")
-        for label, value in (("--tree-budget", self.tree_budget), ("--tree-depth", self.tree_depth),
-                             ("--branching", self.branching), ("--chain-length", self.chain_length),
-                             ("--lookup-chain-length", self.lookup_chain_length),
-                             ("--stage-chain-length", self.stage_chain_length),
-                             ("--stage-branching", self.stage_branching),
-                             ("--oracle-lookup-length",
-                              1 if self.oracle_lookup_length is None else self.oracle_lookup_length)):
-            if value < 1:
-                raise StagedSpecError(f"{label} must be >= 1, got {value}")
-        from stagedspec.drafters.model import GROWTHS
-
-        if self.tree_growth not in GROWTHS:
-            raise StagedSpecError(f"unknown --tree-growth {self.tree_growth!r}: use one of {', '.join(GROWTHS)}")
-
-    @classmethod
-    def tuned(cls, method: str, quant: str = "none", device: str = "cpu", dtype: str | torch.dtype | None = None,
-              **overrides: Any) -> "SpeculationConfig":
-        """The defaults for `method` on `quant` oracle weights, `device` and `dtype` (a --dtype value or a
-        torch dtype; None: not known), with `overrides` (None = keep them).
-
-        On a CPU with native bf16, bf16 verification rows are nearly free, so
-        `staged` merges a longer prompt-lookup chain (`NATIVE_BF16_DEFAULTS`)
-        unless `lookup_chain_length` is given.
-
-        On CUDA (`CUDA_DEFAULTS`), verification rows are nearly free and draft
-        passes are not, so trees are wider at the same depth and lookup chains
-        longer.
-
-        Quantised layers make extra rows dear: PyTorch's int4 CPU kernel runs
-        rows in blocks of four, so a pass over 5-8 tokens costs about twice one
-        over 1-4 (`bench-engine --tree-cost --dtypes int4`: 4 tokens 1.13x,
-        8 tokens 1.72x), while the oracle pass itself got 2x cheaper than the
-        draft's.  On int4/int8 the proposals therefore stay within four rows.
-        """
-        values: dict[str, Any] = dict(QUANTISED_DEFAULTS) if quant != "none" else {}
-        if str(device).startswith("cuda") and quant == "none":
-            values.update(CUDA_DEFAULTS)
-        if quant != "none" and method == "lookup":
-            values["lookup_chain_length"] = 1
-        if (method == "staged" and quant == "none" and overrides.get("lookup_chain_length") is None
-                and _native_bf16_cpu(device, dtype)):
-            values.update(NATIVE_BF16_DEFAULTS)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(method=method, **values)
-
-    @property
-    def measured(self) -> bool:
-        """Whether each step's size is chosen by the measured costs (`sizing`): `auto`, or a method that
-        can be sized so and is asked to be."""
-        return self.method == "auto" or (self.sizing == "measured" and self.method in MEASURED_METHODS)
-
-    @property
-    def merged_lookup_length(self) -> int:
-        """staged: tokens of the prompt-lookup chain merged into the oracle's tree."""
-        return self.oracle_lookup_length or self.lookup_chain_length
-
-    @property
-    def max_tree_budget(self) -> int:
-        """Most tree nodes the oracle may be asked to verify in one step."""
-        if self.measured:  # the biggest arm the policy may run on any device
-            from stagedspec.auto import arms_for
-
-            return max(arm.max_tree_budget for arm in arms_for(True, True, "cuda", sized_method(self.method)))
-        lookup = self.merged_lookup_length if self.oracle_lookup else 0
-        staged = self.stage_chain_length * self.stage_branching + lookup
-        return max(self.tree_budget, self.chain_length, staged, self.lookup_chain_length * 3)
-
-
-def sized_method(method: str) -> str | None:
-    """The arm kind a measured method's policy is restricted to (None: `auto`, every kind)."""
-    return None if method == "auto" else method
-
-
-def choose_sizing(method: str, sizing: str | None, given: Mapping[str, Any]) -> str:
-    """The sizing a command line asks for: `sizing` if given, else "fixed" when one of `method`'s size fields
-    (`SIZE_FIELDS`; for `auto`, which a server request may switch to any method, every method's) is in
-    `given` (flag values, None = not given), else "measured" (it matters for `MEASURED_METHODS` only).
-    Naming a size together with `--sizing measured` is an error: the policy would ignore it."""
-    # `auto` may be asked for any method later (a server request): every size then counts
-    fields = SIZE_FIELDS.get(method, ()) if method != "auto" else dict.fromkeys(sum(SIZE_FIELDS.values(), ()))
-    named = [f for f in fields if given.get(f) is not None]
-    if sizing == "measured" and named:
-        flags = ", ".join("--" + f.replace("_", "-") for f in named)
-        raise StagedSpecError(f"--sizing measured picks {method}'s sizes each step; drop {flags} or use "
-                              f"--sizing fixed")
-    if sizing is not None:
-        return sizing
-    return "fixed" if named else "measured"
-
-
-def _native_bf16_cpu(device: str, dtype: str | torch.dtype | None) -> bool:
-    """Whether passes run in bf16 on a CPU whose bf16 matmuls are native (`hardware.cpu_has_native_bf16`)."""
-    if dtype is None or not str(device).startswith("cpu"):
-        return False
-    if isinstance(dtype, str):
-        dtype = resolve_dtype(dtype, "cpu")[0]
-    from stagedspec.hardware import cpu_has_native_bf16
-
-    return dtype == torch.bfloat16 and cpu_has_native_bf16()
 
 
 def parse_stages(specs: Sequence[str]) -> tuple[str, list[str], str | None, bool]:
@@ -349,14 +138,11 @@ def draft_specs(method: str, draft: str | Sequence[str] | None, oracle: str, tok
     the oracle downwards): none for `ar` and `lookup`; for `auto` with none given, the draft shipped for the
     oracle (`--draft default`, found by `tokenizer`) or the oracle's named pair (`models.named`), if any."""
     drafts = [draft] if isinstance(draft, str) else list(draft or [])
-    if method in ("chain", "tree") and len(drafts) != 1:
-        raise StagedSpecError(f"method {method!r} needs exactly one draft: pass --draft SPEC")
-    if method == "staged" and not drafts:
-        raise StagedSpecError("method 'staged' needs at least one draft model stage (--draft or --stages); "
-                              "for model-free drafting use --method lookup")
-    if method in ("ar", "lookup"):
+    m = method_named(method)
+    m.check_drafts(drafts)
+    if not m.uses_drafts:
         return []
-    if method == "auto" and not drafts:
+    if m.drafts == "any" and not drafts:
         from stagedspec.models.draft import bundled_draft_for
         from stagedspec.models.named import paired_draft
 
@@ -364,19 +150,6 @@ def draft_specs(method: str, draft: str | Sequence[str] | None, oracle: str, tok
         bundled = bundled_draft_for(tokenizer_fingerprint(tokenizer), hidden_size) is not None
         drafts = ["default"] if bundled else [pair] if pair else []
     return drafts
-
-
-def tree_drafter(model: Transformer, **kwargs: Any) -> Drafter:
-    """The tree/chain drafter for `model`: a `FeatureDrafter` for a feature draft, else a `ModelDrafter`."""
-    from stagedspec.models.feature_draft import is_feature_draft
-
-    if is_feature_draft(model):
-        from stagedspec.drafters.feature import FeatureDrafter
-
-        return FeatureDrafter(model, **kwargs)
-    from stagedspec.drafters.model import ModelDrafter
-
-    return ModelDrafter(model, **kwargs)
 
 
 class Pipeline:
@@ -481,12 +254,12 @@ class Pipeline:
             raise StagedSpecError("a feature draft can only be the first --draft (the stage right below the oracle): "
                                   "only the oracle computes the hidden states it reads")
         ngram = None
-        if s.method in ("lookup", "staged", "auto") and s.ngram is not None:
+        m = method_named(s.method)
+        if m.bottom and s.ngram is not None:
             from stagedspec.drafters.ngram_files import load_ngram
 
             ngram = load_ngram(s.ngram, tokenizer)
-        if s.method in ("lookup", "staged") and ngram is None and not s.context:
-            raise StagedSpecError(f"method {s.method!r} needs a bottom stage: an n-gram (--ngram) or prompt lookup")
+        m.check_bottom(ngram is not None, s.context)
         return cls(model, tokenizer, draft_models, s, ngram, device=device, dtype=torch_dtype,
                    dtype_reason=dtype_reason)
 
@@ -515,99 +288,9 @@ class Pipeline:
                         sized_method(method), has_context=self.speculation.context)
         return self.learned.policy(method, arms, self.cost_profile)
 
-    def _stage_chain(self, below: Drafter, max_len: int, chain_length: int, processor: LogitsProcessor | None,
-                     passes: RequestPasses | None) -> Drafter:
-        """The draft models as stages, top one first, each decoding speculatively against the one below
-        (each stage's rows biased and masked by `processor`, as the oracle's are; its passes run for
-        `passes`' request)."""
-        from stagedspec.models.feature_draft import is_feature_draft
-        from stagedspec.stages import StageDrafter
-
-        s = self.speculation
-        n = len(self.draft_models)
-        for i in reversed(range(n)):
-            name = "draft" if n == 1 else f"draft{i + 1}"
-            if is_feature_draft(self.draft_models[i]):
-                if i != 0:  # only the oracle computes the features it reads
-                    raise StagedSpecError("a feature draft can only be the top draft stage, right below the oracle")
-                from stagedspec.drafters.feature import FeatureStage
-
-                stage: Oracle = FeatureStage(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget),
-                                             passes)
-            else:
-                # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
-                stage = ModelOracle(self.draft_models[i], draft_cache_len(max_len, s.max_tree_budget),
-                                    fixed_width=False, passes=passes)
-            if processor is not None:
-                from stagedspec.constraints.processor import ConstrainedOracle
-
-                stage = ConstrainedOracle(stage, processor)
-            below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
-        return below
-
-    def _auto_drafter(self, max_len: int, reproducible: bool, processor: LogitsProcessor | None,
-                      passes: RequestPasses | None) -> Drafter:
-        """Every arm's drafter for `--method auto` or a measured method, sized per step by the policy (see
-        `stagedspec.auto`).
-
-        `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the
-        seed reproduces the output; otherwise the pipeline's policy, which learns across requests."""
-        from functools import partial
-
-        from stagedspec.auto import (STAGE_SIZES, AutoDrafter, AutoPolicy, lookup_horizon, staged_lookup_length,
-                                     tree_depth_for)
-        from stagedspec.drafters.lookup import LookupDrafter
-
-        s = self.speculation
-        policy = self.sized_policy(s.method)
-        if reproducible:
-            kept = policy
-            policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
-            policy.step_observer = kept.step_observer
-        has_lookup = self.ngram is not None or s.context
-        lookup = (LookupDrafter(self.ngram, s.context, chain_length=lookup_horizon(policy.arms), processor=processor)
-                  if has_lookup else None)
-        arms: dict = {}
-        for arm in policy.arms:
-            if arm.kind == "ar":
-                arms[arm] = (NoDrafter(), [])
-            elif arm.kind == "lookup":
-                arms[arm] = (lookup, [partial(lookup.resize, chain_length=arm.size)])
-        copy_arms = [a for a in policy.arms if a.kind == "copy"]
-        if copy_arms:  # the prompt-lookup chain alone (`stagedspec.auto.arms.COPY_SIZES`)
-            copy = LookupDrafter(None, True, chain_length=max(a.size for a in copy_arms), processor=processor)
-            for arm in copy_arms:
-                arms[arm] = (copy, [partial(copy.resize, chain_length=arm.size)])
-        tree_arms = [a for a in policy.arms if a.kind == "tree"]
-        if tree_arms:
-            biggest = max(a.size for a in tree_arms)
-            tree = tree_drafter(self.draft_models[0], method="tree", tree_budget=biggest,
-                                max_depth=tree_depth_for(biggest), branching=2, max_len=max_len,
-                                growth=s.tree_growth, processor=processor, passes=passes)
-            for arm in tree_arms:
-                arms[arm] = (tree, [partial(tree.resize, tree_budget=arm.size, max_depth=tree_depth_for(arm.size))])
-        stage_arms = [a for a in policy.arms if a.kind == "staged"]
-        if stage_arms:
-            below = (LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
-                     if has_lookup else NoDrafter())
-            top = self._stage_chain(below, max_len, max(STAGE_SIZES), processor, passes)
-            staged: Drafter = top
-            merged_lookup = None
-            if s.context:
-                from stagedspec.drafters.merged import MergedDrafter
-
-                merged_lookup = LookupDrafter(None, True, processor=processor,
-                                              chain_length=max(staged_lookup_length(a) for a in stage_arms))
-                staged = MergedDrafter(top, merged_lookup)
-            for arm in stage_arms:
-                resizes = [partial(top.resize, chain_length=arm.size)]
-                if merged_lookup is not None:
-                    resizes.append(partial(merged_lookup.resize, chain_length=staged_lookup_length(arm)))
-                arms[arm] = (staged, resizes)
-        drafter = AutoDrafter(policy, {a: arms[a] for a in policy.arms}, lookup=lookup)
-        if s.method != "auto":
-            drafter.name = f"{s.method} (measured)"  # its row in the stats' stages
-        return drafter
+    def _parts(self, max_len: int, processor: LogitsProcessor | None, passes: RequestPasses | None) -> DraftParts:
+        return DraftParts(self.draft_models, self.ngram, self.speculation, max_len, processor, passes,
+                          self.pass_seconds)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
@@ -622,32 +305,19 @@ class Pipeline:
         (the request's logit bias and grammar, `logits_processor`) shapes every draft row as it shapes the
         oracle's; `passes`: the request its draft models run for (router and runner leases, `RequestPasses`;
         None: a drafter of its own, whose runners go back when it is collected)."""
-        s = self.speculation
-        if s.method == "ar":
-            return NoDrafter()
-        if s.measured:
-            return self._auto_drafter(max_len, reproducible, processor, passes)
-        if s.method in ("chain", "tree"):
-            adaptive = None
-            if s.method == "tree" and s.adaptive_budget:
-                from stagedspec.budget import AdaptiveBudget
+        parts = self._parts(max_len, processor, passes)
+        if not self.speculation.measured:
+            return fixed_drafter(parts)
+        # `reproducible` (a seeded sampled request): a fresh policy that ignores measured times, so the seed
+        # reproduces the output; otherwise the pipeline's policy, which learns across requests
+        policy = self.sized_policy(self.speculation.method)
+        if reproducible:
+            from stagedspec.auto import AutoPolicy
 
-                adaptive = AdaptiveBudget(self.pass_seconds(s.tree_budget + 1))
-            return tree_drafter(self.draft_models[0], method=s.method, tree_budget=s.tree_budget,
-                                max_depth=s.tree_depth, branching=s.branching, chain_length=s.chain_length, max_len=max_len, adaptive=adaptive,
-                                growth=s.tree_growth, processor=processor, passes=passes)
-        from stagedspec.drafters.lookup import LookupDrafter
-
-        below: Drafter = LookupDrafter(self.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
-        if s.method == "lookup":
-            return below
-        below = self._stage_chain(below, max_len, s.stage_chain_length, processor, passes)
-        if s.oracle_lookup and s.context:
-            from stagedspec.drafters.merged import MergedDrafter
-
-            below = MergedDrafter(below, LookupDrafter(None, True, chain_length=s.merged_lookup_length,
-                                                       processor=processor))
-        return below
+            kept = policy
+            policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
+            policy.step_observer = kept.step_observer
+        return measured_drafter(parts, policy)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """This pipeline's tokenizer as the grammar library sees it: built at the first grammar (about a

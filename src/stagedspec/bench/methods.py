@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from stagedspec.errors import StagedSpecError
+from stagedspec.methods import METHODS
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
 from stagedspec.sampling import SamplingParams
@@ -265,12 +266,12 @@ def ours(
     from dataclasses import asdict
 
     s = speculation
-    drafts = [models.draft(d, quant) for d in draft_specs] if s.method in ("chain", "tree", "staged", "auto") else []
-    if s.method in ("chain", "tree"):
+    m = METHODS[s.method]
+    drafts = [models.draft(d, quant) for d in draft_specs] if m.uses_drafts else []
+    if m.drafts == "one":
         drafts = drafts[:1]
-    ngram = models.ngram(ngram_spec) if s.method in ("lookup", "staged", "auto") and ngram_spec else None
-    if s.method in ("lookup", "staged") and ngram is None and not s.context:
-        raise StagedSpecError(f"method {name!r} needs a bottom stage: an n-gram or prompt lookup")
+    ngram = models.ngram(ngram_spec) if m.bottom and ngram_spec else None
+    m.check_bottom(ngram is not None, s.context)
     oracle = models.oracle_for(quant)
     pipe = _pipeline(models, oracle, s, drafts, ngram)
     oracle_bytes = oracle.num_bytes()
@@ -282,7 +283,7 @@ def ours(
         seconds = time.perf_counter() - t0
         st = result.stats
         rows = st.stages  # oracle, then one row per model stage (top down), then the lookup stage
-        if s.method in ("chain", "tree"):
+        if m.drafts == "one":
             passes = [("draft", st.draft_forward_passes, draft_bytes[0])]
         else:
             passes = [(r["stage"], r["forward_passes"], draft_bytes[i] if i < len(draft_bytes) else 0)

@@ -47,6 +47,7 @@ from stagedspec.bench.methods import (
     transformers_method,
 )
 from stagedspec.errors import StagedSpecError
+from stagedspec.methods import METHODS
 from stagedspec.pass_options import PassOptions
 from stagedspec.sampling import SamplingParams
 
@@ -274,7 +275,7 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
                 methods.append(ours(models, name, spec, [draft], None, quant))
             elif base in OURS or base in FIXED_VARIANTS:  # the defaults `stagedspec generate` uses on these weights
                 method = FIXED_VARIANTS.get(base, base)
-                uses_ngram = method in ("lookup", "staged", "auto")
+                uses_ngram = METHODS[method].bottom
                 spec = SpeculationConfig.tuned(method, quant, cfg.device, cfg.dtype,
                                                ngram=cfg.ngram if uses_ngram else None, context=True,
                                                sizing="fixed" if base in FIXED_VARIANTS else "measured")

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 from typing import Callable
 
+from stagedspec.methods import METHODS
 from stagedspec.models.quant import QUANT_CHOICES, resolve_quant
 from stagedspec.pass_options import PassOptions
 
@@ -191,7 +192,7 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         method = args.method or "staged"
     else:
         method = args.method or "auto"
-        if method in ("staged", "auto") and ngram is None and not args.no_context:
+        if method in METHODS and METHODS[method].default_ngram and ngram is None and not args.no_context:
             ngram = "default"
     sizes = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
                  chain_length=args.chain_length, lookup_chain_length=args.lookup_chain_length,

@@ -15,6 +15,7 @@ from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_quan
                                  add_threads_arg, non_negative_int, pass_options_from, positive_int,
                                  speculation_from)
 from stagedspec.errors import StagedSpecError
+from stagedspec.methods import METHODS
 from stagedspec.models.quant import resolve_quant
 
 
@@ -146,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.bit_exact is not None:
         pipe.bit_exact = args.bit_exact
     pipe.threads = args.threads
-    if method != "ar" and sampling.greedy:
+    if METHODS[method].speculates and sampling.greedy:
         from stagedspec.exactness import greedy_note
 
         note = greedy_note(pipe.model, pipe.bit_exact)
@@ -177,7 +178,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(show_stages(pipe.tokenizer, result.token_ids, st.token_origins))
     sys.stdout.write("\n")
     line = f"[{st.new_tokens} tokens in {st.seconds:.2f} s: {st.tokens_per_second:.1f} tokens/s, method {method}"
-    if method != "ar":
+    if METHODS[method].speculates:
         line += f", mean accepted length {st.mean_accepted_length:.2f}"
     if st.auto_choices:
         line += ", steps by configuration " + " ".join(f"{k}={v}" for k, v in sorted(st.auto_choices.items()))

@@ -27,6 +27,7 @@ from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree, grow_tree
 from stagedspec.tree_levels import grow_levels
 
+DRAFT_METHODS = ("tree", "chain")  # the shapes a draft model grows: a best-first tree, or one chain
 GROWTHS = ("auto", "best-first", "levels")
 
 
@@ -68,7 +69,7 @@ class ModelDrafter(Drafter):
         logit bias and grammar (`stagedspec.constraints`), applied to every draft row by its node's path,
         so the draft proposes under the masks the oracle is scored with; trees then grow best-first.  `passes`:
         the request this drafter runs for (its router and runner leases; see `runner.RequestPasses`)."""
-        if method not in ("tree", "chain"):
+        if method not in DRAFT_METHODS:
             raise StagedSpecError(f"unknown draft method {method!r}: use 'tree' or 'chain'")
         for label, value in (("tree budget", tree_budget), ("tree depth", max_depth), ("chain length", chain_length),
                              ("branching", branching)):

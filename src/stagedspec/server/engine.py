@@ -21,7 +21,8 @@ from stagedspec.generation import TREE_SLACK, context_budget
 from stagedspec.learned_state import LearnedState
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
-from stagedspec.pipeline import METHODS, Pipeline, SpeculationConfig
+from stagedspec.methods import METHOD_NAMES, METHODS
+from stagedspec.pipeline import Pipeline, SpeculationConfig
 from stagedspec.server.schemas import SpeculationRequest, bad
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -139,7 +140,7 @@ class Engine:
              model_name: str | None = None, pass_options: PassOptions | None = None) -> "Engine":
         # Drafts are loaded even for a default of `ar` or `lookup`, so a request can still ask for them.
         load_spec = speculation
-        if drafts and speculation.method in ("ar", "lookup"):
+        if drafts and not METHODS[speculation.method].uses_drafts:
             load_spec = dataclasses.replace(speculation, method="tree" if len(drafts) == 1 else "staged")
         if draft_weights == "auto" and quant == "none":
             # The scheduler batches the drafts' passes across requests (ragged passes over many rows): those need
@@ -163,15 +164,18 @@ class Engine:
         s = self.speculation
         method = req.method or s.method
         if method not in METHODS:
-            raise bad(f"unknown speculation method {method!r}: use one of {', '.join(METHODS)}", "speculation.method")
+            raise bad(f"unknown speculation method {method!r}: use one of {', '.join(METHOD_NAMES)}",
+                      "speculation.method")
+        m = METHODS[method]
         if req.draft is not None and req.draft not in self.draft_names:
             have = ", ".join(self.draft_names) or "none"
             raise bad(f"draft {req.draft!r} is not loaded by this server (loaded: {have})", "speculation.draft")
-        if method in ("chain", "tree", "staged") and not self.draft_models:
+        if m.needs_drafts and not self.draft_models:
             raise bad(f"method {method!r} needs a draft model; start the server with --draft", "speculation.method")
-        if method in ("lookup", "staged") and self.ngram is None and not s.context:
-            raise bad(f"method {method!r} needs prompt lookup or an n-gram; this server has neither",
-                      "speculation.method")
+        try:
+            m.check_bottom(self.ngram is not None, s.context)
+        except StagedSpecError as e:
+            raise bad(f"{e}; this server has neither", "speculation.method") from None
         changes: dict[str, Any] = {"method": method}
         if req.tree_budget is not None and req.tree_budget > self.max_context:
             # a tree is verified in one pass over the context: more nodes than the context holds is no tree
@@ -207,7 +211,7 @@ class Engine:
 
     def pipeline(self, spec: SpeculationConfig) -> Pipeline:
         # Pipeline.drafter takes the first draft for chain/tree and all of them for staged (or any later method)
-        drafts = [] if spec.method in ("ar", "lookup") else self.draft_models
+        drafts = self.draft_models if METHODS[spec.method].uses_drafts else []
         # one measurement of the pass costs, and one policy per method, learn from every request
         pipe = Pipeline(self.model, self.tokenizer, drafts, spec, self.ngram, learned=self.learned)
         pipe.bit_exact = bool(self.bit_exact)

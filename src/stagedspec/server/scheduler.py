@@ -41,6 +41,7 @@ import torch
 from stagedspec.auto.drafter import AutoDrafter
 from stagedspec.constraints.processor import ConstrainedOracle, LogitsProcessor
 from stagedspec.errors import StagedSpecError, first_line
+from stagedspec.methods import METHODS
 from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
 from stagedspec.threads import governor_for
 from stagedspec.pipeline import SpeculationConfig, stage_report
@@ -343,7 +344,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Queue a job; a job that could never fit the memory budget is refused (400) at once."""
-        uses_drafts = job.spec.method in ("chain", "tree", "staged")
+        uses_drafts = METHODS[job.spec.method].needs_drafts
         slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
         job.kv_bytes = self.memory.request_kv(slots, job.spec.max_tree_budget, uses_drafts)
         if self.base_bytes + self._charge(job, self._floor(job)) > self.max_memory:
