@@ -16,13 +16,11 @@ from stagedspec.drafting import DraftParts, fixed_drafter, measured_drafter
 from stagedspec.exactness import default_bit_exact
 from stagedspec.dtypes import DTYPES, dtype_name, parse_dtype, parse_weights, resolve_dtype  # noqa: F401 - re-exported
 from stagedspec.errors import StagedSpecError
+from stagedspec.stops import checked_stops
 from stagedspec.generation import (
     Drafter,
     GenerationResult,
-    ModelOracle,
-    Oracle,
     context_budget,
-    speculative_generate,
 )
 from stagedspec.learned_state import LearnedState
 from stagedspec.methods import method_named
@@ -30,6 +28,7 @@ from stagedspec.models.draft_formats import DraftSource, draft_format, load_draf
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions, PassRuntime
 from stagedspec.runner import RequestPasses
+from stagedspec.request import start_request
 from stagedspec.sampling import SamplingParams
 from stagedspec.speculation import (  # noqa: F401 - re-exported: the library's names since the start
     CUDA_DEFAULTS,
@@ -365,11 +364,9 @@ class Pipeline:
 
         `controls`: a logit bias and/or a grammar (`stagedspec.constraints`); the output is then exactly
         constrained `ar`'s (greedy) or distributed as it (sampling), whatever the method."""
-        from stagedspec.stops import StopTextStream
-
         if max_new_tokens < 1:
             raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
-        text = StopTextStream(self.tokenizer, stop_strings)  # the one stop-string rule (`stagedspec.stops`)
+        checked_stops(stop_strings)  # before the models run: a bad stop string is a one-line error
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_tree_budget)
         if self.bit_exact and str(self.device) == "cpu" and not self._warned_amx:
@@ -385,30 +382,24 @@ class Pipeline:
                 if on_text is not None:
                     on_text(piece)
 
-        def on_tokens(step: list[int]) -> bool:
-            if governor is not None:
-                governor.tick()
-            emit(text.push(step))
-            return text.stopped  # True ends the generation
-
         passes = RequestPasses()  # the runners this request's oracle and drafters hold, given back when it ends
         try:
-            oracle: Oracle = ModelOracle(self.model, max_len, bit_exact=self.bit_exact, passes=passes)
-            if processor is not None:
-                from stagedspec.constraints.processor import ConstrainedOracle
-
-                oracle = ConstrainedOracle(oracle, processor, settles=True)
-            drafter = self.drafter(max_len, reproducible=seed is not None and not sampling.greedy,
-                                   processor=processor, passes=passes)
-            result = speculative_generate(
-                oracle, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                stop_token_ids=self.tokenizer.eos_token_ids, on_tokens=on_tokens,
-            )
+            request = start_request(self, ids, max_len, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                                    stop_strings=stop_strings, processor=processor, passes=passes)
+            while (step := request.step()) is not None:
+                if governor is not None:
+                    governor.tick()
+                emit(request.text.push(step))
+                if request.text.stopped:
+                    request.stats.finish_reason = "stop"
+                    break
         finally:
             passes.release()
-        emit(text.finish())  # the decoder's final flush, checked against the stop strings too
-        if text.stopped:
-            result.stats.finish_reason = "stop"  # also when only the final flush held the stop string
+        emit(request.text.finish())  # the decoder's final flush, checked against the stop strings too
+        if request.text.stopped:
+            request.stats.finish_reason = "stop"  # also when only the final flush held the stop string
+        drafter = request.drafter
+        result = GenerationResult(request.token_ids, request.finish_stats())
         result.stats.stages = stage_report(result.stats, drafter)
         owner = self.learned.method_of(drafter.policy) if isinstance(drafter, AutoDrafter) else None
         if owner is not None:

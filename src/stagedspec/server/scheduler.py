@@ -36,15 +36,16 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 
 from stagedspec.auto.drafter import AutoDrafter
-from stagedspec.constraints.processor import ConstrainedOracle, LogitsProcessor
+from stagedspec.constraints.processor import LogitsProcessor
+from stagedspec.drafters.base import Drafter
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.methods import METHODS
-from stagedspec.generation import GenerationStats, ModelOracle, iter_steps
+from stagedspec.generation import GenerationStats
 from stagedspec.threads import governor_for
 from stagedspec.pipeline import SpeculationConfig, stage_report
+from stagedspec.request import start_request
 from stagedspec.runner import RequestPasses
 from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
@@ -92,7 +93,8 @@ class _Joining:
 
 
 class _Running:
-    """A job's decoding state: built exactly as `Pipeline.generate` builds a solo run's."""
+    """A job's decoding state: the `Request` `start_request` builds for a solo run too, with the server's
+    lane, tree cap and step outcome around it."""
 
     def __init__(self, job: Job, engine: Engine, lane: Lane | None = None, level: int = 0) -> None:
         """`lane`: where the steps run with batched passes (None: on the caller's thread); `level`: the
@@ -100,50 +102,58 @@ class _Running:
         self.job = job
         pipe = engine.pipeline(job.spec)
         max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
-        reproducible = job.reproducible
         # Its passes go to its lane (when batched), and the runners its oracle and drafters lease are given
         # back when the request ends (`Scheduler._finish`).
         self.passes = RequestPasses(router=lane)
+        caps: list[CappedDrafter] = []
+
+        def capped(drafter: Drafter) -> Drafter:
+            caps.append(CappedDrafter(drafter, job.spec.max_tree_budget, level))
+            return caps[0]
+
         try:
-            self.oracle: Any = ModelOracle(engine.model, max_len, bit_exact=engine.bit_exact, passes=self.passes)
-            if job.processor is not None:  # rows biased and masked by their path, the drafts' as the oracle's
-                self.oracle = ConstrainedOracle(self.oracle, job.processor, settles=True)
-            self.drafter = pipe.drafter(max_len, reproducible=reproducible, processor=job.processor,
-                                        passes=self.passes)
+            self.request = start_request(pipe, job.prompt_ids, max_len, max_new_tokens=job.max_tokens,
+                                         sampling=job.sampling, seed=job.seed, stop_strings=job.stop,
+                                         processor=job.processor, passes=self.passes, wrap=capped)
         except BaseException:
             self.passes.release()
             raise
+        self.switch = caps[0]
         # `auto` prices its arms by the batched round it shares (`auto.SharedLoad`), except for a seeded
         # sampled request: its tree shapes, and so its draws, must be its solo run's.
-        self.load_aware = isinstance(self.drafter, AutoDrafter) and not reproducible
-        self.switch = CappedDrafter(self.drafter, job.spec.max_tree_budget, level)
-        self.stats = GenerationStats()
-        self.steps = iter_steps(self.oracle, self.switch, job.prompt_ids, max_new_tokens=job.max_tokens,
-                                sampling=job.sampling, seed=job.seed,
-                                stop_token_ids=engine.tokenizer.eos_token_ids, stats=self.stats)
+        self.load_aware = isinstance(self.request.drafter, AutoDrafter) and not job.reproducible
         self.lane = lane
         self.outcome: tuple[tuple[list[int], int] | None, BaseException | None] = (None, None)
-        self.text = StopTextStream(engine.tokenizer, job.stop)  # the rule the CLI and library share
-        self.token_ids: list[int] = []
-        self.seconds = 0.0
-        self.first_token_seconds: float | None = None
-        self.t_start = time.perf_counter()
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.request.drafter
+
+    @property
+    def text(self) -> StopTextStream:
+        return self.request.text
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.request.stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids
+
+    @property
+    def seconds(self) -> float:
+        return self.request.seconds
+
+    @property
+    def first_token_seconds(self) -> float | None:
+        return self.request.first_token_seconds
 
     def step(self) -> tuple[list[int], int] | None:
         """One step of this request's own loop: (tokens, oracle passes it took), or None when over."""
-        passes = self.oracle.forward_passes
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                tokens = next(self.steps)
-        except StopIteration:
-            return None
-        finally:
-            self.seconds += time.perf_counter() - t0
-        if self.first_token_seconds is None:
-            self.first_token_seconds = time.perf_counter() - self.t_start
-        self.token_ids.extend(tokens)
-        return tokens, self.oracle.forward_passes - passes
+        passes = self.request.oracle.forward_passes
+        tokens = self.request.step()
+        return None if tokens is None else (tokens, self.request.oracle.forward_passes - passes)
 
     def run_step(self) -> None:
         """`step`, keeping its result or error in `outcome` (a lane's task must not raise)."""
@@ -162,15 +172,10 @@ class _Running:
 
     @property
     def over(self) -> bool:
-        return (self.text.stopped or self.stats.finish_reason == "stop"
-                or len(self.token_ids) >= self.job.max_tokens)
+        return self.request.over
 
     def summary(self) -> dict[str, Any]:
-        st = self.stats
-        st.seconds, st.new_tokens = self.seconds, len(self.token_ids)
-        st.tokens_per_second = st.new_tokens / st.seconds if st.seconds > 0 else 0.0
-        st.oracle_forward_passes = self.oracle.forward_passes
-        st.draft_forward_passes = self.drafter.forward_passes
+        st = self.request.finish_stats()
         st.stages = stage_report(st, self.drafter)
         return {
             "speculation_off_steps": self.switch.skipped_steps,
@@ -557,7 +562,8 @@ class Scheduler:
             self._kv_in_use -= self._charge(r.job, r.level)
             self._publish()
         r.passes.release()  # its pooled runners serve the next requests
-        del r.oracle, r.drafter, r.switch, r.steps  # free the KV caches now, not when the HTTP side lets go
+        r.request.close()  # free the KV caches now, not when the HTTP side lets go
+        del r.switch
 
     def _release(self, job: Job, outcome: str, level: int = 0) -> None:
         self.metrics.record_finish(outcome, [])
