@@ -22,6 +22,7 @@ from stagedspec.learned_state import LearnedState
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
 from stagedspec.methods import METHOD_NAMES, METHODS
+from stagedspec.model_set import ModelSet
 from stagedspec.pipeline import Pipeline, SpeculationConfig
 from stagedspec.server.schemas import SpeculationRequest, bad
 
@@ -139,16 +140,17 @@ class Engine:
              device: str = "cpu", quant: str = "none", draft_weights: str = "auto", bit_exact: bool | None = None,
              model_name: str | None = None, pass_options: PassOptions | None = None) -> "Engine":
         # Drafts are loaded even for a default of `ar` or `lookup`, so a request can still ask for them.
-        load_spec = speculation
-        if drafts and not METHODS[speculation.method].uses_drafts:
-            load_spec = dataclasses.replace(speculation, method="tree" if len(drafts) == 1 else "staged")
+        method = speculation.method
+        if drafts and not METHODS[method].uses_drafts:
+            method = "tree" if len(drafts) == 1 else "staged"
         if draft_weights == "auto" and quant == "none":
             # The scheduler batches the drafts' passes across requests (ragged passes over many rows): those need
             # dense weights, and PyTorch's int8 CPU kernel is slower than bf16 past 8 rows (16 rows: 1.6x).
             draft_weights = "native"
-        pipe = Pipeline.load(oracle, list(drafts), speculation=load_spec, dtype=dtype, device=device, quant=quant,
-                             draft_weights=draft_weights, pass_options=pass_options)
-        engine = cls(pipe.model, pipe.tokenizer, list(pipe.draft_models), speculation, pipe.ngram,
+        models = ModelSet.load(oracle, list(drafts), method=method, ngram=speculation.ngram,
+                               context=speculation.context, dtype=dtype, device=device, quant=quant,
+                               draft_weights=draft_weights, pass_options=pass_options)
+        engine = cls(models.model, models.tokenizer, list(models.draft_models), speculation, models.ngram,
                      model_name or default_model_name(oracle, quant), list(drafts), bit_exact)
         engine.model_aliases = tuple(dict.fromkeys([str(oracle), default_model_name(oracle)]))
         return engine
