@@ -8,7 +8,9 @@ import torch
 from stagedspec.budget import AdaptiveBudget
 from stagedspec.drafters.model import ModelDrafter
 from stagedspec.errors import StagedSpecError
-from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+from stagedspec.generation import speculative_generate
+from stagedspec.request import generate_ar
+from stagedspec.runner import ModelOracle
 from stagedspec.models import ModelConfig, Transformer
 from stagedspec.models.transformer import init_random
 from stagedspec.tree import TokenTree

@@ -93,7 +93,8 @@ def test_sampled_methods_run_end_to_end_on_cuda_and_reproduce_their_seed() -> No
     """The loop's sampled path on the GPU: CPU generator, CUDA logits (it crashed on an H100 before commit 46d6456), same seed same tokens."""
     from stagedspec.drafters.lookup import LookupDrafter
     from stagedspec.drafters.model import ModelDrafter
-    from stagedspec.generation import ModelOracle, speculative_generate
+    from stagedspec.generation import speculative_generate
+    from stagedspec.runner import ModelOracle
     from stagedspec.sampling import SamplingParams
     from stagedspec.stages import StageDrafter
 
@@ -158,7 +159,9 @@ def test_feature_draft_greedy_fp32_tree_and_staged_identical_to_ar(mode: str) ->
     """A feature draft on CUDA: its features go through the runner's device buffer into captured graphs."""
     from stagedspec.drafters.feature import FeatureDrafter, FeatureStage
     from stagedspec.drafters.lookup import LookupDrafter
-    from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+    from stagedspec.generation import speculative_generate
+    from stagedspec.request import generate_ar
+    from stagedspec.runner import ModelOracle
     from stagedspec.models.feature_draft import FeatureDraftModel
     from stagedspec.stages import StageDrafter
 

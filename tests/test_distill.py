@@ -156,7 +156,9 @@ def test_gemma3_draft_training_pass_matches_cached_forward(layers) -> None:
 
 def test_gemma3_distilled_draft_trains_saves_loads_and_keeps_greedy_exact(tmp_path) -> None:
     from stagedspec.drafters.model import ModelDrafter
-    from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+    from stagedspec.generation import speculative_generate
+    from stagedspec.request import generate_ar
+    from stagedspec.runner import ModelOracle
 
     oracle = tiny_gemma_oracle()
     g = torch.Generator().manual_seed(5)
@@ -219,7 +221,9 @@ def test_restricted_head_gives_minus_inf_outside_its_tokens(oracle, corpus, tmp_
 
 def test_restricted_draft_missing_oracle_tokens_keeps_greedy_output_exact(oracle) -> None:
     from stagedspec.drafters.model import ModelDrafter
-    from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+    from stagedspec.generation import speculative_generate
+    from stagedspec.request import generate_ar
+    from stagedspec.runner import ModelOracle
 
     prompt = [3, 17, 42, 8]
     reference = generate_ar(oracle, prompt, max_new_tokens=24).token_ids

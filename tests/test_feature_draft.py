@@ -30,7 +30,9 @@ from stagedspec.drafters.feature import FeatureDrafter, FeatureStage
 from stagedspec.drafters.lookup import LookupDrafter
 from stagedspec.drafters.merged import MergedDrafter
 from stagedspec.errors import StagedSpecError
-from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+from stagedspec.generation import speculative_generate
+from stagedspec.request import generate_ar
+from stagedspec.runner import ModelOracle
 from stagedspec.models import ModelConfig, Transformer
 from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, save_draft
 from stagedspec.models.draft_loading import load_draft

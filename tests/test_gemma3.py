@@ -167,7 +167,9 @@ def test_greedy_speculation_is_token_identical_to_ar(method: str) -> None:
     """A 1-layer truncated draft (its cache holds branches out of position order) drafting for a tiny
     Gemma: greedy output equals autoregressive decoding, well past the window."""
     from stagedspec.drafters.model import ModelDrafter
-    from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+    from stagedspec.generation import speculative_generate
+    from stagedspec.request import generate_ar
+    from stagedspec.runner import ModelOracle
     from stagedspec.models.draft_formats import truncated_copy
 
     model = tiny_gemma()

@@ -120,3 +120,47 @@ def test_the_package_has_no_import_cycle() -> None:
     assert cycle is None, (
         "import cycle: " + " -> ".join(cycle) + " (imports inside functions count too; move the shared code "
         "into a lower module or pass it in, rather than deferring an import)")
+
+
+# The layers, lowest first: a module may import its own layer and those below, never one above.  A module is
+# in the layer of the longest prefix naming it; one named by none is in the top layer, `app`.
+LAYERS: dict[str, tuple[str, ...]] = {
+    # the loop and what it is made of: trees, verification, the cache, sampling, the drafter and oracle
+    # contracts, the registry of methods
+    "core": ("tree", "tree_levels", "verification", "cache", "sampling", "generation", "oracle", "drafters.base",
+             "errors", "paths", "heap", "methods"),
+    # models and how their passes run: weights, kernels, runners, the machine, the tokenizer, pass costs as data
+    "runtime": ("models", "kernels", "runner", "pass_options", "hardware", "threads", "costs", "dtypes",
+                "tokenizer", "tokenizer_spm", "measured_cache", "realized_rates", "exactness", "stops"),
+    # what proposes tokens: draft models, n-grams, lookup, stages, constraints on rows, and timing them
+    "drafters": ("drafters", "stages", "budget", "constraints", "tree_acceptance", "profiling", "draft_weights"),
+    # choosing among drafters by measured costs, and what it keeps
+    "auto": ("auto", "learned_state", "speculation"),
+}
+ORDER = ("core", "runtime", "drafters", "auto", "app")
+
+
+def layer_of(module: str) -> str:
+    name = module[len(PACKAGE) + 1:] if module.startswith(PACKAGE + ".") else ""
+    best, length = "app", -1
+    for layer, prefixes in LAYERS.items():
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > length:
+                best, length = layer, len(prefix)
+    return best
+
+
+def test_every_named_layer_holds_modules_and_the_loop_is_core() -> None:
+    graph = import_graph()
+    held = {layer: [m for m in graph if layer_of(m) == layer] for layer in ORDER}
+    assert all(held[layer] for layer in ORDER), {k: len(v) for k, v in held.items()}
+    assert layer_of("stagedspec.generation") == "core" and layer_of("stagedspec.drafters.base") == "core"
+    assert layer_of("stagedspec.drafters.model") == "drafters" and layer_of("stagedspec.pipeline") == "app"
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    """core -> runtime -> drafters -> auto -> app (docs/architecture.md), type-only imports included."""
+    graph = import_graph()
+    up = [f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, targets in sorted(graph.items())
+          for b in sorted(targets) if ORDER.index(layer_of(b)) > ORDER.index(layer_of(a))]
+    assert up == [], "imports against the layers: " + "; ".join(up)

@@ -102,7 +102,8 @@ def bf16_setup():  # noqa: ANN201
 def test_bf16_chain_verification_reproduces_one_token_logits_bit_for_bit(bf16_setup) -> None:  # noqa: ANN001
     """With `bit_exact` (fixed key width, two-row minimum, row-by-row attention) a k-token pass rounds exactly
     like k one-token passes.  Without it the attention kernel's rounding depends on the pass (README, Exactness)."""
-    from stagedspec.generation import ModelOracle, context_budget
+    from stagedspec.request import context_budget
+    from stagedspec.runner import ModelOracle
     from stagedspec.hardware import AMX_ISA_CAP, amx_rounds_by_rows
     from stagedspec.tree import TokenTree
 

@@ -237,7 +237,7 @@ def _transformers_from_gguf():
 def _greedy(model, prompt_ids: list[int], max_new_tokens: int, stop: list[int]) -> list[int]:
     """Our greedy decoding: the engine's `generate_ar` when available, else a minimal cached loop."""
     try:
-        from stagedspec.generation import generate_ar
+        from stagedspec.request import generate_ar
         from stagedspec.sampling import SamplingParams
     except ImportError:
         generate_ar = None

@@ -25,7 +25,7 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "seeded"])
 def test_a_request_stepped_by_hand_is_the_pipeline_s_run(tiny_folder: Path, sampling: SamplingParams) -> None:
-    from stagedspec.generation import context_budget
+    from stagedspec.request import context_budget
     from stagedspec.models.draft_formats import truncated_copy
     from stagedspec.models.loading import load_model
     from stagedspec.pipeline import Pipeline, SpeculationConfig

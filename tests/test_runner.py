@@ -21,7 +21,9 @@ from stagedspec import runner as runner_mod
 from stagedspec.drafters.lookup import LookupDrafter
 from stagedspec.drafters.merged import MergedDrafter
 from stagedspec.drafters.model import ModelDrafter
-from stagedspec.generation import GenerationResult, ModelOracle, NoDrafter, generate_ar, speculative_generate
+from stagedspec.generation import GenerationResult, NoDrafter, speculative_generate
+from stagedspec.request import generate_ar
+from stagedspec.runner import ModelOracle
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.pass_options import PassOptions

@@ -16,7 +16,9 @@ import torch
 
 from stagedspec.drafters.lookup import LookupDrafter
 from stagedspec.drafters.merged import MergedDrafter
-from stagedspec.generation import ModelOracle, generate_ar, speculative_generate
+from stagedspec.generation import speculative_generate
+from stagedspec.request import generate_ar
+from stagedspec.runner import ModelOracle
 from stagedspec.models import ModelConfig, Transformer
 from stagedspec.models.transformer import init_random
 from stagedspec.sampling import SamplingParams

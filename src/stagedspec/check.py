@@ -546,7 +546,8 @@ def _greedy_continuation(loaded: _Loaded, ids: list[int], n: int) -> list[int]:
 
 def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
     """Next-token logits after ids + continuation[:j] for j = 0..len(continuation) (one pass over the chain)."""
-    from stagedspec.generation import ModelOracle, context_budget
+    from stagedspec.request import context_budget
+    from stagedspec.runner import ModelOracle
 
     oracle = ModelOracle(model, context_budget(model, len(ids), len(continuation) + 1, len(continuation) + 1))
     oracle.prefill(ids)
@@ -556,7 +557,8 @@ def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
 
 def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[int], continuation: list[int],
               sampling: SamplingParams, n: int) -> None:
-    from stagedspec.generation import ModelOracle, context_budget
+    from stagedspec.request import context_budget
+    from stagedspec.runner import ModelOracle
     from stagedspec.models.draft_formats import truncated_copy
 
     label = _sampling_label(sampling)

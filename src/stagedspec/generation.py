@@ -19,9 +19,7 @@ import torch
 
 from stagedspec.drafters.base import Drafter, StageTelemetry
 from stagedspec.errors import StagedSpecError
-from stagedspec.models.transformer import Transformer
 from stagedspec.oracle import Oracle
-from stagedspec.runner import ModelOracle  # noqa: F401 - re-exported: the loop's model runner lives there
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
 from stagedspec.verification import VerifyResult, verify
@@ -200,42 +198,3 @@ def speculative_generate(
     stats.oracle_forward_passes = getattr(oracle, "forward_passes", 0)
     stats.draft_forward_passes = drafter.forward_passes
     return GenerationResult(out, stats)
-
-
-def generate_ar(
-    model: Transformer,
-    prompt_ids: Sequence[int],
-    *,
-    max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    seed: int | None = None,
-    stop_token_ids: Iterable[int] = (),
-    on_tokens: Callable[[list[int]], bool | None] | None = None,
-) -> GenerationResult:
-    """Plain autoregressive decoding with our engine (the baseline every method must reproduce)."""
-    oracle = ModelOracle(model, context_budget(model, len(prompt_ids), max_new_tokens, 0))
-    return speculative_generate(
-        oracle, NoDrafter(), prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-        stop_token_ids=stop_token_ids, on_tokens=on_tokens,
-    )
-
-
-def context_budget(model: Transformer, prompt_len: int, max_new_tokens: int, max_tree_budget: int) -> int:
-    """Cache slots for a request, after checking it fits the model's context window.
-
-    The size depends on the method only through trees of over `TREE_SLACK`
-    nodes: the oracle attends over the whole cache (`ModelOracle`), so two
-    methods with the same cache size compute bit-identical logits.
-    """
-    limit = model.config.max_position
-    if prompt_len + max_new_tokens > limit:
-        raise StagedSpecError(
-            f"prompt ({prompt_len} tokens) + max-new-tokens ({max_new_tokens}) exceed the model's "
-            f"context of {limit} tokens"
-        )
-    used = prompt_len + max_new_tokens + 1
-    slack = TREE_SLACK * max(1, -(-max_tree_budget // TREE_SLACK))
-    return -(-used // TREE_SLACK) * TREE_SLACK + slack
-
-
-TREE_SLACK = 64  # cache slots past the generation for tree nodes (rounded, see `context_budget`)

@@ -17,11 +17,7 @@ from stagedspec.exactness import default_bit_exact
 from stagedspec.dtypes import DTYPES, dtype_name, parse_dtype, parse_weights, resolve_dtype  # noqa: F401 - re-exported
 from stagedspec.errors import StagedSpecError
 from stagedspec.stops import checked_stops
-from stagedspec.generation import (
-    Drafter,
-    GenerationResult,
-    context_budget,
-)
+from stagedspec.generation import Drafter, GenerationResult
 from stagedspec.learned_state import LearnedState
 from stagedspec.model_set import (  # noqa: F401 - re-exported: the library's names since the start
     ModelSet,
@@ -33,7 +29,7 @@ from stagedspec.model_set import (  # noqa: F401 - re-exported: the library's na
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
 from stagedspec.runner import RequestPasses
-from stagedspec.request import start_request
+from stagedspec.request import context_budget, start_request
 from stagedspec.sampling import SamplingParams
 from stagedspec.speculation import (  # noqa: F401 - re-exported: the library's names since the start
     CUDA_DEFAULTS,

@@ -13,13 +13,15 @@ stats.  Its runners go back with `RequestPasses.release`, called by whoever made
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from stagedspec.drafters.base import Drafter
-from stagedspec.generation import GenerationStats, iter_steps
+from stagedspec.errors import StagedSpecError
+from stagedspec.generation import GenerationResult, GenerationStats, NoDrafter, iter_steps, speculative_generate
+from stagedspec.models.transformer import Transformer
 from stagedspec.oracle import Oracle
 from stagedspec.runner import ModelOracle, RequestPasses
 from stagedspec.sampling import SamplingParams
@@ -27,7 +29,6 @@ from stagedspec.stops import StopTextStream
 
 if TYPE_CHECKING:
     from stagedspec.constraints.processor import LogitsProcessor
-    from stagedspec.models.transformer import Transformer
     from stagedspec.tokenizer import Tokenizer
 
 
@@ -121,3 +122,42 @@ def start_request(pipe: Models, prompt_ids: Sequence[int], max_len: int, *, max_
     return Request(oracle, drafter, wrap(drafter) if wrap is not None else drafter, prompt_ids,
                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                    stop_token_ids=pipe.tokenizer.eos_token_ids, text=StopTextStream(pipe.tokenizer, stop_strings))
+
+
+def generate_ar(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    seed: int | None = None,
+    stop_token_ids: Iterable[int] = (),
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+) -> GenerationResult:
+    """Plain autoregressive decoding with our engine (the baseline every method must reproduce)."""
+    oracle = ModelOracle(model, context_budget(model, len(prompt_ids), max_new_tokens, 0))
+    return speculative_generate(
+        oracle, NoDrafter(), prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+        stop_token_ids=stop_token_ids, on_tokens=on_tokens,
+    )
+
+
+def context_budget(model: Transformer, prompt_len: int, max_new_tokens: int, max_tree_budget: int) -> int:
+    """Cache slots for a request, after checking it fits the model's context window.
+
+    The size depends on the method only through trees of over `TREE_SLACK`
+    nodes: the oracle attends over the whole cache (`ModelOracle`), so two
+    methods with the same cache size compute bit-identical logits.
+    """
+    limit = model.config.max_position
+    if prompt_len + max_new_tokens > limit:
+        raise StagedSpecError(
+            f"prompt ({prompt_len} tokens) + max-new-tokens ({max_new_tokens}) exceed the model's "
+            f"context of {limit} tokens"
+        )
+    used = prompt_len + max_new_tokens + 1
+    slack = TREE_SLACK * max(1, -(-max_tree_budget // TREE_SLACK))
+    return -(-used // TREE_SLACK) * TREE_SLACK + slack
+
+
+TREE_SLACK = 64  # cache slots past the generation for tree nodes (rounded, see `context_budget`)

@@ -355,7 +355,7 @@ def draft_cache_len(max_len: int, max_tree_budget: int) -> int:
     """Cache entries of a drafter or draft stage: the request's context, its own tree nodes and the root.
 
     The one place a draft's cache is sized (`Pipeline`, `ModelDrafter`); the
-    oracle's comes from `generation.context_budget`.
+    oracle's comes from `request.context_budget`.
     """
     return max_len + max_tree_budget + 1
 
@@ -471,7 +471,7 @@ def wants_fixed_width(model: Transformer) -> bool:
     """Whether the oracle runs `model` with a fixed key width and >= 2 rows by default: bf16/fp16 passes that
     are not row-exact.
 
-    See `stagedspec.generation.ModelOracle`; the cost curve must time passes
+    See `ModelOracle`; the cost curve must time passes
     the way the loop runs them.  A model on the native kernels
     (`models.quant.row_exact`, bf16 activations included) computes every row
     alone, and its attention sees a row's visible keys in rank order whatever

@@ -57,7 +57,7 @@ def run_engine_bench(
     with_transformers: bool = True,
     pass_options: PassOptions | None = None,
 ) -> dict:
-    from stagedspec.generation import generate_ar
+    from stagedspec.request import generate_ar
     from stagedspec.models.loading import load_model
     from stagedspec.pipeline import parse_weights
 

@@ -213,7 +213,7 @@ def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: flo
     """
     from tqdm import tqdm
 
-    from stagedspec.generation import generate_ar
+    from stagedspec.request import generate_ar
     from stagedspec.pipeline import load_draft_model
     from stagedspec.sampling import SamplingParams
 

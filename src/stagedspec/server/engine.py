@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from stagedspec.constraints import GrammarCompiler, GrammarSpec, LogitControls, LogitsProcessor, build_processor
 from stagedspec.constraints import parse_logit_bias
 from stagedspec.errors import StagedSpecError
-from stagedspec.generation import TREE_SLACK, context_budget
+from stagedspec.request import TREE_SLACK, context_budget
 from stagedspec.learned_state import LearnedState
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
