@@ -13,6 +13,8 @@ flip a near-tie that one-token decoding would not: on an NVIDIA H200 with the Qw
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -55,3 +57,12 @@ def greedy_note(model: nn.Module, bit_exact: bool) -> str | None:
         "--dtype fp32, --bit-exact or --quant int4/int8/mixed (the native kernels)"
     return (f"stagedspec: note: this {dtype} oracle on {weight.device.type} rounds a row by its pass's shape, so "
             f"greedy output can differ from --method ar's at a near-tie; {fixes} keep it ar's")
+
+
+def warn_amx_bit_exact() -> None:
+    """`bit_exact` cannot hold on AMX kernels: say so (the CLI caps the ISA at start-up instead)."""
+    from stagedspec.hardware import AMX_ISA_CAP, amx_rounds_by_rows
+
+    if amx_rounds_by_rows():
+        print(f"stagedspec: warning: bit_exact on an AMX CPU is not bit-identical unless the process starts "
+              f"with ONEDNN_MAX_CPU_ISA={AMX_ISA_CAP} (the CLI's --bit-exact sets it)", file=sys.stderr)

@@ -6,14 +6,13 @@ means the same thing everywhere.
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from stagedspec.auto.drafter import AutoDrafter
 from stagedspec.drafting import DraftParts, fixed_drafter, measured_drafter
-from stagedspec.exactness import default_bit_exact
+from stagedspec.exactness import default_bit_exact, warn_amx_bit_exact
 from stagedspec.dtypes import DTYPES, dtype_name, parse_dtype, parse_weights, resolve_dtype  # noqa: F401 - re-exported
 from stagedspec.errors import StagedSpecError
 from stagedspec.stops import checked_stops
@@ -29,7 +28,7 @@ from stagedspec.model_set import (  # noqa: F401 - re-exported: the library's na
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
 from stagedspec.runner import RequestPasses
-from stagedspec.request import context_budget, start_request
+from stagedspec.request import context_budget, stage_report, start_request  # noqa: F401 - stage_report re-exported
 from stagedspec.sampling import SamplingParams
 from stagedspec.speculation import (  # noqa: F401 - re-exported: the library's names since the start
     CUDA_DEFAULTS,
@@ -251,7 +250,7 @@ class Pipeline:
         max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_tree_budget)
         if self.bit_exact and str(self.device) == "cpu" and not self._warned_amx:
             self._warned_amx = True
-            _warn_amx_bit_exact()
+            warn_amx_bit_exact()
         processor = self.logits_processor(controls)
         governor = self.thread_governor()
         text_parts: list[str] = []
@@ -289,29 +288,3 @@ class Pipeline:
         result.stats.auto_choices = dict(drafter.request_choices)
         result.text = "".join(text_parts)
         return result
-
-
-def _warn_amx_bit_exact() -> None:
-    """`bit_exact` cannot hold on AMX kernels: say so (the CLI caps the ISA at start-up instead)."""
-    from stagedspec.hardware import AMX_ISA_CAP, amx_rounds_by_rows
-
-    if amx_rounds_by_rows():
-        print(f"stagedspec: warning: bit_exact on an AMX CPU is not bit-identical unless the process starts "
-              f"with ONEDNN_MAX_CPU_ISA={AMX_ISA_CAP} (the CLI's --bit-exact sets it)", file=sys.stderr)
-
-
-def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - GenerationStats
-    """Forward passes and seconds per stage, oracle first (the oracle gets the time not spent drafting)."""
-    telemetry = drafter.stage_telemetry()
-    if telemetry is None:  # one stage with no figures of its own: the loop timed its proposals
-        rows = [{"stage": drafter.name, "forward_passes": drafter.forward_passes, "seconds": stats.draft_seconds}]
-    else:  # one row per stage (none for `NoDrafter`)
-        rows = [{"stage": t.name, "forward_passes": t.forward_passes, "seconds": t.seconds,
-                 # tokens this stage emitted per inner step (accepted from the stage below + its own)
-                 "mean_accepted_length": (sum(t.accepted_lengths) + len(t.accepted_lengths))
-                 / len(t.accepted_lengths) if t.accepted_lengths else None}
-                for t in telemetry]
-    drafting = sum(r["seconds"] for r in rows)
-    oracle = {"stage": "oracle", "forward_passes": stats.oracle_forward_passes,
-              "seconds": max(0.0, stats.seconds - drafting), "mean_accepted_length": stats.mean_accepted_length}
-    return [oracle, *rows]

@@ -161,3 +161,20 @@ def context_budget(model: Transformer, prompt_len: int, max_new_tokens: int, max
 
 
 TREE_SLACK = 64  # cache slots past the generation for tree nodes (rounded, see `context_budget`)
+
+
+def stage_report(stats, drafter: Drafter) -> list[dict]:  # noqa: ANN001 - GenerationStats
+    """Forward passes and seconds per stage, oracle first (the oracle gets the time not spent drafting)."""
+    telemetry = drafter.stage_telemetry()
+    if telemetry is None:  # one stage with no figures of its own: the loop timed its proposals
+        rows = [{"stage": drafter.name, "forward_passes": drafter.forward_passes, "seconds": stats.draft_seconds}]
+    else:  # one row per stage (none for `NoDrafter`)
+        rows = [{"stage": t.name, "forward_passes": t.forward_passes, "seconds": t.seconds,
+                 # tokens this stage emitted per inner step (accepted from the stage below + its own)
+                 "mean_accepted_length": (sum(t.accepted_lengths) + len(t.accepted_lengths))
+                 / len(t.accepted_lengths) if t.accepted_lengths else None}
+                for t in telemetry]
+    drafting = sum(r["seconds"] for r in rows)
+    oracle = {"stage": "oracle", "forward_passes": stats.oracle_forward_passes,
+              "seconds": max(0.0, stats.seconds - drafting), "mean_accepted_length": stats.mean_accepted_length}
+    return [oracle, *rows]

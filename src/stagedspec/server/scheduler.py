@@ -44,8 +44,8 @@ from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.methods import METHODS
 from stagedspec.generation import GenerationStats
 from stagedspec.threads import governor_for
-from stagedspec.pipeline import SpeculationConfig, stage_report
-from stagedspec.request import start_request
+from stagedspec.pipeline import SpeculationConfig
+from stagedspec.request import stage_report, start_request
 from stagedspec.runner import RequestPasses
 from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
