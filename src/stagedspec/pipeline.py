@@ -15,7 +15,6 @@ from stagedspec.drafting import DraftParts, fixed_drafter, measured_drafter
 from stagedspec.exactness import default_bit_exact, warn_amx_bit_exact
 from stagedspec.dtypes import DTYPES, dtype_name, parse_dtype, parse_weights, resolve_dtype  # noqa: F401 - re-exported
 from stagedspec.errors import StagedSpecError
-from stagedspec.stops import checked_stops
 from stagedspec.generation import Drafter, GenerationResult
 from stagedspec.learned_state import LearnedState
 from stagedspec.model_set import (  # noqa: F401 - re-exported: the library's names since the start
@@ -28,6 +27,7 @@ from stagedspec.model_set import (  # noqa: F401 - re-exported: the library's na
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
 from stagedspec.runner import RequestPasses
+from stagedspec.request_plan import plan_request
 from stagedspec.request import context_budget, stage_report, start_request  # noqa: F401 - stage_report re-exported
 from stagedspec.sampling import SamplingParams
 from stagedspec.speculation import (  # noqa: F401 - re-exported: the library's names since the start
@@ -243,11 +243,11 @@ class Pipeline:
 
         `controls`: a logit bias and/or a grammar (`stagedspec.constraints`); the output is then exactly
         constrained `ar`'s (greedy) or distributed as it (sampling), whatever the method."""
-        if max_new_tokens < 1:
-            raise StagedSpecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
-        checked_stops(stop_strings)  # before the models run: a bad stop string is a one-line error
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
-        max_len = context_budget(self.model, len(ids), max_new_tokens, self.speculation.max_tree_budget)
+        plan = plan_request(ids, max_new_tokens=max_new_tokens, context=self.model.config.max_position,
+                            speculation=self.speculation, temperature=sampling.temperature, top_k=sampling.top_k,
+                            top_p=sampling.top_p, seed=seed, stop=stop_strings)
+        max_len = context_budget(self.model, len(ids), plan.max_new_tokens, self.speculation.max_tree_budget)
         if self.bit_exact and str(self.device) == "cpu" and not self._warned_amx:
             self._warned_amx = True
             warn_amx_bit_exact()
@@ -263,8 +263,9 @@ class Pipeline:
 
         passes = RequestPasses()  # the runners this request's oracle and drafters hold, given back when it ends
         try:
-            request = start_request(self, ids, max_len, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                                    stop_strings=stop_strings, processor=processor, passes=passes)
+            request = start_request(self, plan.prompt_ids, max_len, max_new_tokens=plan.max_new_tokens,
+                                    sampling=plan.sampling, seed=plan.seed, stop_strings=plan.stop,
+                                    processor=processor, passes=passes)
             while (step := request.step()) is not None:
                 if governor is not None:
                     governor.tick()

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from stagedspec.drafters.base import Drafter
-from stagedspec.errors import StagedSpecError
 from stagedspec.generation import GenerationResult, GenerationStats, NoDrafter, iter_steps, speculative_generate
 from stagedspec.models.transformer import Transformer
 from stagedspec.oracle import Oracle
+from stagedspec.request_plan import check_length
 from stagedspec.runner import ModelOracle, RequestPasses
 from stagedspec.sampling import SamplingParams
 from stagedspec.stops import StopTextStream
@@ -149,12 +149,7 @@ def context_budget(model: Transformer, prompt_len: int, max_new_tokens: int, max
     nodes: the oracle attends over the whole cache (`ModelOracle`), so two
     methods with the same cache size compute bit-identical logits.
     """
-    limit = model.config.max_position
-    if prompt_len + max_new_tokens > limit:
-        raise StagedSpecError(
-            f"prompt ({prompt_len} tokens) + max-new-tokens ({max_new_tokens}) exceed the model's "
-            f"context of {limit} tokens"
-        )
+    check_length(prompt_len, max_new_tokens, model.config.max_position)  # the request plan's words
     used = prompt_len + max_new_tokens + 1
     slack = TREE_SLACK * max(1, -(-max_tree_budget // TREE_SLACK))
     return -(-used // TREE_SLACK) * TREE_SLACK + slack

@@ -108,12 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling_from(args: argparse.Namespace):  # noqa: ANN202
-    from stagedspec.sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-
-
 ORIGIN_COLOURS = {"oracle": "", "draft": "\033[32m", "draft1": "\033[32m", "draft2": "\033[36m",
                   "ngram": "\033[34m", "context": "\033[33m"}
 
@@ -133,12 +127,11 @@ def show_stages(tokenizer, token_ids: list[int], origins: list[str]) -> str:  # 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from stagedspec.pipeline import Pipeline
-    from stagedspec.stops import checked_stops
+    from stagedspec.request_plan import check_options
 
-    if args.max_new_tokens < 1:
-        raise StagedSpecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    checked_stops(args.stop)  # a bad --stop fails before the model loads
-    sampling = _sampling_from(args)
+    # the request's checks that need no prompt, before the model loads (the library and server run them too)
+    sampling, _ = check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, stop=args.stop)
     oracle, drafts, spec = speculation_from(args)
     method = spec.method
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -25,8 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stagedspec.errors import StagedSpecError, first_line
-from stagedspec.sampling import SamplingParams
+from stagedspec.errors import first_line
+from stagedspec.request_plan import PlanError, plan_request
 from stagedspec.server.engine import Engine
 from stagedspec.server.guard import AccessGuard, AccessPolicy
 from stagedspec.server.metrics import Metrics
@@ -178,12 +178,14 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
         if not sched.engine.serves(req.model):
             raise unknown_model(req.model, sched)
         prompt_ids = encode_prompt(sched.engine, req)
-        max_tokens = check_context(sched.engine, req, len(prompt_ids))
-        try:
-            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
-        except StagedSpecError as e:
-            raise bad(str(e)) from None
         spec = sched.engine.speculation_for(req.speculation)
+        try:  # the checks the CLI and the library run, in their words (`stagedspec.request_plan`)
+            plan = plan_request(prompt_ids, max_new_tokens=default_max_tokens(sched.engine, req, len(prompt_ids)),
+                                context=sched.engine.max_context, speculation=spec, temperature=req.temperature,
+                                top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=req.stop)
+        except PlanError as e:
+            param = "messages" if req.chat and e.param == "prompt" else e.param
+            raise bad(str(e), param, e.code) from None
         processor = sched.engine.logits_processor(req.logit_bias, req.grammar)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -194,7 +196,8 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 pass
 
-        job = Job(prompt_ids, max_tokens, sampling, req.seed, req.stop, spec, deliver, processor=processor)
+        job = Job(list(plan.prompt_ids), plan.max_new_tokens, plan.sampling, plan.seed, list(plan.stop),
+                  plan.speculation, deliver, processor=processor)
         sched.submit(job)
         reply = Reply(chat, sched.engine.model_name, len(prompt_ids))
         if req.stream:
@@ -263,19 +266,13 @@ def encode_prompt(engine: Engine, req: GenerationRequest) -> list[int]:
     return ids
 
 
-def check_context(engine: Engine, req: GenerationRequest, prompt_len: int) -> int:
-    """max_tokens for this request (defaulted), or 400 `context_length_exceeded`."""
-    limit = engine.max_context
-    if prompt_len >= limit:
-        raise APIError(400, f"this model's context is {limit} tokens; the prompt has {prompt_len}",
-                       "messages" if req.chat else "prompt", "context_length_exceeded")
-    room = limit - prompt_len
-    max_tokens = req.max_tokens or (room if req.chat else min(DEFAULT_COMPLETION_TOKENS, room))
-    if prompt_len + max_tokens > limit:
-        raise APIError(400, f"this model's context is {limit} tokens; the prompt ({prompt_len} tokens) plus "
-                            f"max_tokens ({max_tokens}) is {prompt_len + max_tokens}", "max_tokens",
-                       "context_length_exceeded")
-    return max_tokens
+def default_max_tokens(engine: Engine, req: GenerationRequest, prompt_len: int) -> int:
+    """The request's max_tokens, or the API's default: the rest of the context for a chat request, at most
+    `DEFAULT_COMPLETION_TOKENS` for a completion (`plan_request` then checks that it fits)."""
+    if req.max_tokens:
+        return req.max_tokens
+    room = max(0, engine.max_context - prompt_len)
+    return room if req.chat else min(DEFAULT_COMPLETION_TOKENS, room)
 
 
 class Reply:
