@@ -62,3 +62,25 @@ def test_a_test_may_point_the_cache_elsewhere_for_itself(tmp_path: Path, monkeyp
     """`monkeypatch.setenv` is undone after the test; the next test's check (`conftest.py`) would fail otherwise."""
     monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path))
     assert cache_root() == tmp_path
+
+
+def test_tune_reset_forgets_every_learned_file_in_the_one_store(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Cost profiles, learned policies, matmul plans and draft weight formats live in one folder
+    (`paths.learned_store`), which `stagedspec tune --reset` empties; built kernels beside it stay."""
+    from stagedspec import draft_weights
+    from stagedspec.learned_state import auto_state_path, forget_everything
+    from stagedspec.models import matmul_plan
+    from stagedspec.paths import learned_store
+
+    monkeypatch.setenv("STAGEDSPEC_CACHE", str(tmp_path))
+    store = learned_store()
+    assert store.parent == tmp_path
+    learned = [store / "k.v5.json", auto_state_path("k"), matmul_plan._cache_file(), draft_weights._cache_file()]
+    assert all(p.parent == store for p in learned)
+    kernel = tmp_path / "kernels" / "k.so"
+    for path in [*learned, kernel]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    removed = forget_everything()
+    assert not any(p.exists() for p in learned) and kernel.exists()
+    assert len(removed) == len(learned)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from stagedspec.paths import cache_root
+from stagedspec.paths import learned_store
 
 PROFILE_VERSION = 5  # 2: draft_overhead; 3: shared-pass row counts and segment_seconds; 4: verify_overhead;
 # 5: verify_overhead timed after the pass (it came out 0 on a CPU before)
@@ -142,4 +142,4 @@ class CostProfile:
 def profile_path(key: str) -> Path:
     # The version is in the name (from version 3): processes running an older stagedspec keep reading (and
     # rewriting) their own files rather than re-measuring over each other's.
-    return cache_root() / "costs" / f"{key}.v{PROFILE_VERSION}.json"
+    return learned_store() / f"{key}.v{PROFILE_VERSION}.json"

@@ -35,7 +35,7 @@ from stagedspec import hardware, measured_cache
 from stagedspec.errors import StagedSpecError
 from stagedspec.kernels.native import native_kernels
 from stagedspec.models.transformer import Transformer
-from stagedspec.paths import cache_root
+from stagedspec.paths import learned_store
 
 DRAFT_WEIGHTS = ("auto", "native", "int8", "mixed")
 MIXED_ROWS = (1, 2, 4)  # the passes a draft runs most (a chain's tokens, a tree's levels): mixed vs int8 by these
@@ -180,7 +180,7 @@ def _default_measure(model: Transformer) -> dict[int, float]:
 
 
 def _cache_file() -> Path:
-    return cache_root() / "costs" / "draft-weights.json"
+    return learned_store() / "draft-weights.json"
 
 
 def _cache_key(draft: Transformer) -> str:

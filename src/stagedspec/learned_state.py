@@ -25,12 +25,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagedspec.methods import METHODS
-from stagedspec.paths import write_text_atomic
+from stagedspec.paths import learned_store, write_text_atomic
 
 if TYPE_CHECKING:
     from stagedspec.auto import Arm, AutoPolicy
     from stagedspec.costs import CostProfile
     from stagedspec.models.transformer import Transformer
+
+def forget_everything() -> list[Path]:
+    """Delete what this machine has learned (`stagedspec tune --reset`), for every model: the next run
+    measures and learns again.  Returns the files removed."""
+    folder = learned_store()
+    removed = sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
 
 # Row counts the oracle's pass costs are measured at (below the most a caller asks for, which is added).
 PASS_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

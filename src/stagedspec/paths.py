@@ -28,3 +28,10 @@ def cache_root() -> Path:
     """`$STAGEDSPEC_CACHE` if set, else `~/.cache/stagedspec` (read at every call: tests point it elsewhere)."""
     env = os.environ.get("STAGEDSPEC_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "stagedspec"
+
+
+def learned_store() -> Path:
+    """The one folder every timed choice and learned figure of this machine lives in: the cost profiles,
+    each measured method's policy, the fp32 matmul plans and the drafts' weight formats, all JSON
+    (`stagedspec tune --reset` empties it).  Built things, the kernels and the n-grams, live beside it."""
+    return cache_root() / "costs"

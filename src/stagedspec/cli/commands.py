@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_arg(tune)
     add_threads_arg(tune)
     add_draft_weights_arg(tune)
+    tune.add_argument("--reset", action="store_true",
+                      help="first forget everything this machine learned, for every model (cost profiles, "
+                           "auto's learned state, matmul plans, draft weight formats), then measure again")
     tune.set_defaults(func=cmd_tune)
 
     from stagedspec.bench.run import add_bench_command
@@ -245,6 +248,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         pair = paired_draft(args.oracle)  # drafts ship for the named oracles only; a named pair is installed
         drafts = [pair] if pair else []
+    if args.reset:
+        from stagedspec.learned_state import forget_everything, learned_store
+
+        print(f"forgot {len(forget_everything())} learned files in {learned_store()}")
     # `auto` keeps the drafts it is given (`ar` would drop them); nothing is generated here.
     from stagedspec.draft_weights import forget_measured_choices
 

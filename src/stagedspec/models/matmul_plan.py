@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stagedspec import measured_cache
-from stagedspec.paths import cache_root
+from stagedspec.paths import learned_store
 
 PLAN_ROWS = (*range(1, 17), 20, 24, 32, 48, 64)  # a decoding pass, a tree, a lookup chain; above: as is
 MARGIN = 0.9  # another kernel or row count must be at least 10% faster to be chosen (timing noise)
@@ -274,7 +274,7 @@ def forget_measured_plans(cache_file: Path | None = None) -> None:
 
 
 def _cache_file() -> Path:
-    return cache_root() / "costs" / "matmul-plan.json"
+    return learned_store() / "matmul-plan.json"
 
 
 def _valid(entry: object) -> bool:
