@@ -60,7 +60,8 @@ HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_looku
 
 
 def split_draft(name: str) -> tuple[str, str | None]:
-    """`auto@mixed/qwen2.5-coder-0.5b` -> ("auto@mixed", "qwen2.5-coder-0.5b"): a method may name its own draft,
+    """`auto@mixed/qwen2.5-coder-0.5b` -> ("auto@mixed", "qwen2.5-coder-0.5b"): a method may name its own draft
+    (several model stages joined by `+`, top first: `staged@mixed/FEATURE+qwen2.5-coder-0.5b`),
     so one run compares drafts side by side (`auto` with a feature draft and with an independent one, llama.cpp's
     `-md` with a GGUF while ours run a draft folder).  No suffix: (name, None), the run's `--draft`."""
     base, sep, draft = name.partition("/")

@@ -279,7 +279,8 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
                 spec = SpeculationConfig.tuned(method, quant, cfg.device, cfg.dtype,
                                                ngram=cfg.ngram if uses_ngram else None, context=True,
                                                sizing="fixed" if base in FIXED_VARIANTS else "measured")
-                methods.append(ours(models, name, spec, [draft] if draft else [], spec.ngram, quant))
+                # `staged@mixed/A+B`: model stages A over B, top first (`auto` trees with A, stages with both)
+                methods.append(ours(models, name, spec, draft.split("+") if draft else [], spec.ngram, quant))
             elif name in TRANSFORMERS:
                 methods.append(transformers_method(models, name, draft))
             else:
