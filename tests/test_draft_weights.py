@@ -225,17 +225,17 @@ def test_the_server_keeps_native_draft_weights_unless_the_oracle_is_quantised(mo
 
     seen = []
 
-    class FakePipeline:
+    class FakeModelSet:
         def __init__(self) -> None:
             self.model = self.tokenizer = self.ngram = None
-            self.draft_models = []
+            self.draft_models = ()
 
         @classmethod
-        def load(cls, *args, draft_weights: str, **kwargs) -> FakePipeline:  # noqa: ANN002, ANN003
+        def load(cls, *args, draft_weights: str, **kwargs) -> FakeModelSet:  # noqa: ANN002, ANN003
             seen.append(draft_weights)
             return cls()
 
-    monkeypatch.setattr(engine, "Pipeline", FakePipeline)
+    monkeypatch.setattr(engine, "ModelSet", FakeModelSet)
     spec = SpeculationConfig(method="tree")
     engine.Engine.load("default", ["default"], spec, quant="none")
     engine.Engine.load("default", ["default"], spec, quant="int4")
