@@ -74,8 +74,8 @@ class CostProfile:
     # oracle's, then each draft's.  Empty: unmeasured (priced as 0).
     segment_seconds: list[float] = field(default_factory=list)
     # Host seconds of a loop step's scoring and verification beyond the oracle's pass ("greedy", "sampled"),
-    # at `VERIFY_ROWS` rows: reading the decisions back, and at T > 0 the acceptance rules and the draws.  On an
-    # H100 at T=1 an 8-node tree's cost 0.67 ms more than `ar`'s, a fifth of a pass (2026-11-23).  Empty: 0.
+    # at `VERIFY_ROWS` rows: reading the decisions back, and at T > 0 the acceptance rules and the draws, a
+    # sizable share of a GPU pass (docs/measurements.md, "Verification overhead on an H100 at T=1").  Empty: 0.
     verify_overhead: dict[str, list[float]] = field(default_factory=dict)
     # CPUs' worth of other processes' work while this was measured (`stagedspec.threads`): a profile taken
     # beside a busy process prices every pass too high and is used for its run only, never cached.

@@ -1,16 +1,17 @@
 """Which weight format a draft model runs on: its own dtype, or int8, whichever this machine runs faster.
 
 Why: a draft's pass at batch 1 streams its weights once, so on a CPU its
-cost is mostly bytes.  The default SmolLM2 draft in bf16 costs 0.057 of a
-bf16 oracle pass on the AVX-512 BF16 + AMX CPU; with int8 layers and head
-(PyTorch's `_weight_int8pack_mm`) it costs 0.030, and a 3-layer draft 0.040
-instead of 0.079 (AMX Xeon, 2026-11-23; docs/benchmarks.md).  What the draft proposes moves a
+cost is mostly bytes.  On an AVX-512 BF16 + AMX CPU, int8 layers and head
+(PyTorch's `_weight_int8pack_mm`) made the default SmolLM2 draft and a
+3-layer draft much cheaper than in bf16
+(docs/measurements.md, "int8 draft weights on an AMX Xeon").  What the draft proposes moves a
 little with its rounding, but exactness never depends on the draft: the
 oracle's weights, and so the output, are untouched.
 
 Whether int8 pays is a property of the machine (its kernels, its bf16
 support) and of the pass's row count: the int8 kernel is not blocked for
-many rows, and on the same CPU a 16-row pass costs 1.6x bf16's.  So
+many rows, and on the same CPU a pass of many rows costs more than bf16's
+(docs/measurements.md, "int8 against bf16 weights by row count on an AMX Xeon").  So
 `--draft-weights auto` times both formats at 1-16 rows, once per draft and
 machine (cached next to the cost profiles), and runs int8 for the passes of
 up to as many rows as it was faster at, the dense weights for bigger ones

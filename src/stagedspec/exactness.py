@@ -5,9 +5,9 @@ Why: exactness is the product, and a configuration that can lose it must not do 
 quantised kernels every pass is row-exact (`models.quant.row_exact`), and in fp32 the rounding differences
 between pass shapes (about 1e-7) have never flipped a token in any test.  A dense bf16/fp16 oracle rounds a row
 by its pass's shape (the BLAS picks its kernel by the row count; on a GPU cuBLAS does), so a verification pass can
-flip a near-tie that one-token decoding would not: on an NVIDIA H200 with the Qwen2.5-Coder pair in bf16,
-`lookup` and `auto` matched `ar` on 15 of 16 prompts, and every method matched on all 16 in fp32
-(docs/bench/h200-2026-11-27-qwen-pair/, 2026-11-27).  The batched server's own guarantee is
+flip a near-tie that one-token decoding would not: on a GPU with the Qwen2.5-Coder pair in bf16, `lookup` and
+`auto` did not always match `ar`, where in fp32 every method matched on every prompt
+(docs/measurements.md, "Greedy exactness in bf16 and fp32 on an H200").  The batched server's own guarantee is
 `stagedspec.server.exactness`.
 """
 
@@ -25,10 +25,10 @@ def default_bit_exact(model: nn.Module) -> bool:
     """`--bit-exact`'s default for an oracle: on for a dense bf16/fp16 oracle on a GPU, off elsewhere.
 
     On CUDA the oracle's passes are static (`stagedspec.runner`), and `bit_exact` runs every one of them at one
-    row count, so cuBLAS runs one kernel for every pass and no row changes another's bits.  On an H200 with the
-    Qwen2.5-Coder pair in bf16 that cost plain decoding 9% (278 against 304 tok/s) and made `auto` faster
-    (460 against 424 tok/s: a 64-row pass is the price of every pass, so long lookup chains cost nothing),
-    with every method's greedy output `ar`'s on all 16 prompts (docs/bench/h200-2026-11-27-qwen-pair/).  On a
+    row count, so cuBLAS runs one kernel for every pass and no row changes another's bits.  On a GPU with the
+    Qwen2.5-Coder pair in bf16 that cost plain decoding a little and made `auto` faster (a 64-row pass is the
+    price of every pass, so long lookup chains cost nothing), with every method's greedy output `ar`'s
+    (docs/measurements.md, "`--bit-exact` by default on an H200").  On a
     CPU the eager `bit_exact` path costs 10-20% of `ar` and most of what speculation gains, and the default
     for a GGUF there (the native kernels) is row-exact anyway, so it stays a choice.
     """

@@ -71,12 +71,11 @@ AMX_ISA_CAP = "AVX512_CORE_BF16"  # oneDNN's ISA cap below AMX (ONEDNN_MAX_CPU_I
 def amx_rounds_by_rows(isa: str | None = None) -> bool:
     """Whether oneDNN may run bf16 matmuls on AMX here, i.e. without the ISA capped below it.
 
-    Measured on an AMX CPU (Intel Xeon, 2026-11-22): a 7-row bf16 pass of the
-    default model differs from 7 one-row passes by up to 0.3 logits, because
-    AMX kernels are chosen by the row count; capped at AVX-512 BF16 the rows
-    are bit-identical.  AMX also makes multi-row passes nearly free (16 rows
-    cost 1.1x one row, against 1.7x capped), so it stays on unless
-    `--bit-exact` asks for bit-identity.
+    On an AMX CPU a multi-row bf16 pass differs from one-row passes of the
+    same rows, because AMX kernels are chosen by the row count; capped at
+    AVX-512 BF16 the rows are bit-identical.  AMX also makes multi-row passes
+    nearly free, so it stays on unless `--bit-exact` asks for bit-identity
+    (docs/measurements.md, "AMX and the row count of bf16 passes on an AMX Xeon").
 
     `isa`: the ONEDNN_MAX_CPU_ISA value oneDNN started with (default: the
     current environment's; a process that already ran bf16 passes keeps the
@@ -117,9 +116,9 @@ def engine_fingerprint() -> str:
 
     Timed choices (cost profiles, draft weight formats, matmul plans) price the
     code that ran when they were measured.  Keyed by the machine alone, a profile
-    measured before a kernel got twice as fast kept pricing a SmolLM2 pass at
-    43 ms where it took 20 (AMD EPYC AVX2, 2026-11-25), and a seeded `auto` run,
-    which prices by the profile alone, chose trees that ran at 0.76x `ar`."""
+    measured before a kernel got faster kept pricing passes at their old cost,
+    and a seeded `auto` run, which prices by the profile alone, chose trees that
+    ran slower than `ar` (docs/measurements.md, "A cost profile kept across a kernel change on an AVX2 EPYC")."""
     root = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
     for folder, dirs, files in sorted(os.walk(root)):

@@ -244,10 +244,11 @@ def verify_step_overhead(oracle: Transformer, repeats: int = 5) -> dict[str, lis
     reading the decisions back and, at T > 0, each row's softmax, top-k and
     draws.  The fastest of `repeats`.  Why: `auto` priced a step as its pass
     alone, so on a GPU at T=1 a tree whose verification cost more than `ar`'s
-    (0.67 ms at 8 rows on an H100) looked as cheap as `ar`.  An earlier form
-    subtracted the curve from a whole step timed over a shorter context; on a
-    CPU that came out below zero and priced a sampled row's host work at
-    nothing (AMD EPYC AVX2, SmolLM2, 2026-11-25).
+    looked as cheap as `ar` (docs/measurements.md, "Verification overhead on an H100 at T=1").
+    An earlier form subtracted the curve from a whole step timed over a shorter
+    context; on a CPU that came out below zero and priced a sampled row's host
+    work at nothing
+    (docs/measurements.md, "Verification host work as a step less the curve on an AVX2 EPYC").
     """
     from stagedspec.runner import ModelOracle
     from stagedspec.sampling import SamplingParams

@@ -5,9 +5,9 @@ times, per-depth acceptance scaled by each arm's record).  Those models are
 shared by every request on the machine and learn slowly on purpose, so that
 one slow step does not rule.  Where an arm's price sits within 10-20% of plain
 decoding's, their residual error decides the choice, and a request can keep
-choosing an arm that loses: on the Qwen2.5-Coder pair (AVX2 EPYC, 2026-11-26)
-`tree:2` with the 0.5B draft was priced just above `ar` on prose and ran 28
-steps of one prompt at 0.77x `ar`'s speed.
+choosing an arm that loses: on the Qwen2.5-Coder pair `tree:2` with the 0.5B
+draft was priced just above `ar` on prose and ran a prompt's steps well below
+`ar`'s speed (docs/measurements.md, "`tree:2` priced just above `ar` on an AVX2 EPYC").
 
 So each request keeps, per arm kind, the tokens and wall seconds its steps
 took and the tokens and seconds they were priced at when chosen.  The ratio of

@@ -6,9 +6,10 @@ loop (`stagedspec.generation`).  Its passes run eagerly at their own shapes
 device-side cache writes, and CUDA graphs of them.
 
 Why: at batch size 1 a small model's pass costs far more than its kernels.
-On a GPU, one eager SmolLM2-135M pass launches about 900 kernels and takes
-18 ms whatever its row count, while the same pass replayed as a CUDA graph
-takes 2.3 ms (H100, 2026-11-22).  A graph fixes every shape and every address, so a
+On a GPU, one eager SmolLM2-135M pass launches hundreds of kernels and takes
+the same time whatever its row count, while the same pass replayed as a CUDA
+graph takes a fraction of it (docs/measurements.md, "Eager passes against CUDA graphs on an H100").
+A graph fixes every shape and every address, so a
 pass must not depend on where in the cache it runs or how many rows it has:
 
 - rows are padded up to a *bucket* (1, 2, 4, ..., 64); padding rows see the
@@ -476,9 +477,9 @@ def wants_fixed_width(model: Transformer) -> bool:
     (`models.quant.row_exact`, bf16 activations included) computes every row
     alone, and its attention sees a row's visible keys in rank order whatever
     the width, so neither measure changes a bit there and both would only
-    cost: the second row made every SmolLM2 `ar` pass a 2-row pass (1.16x a
-    one-row pass's time), and every server round of 8 `ar` requests a 16-row
-    one (AMD EPYC Zen 4, bf16 activations, 2026-11-26).
+    cost: the second row makes every `ar` pass a 2-row pass, and every server
+    round of n `ar` requests a 2n-row one
+    (docs/measurements.md, "The second row of a fixed-width pass on a Zen 4 EPYC").
     """
     return model.embed.weight.dtype in (torch.bfloat16, torch.float16) and not row_exact(model)
 
@@ -507,8 +508,8 @@ class ModelOracle:
         on the eager path attention runs one token at a time (it costs about 10-20% of `ar`'s speed
         and most of what speculation gains on a CPU, docs/benchmarks.md); on the static path (CUDA)
         every pass runs `BUCKETS[-1]` rows, so the BLAS and the attention kernel run one kernel for
-        every pass and a row's result depends on that row alone (a 64-row pass cost 1.16x a 1-row
-        pass on an H200 with Qwen2.5-Coder-1.5B, 2026-11-27).
+        every pass and a row's result depends on that row alone, at little cost on a GPU
+        (docs/measurements.md, "`--bit-exact` at 64 rows a pass on an H200").
 
         `passes`: the request this oracle runs for (its router and runner leases; see `RequestPasses`)."""
         self.model = model

@@ -24,10 +24,9 @@ QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "chain_length": 2, "loo
 # while each draft pass costs about as much host work as an oracle pass: so wider trees at the same depth
 # (more nodes per draft pass) and longer lookup chains (free to propose).
 CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_chain_length": 8}
-# bf16 on a CPU with native bf16 (AVX-512 BF16 or AMX): a verification row costs next to nothing (AMX, 2
-# threads: 12 rows 1.1x one), so `staged` merges a longer prompt-lookup chain into the oracle's tree
-# (AMX Xeon, 2026-11-23, docs/benchmarks.md: 1.75x -> 1.78-1.87x bf16 `ar` greedy in four runs, T=1 1.44-1.51x).  Where rows are dear
-# (AVX2 CPUs: a 16-row bf16 pass 6.3x one row), the chain stays `lookup_chain_length` long.
+# bf16 on a CPU with native bf16 (AVX-512 BF16 or AMX): a verification row costs next to nothing, so `staged`
+# merges a longer prompt-lookup chain into the oracle's tree.  Where rows are dear (AVX2 CPUs), the chain stays
+# `lookup_chain_length` long (docs/measurements.md, "A longer prompt-lookup chain in `staged` on an AMX Xeon").
 NATIVE_BF16_DEFAULTS = {"oracle_lookup_length": 8}
 SIZINGS = ("fixed", "measured")  # how a sizable method's sizes are chosen (`SpeculationConfig.sizing`)
 
@@ -36,10 +35,10 @@ SIZINGS = ("fixed", "measured")  # how a sizable method's sizes are chosen (`Spe
 class SpeculationConfig:
     """How drafts are proposed.
 
-    Defaults were tuned on the reference 2-core CPU with the default models
-    (docs/benchmarks.md, the AVX-512 BF16 EPYC of 2026-11-22): there a bf16 pass over 4 tokens costs what one
-    token costs, 8 cost 1.2x and 16 cost 1.5x (`stagedspec bench-engine
-    --tree-cost`), so small trees of likely tokens beat wide ones.
+    Defaults were tuned on the reference 2-core CPU with the default models, where a bf16 pass over a few
+    tokens costs about what one token costs and more rows cost more
+    (docs/measurements.md, "bf16 pass cost by row count on the AVX-512 BF16 EPYC"), so small trees of likely
+    tokens beat wide ones.
 
     - chain / tree: one draft model proposes for the oracle;
     - lookup: model-free drafts (prompt lookup and/or an n-gram) for the oracle;

@@ -2,10 +2,10 @@
 
 Why: every native kernel call is an OpenMP parallel region whose threads meet
 at a barrier.  When another process keeps one of a 2-core machine's cores
-busy, a region waits for its descheduled thread a whole scheduler time slice:
-measured on the AVX2 EPYC (2026-11-25, a `pytest` run beside it), one
-SmolLM2-135M int4 pass took 1,170 ms on 2 threads and 14.5 ms on 1 (10-14 ms
-idle on 2).  So the thread count follows the machine: `ThreadGovernor` reads
+busy, a region waits for its descheduled thread a whole scheduler time slice,
+and a pass on both threads took many times as long as on one
+(docs/measurements.md, "A pass on both threads beside a busy process on an AVX2 EPYC").
+So the thread count follows the machine: `ThreadGovernor` reads
 the CPUs' busy time (`/proc/stat`) and this process's own CPU time every
 quarter second and sets PyTorch's thread count to the CPUs the others leave
 free.  No trial passes are needed, so an idle machine pays nothing.
@@ -112,9 +112,9 @@ def no_parallel_regions_here() -> bool:
     Why: GNU OpenMP gives every thread that opens a parallel region a pool of workers of its own, and once the
     process holds more such threads than it has CPUs, every pool's workers stop spinning between regions and
     sleep (libgomp's throttled spin count).  A pass is ~100 regions (a native kernel call each), so each then
-    pays a futex wake-up and a sleeping barrier.  Measured on a 2-core AMD EPYC Zen 4 (2026-11-26): after one
-    server request, whose lane thread had opened regions in small operations (argmax over the vocabulary),
-    a SmolLM2 `ar` decode on the scheduler's thread fell from 130 to 57 tok/s, and stayed there.  A thread
+    pays a futex wake-up and a sleeping barrier.  After one server request, whose lane thread had opened
+    regions in small operations (argmax over the vocabulary), `ar` decoding on the scheduler's thread ran far
+    slower, and stayed there (docs/measurements.md, "OpenMP pools of a server lane thread on a Zen 4 EPYC").  A thread
     that only does such small work (a server lane) calls this at its start, so the process keeps one pool.
 
     PyTorch sets a thread's OpenMP thread count from its global one at the thread's first parallel call, so

@@ -3,9 +3,9 @@
 `tree.grow_tree` grows best-first on the host: after every draft pass it
 brings the top-k tokens back to choose what to expand next.  On a GPU each
 such copy waits for the pass and for everything queued before it, so a
-depth-6 tree costs six round trips.  (Measured on an H100 on 2026-11-23 this
-growth ran level with best-first, 1.41x against 1.44x `ar` greedy: there the
-draft's own passes, not the round trips, bound drafting; docs/gpu.md.)
+depth-6 tree costs six round trips.  (On an H100 this growth ran level with
+best-first: there the draft's own passes, not the round trips, bound drafting;
+docs/measurements.md, "Tree growth level by level against best-first on an H100".)
 
 Here the choices stay on the device (EAGLE-2's dynamic tree, in fixed
 shapes): level d's `width` best candidates by cumulative draft probability

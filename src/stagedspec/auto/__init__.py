@@ -51,10 +51,10 @@ before pays for catching up on the tokens decoded meanwhile, which is not
 the arm's price and is not learned as such.  An exploration that does not
 convince (the next priced step chooses `ar` again) doubles the gap to the
 next one, up to `EXPLORE_MAX_GAP`; a priced step that chooses a speculative
-arm resets it.  Where plain decoding keeps winning, as for SmolLM2 on an AVX2
-EPYC, each exploration cost about two slow steps (a model draft catching up
-on the context, then a warm repeat) in every eight priced ones: 7-9% of a
-mostly-`ar` request's time there (2026-11-26).
+arm resets it.  Where plain decoding keeps winning, each exploration costs
+about two slow steps (a model draft catching up on the context, then a warm
+repeat) in every `EXPLORE_EVERY` priced ones, a visible share of a mostly-`ar`
+request's time (docs/measurements.md, "Exploration's cost where plain decoding wins on an AVX2 EPYC").
 
 The request's own record.  The models above are shared by every request and
 learn slowly on purpose; each request also keeps, per arm kind, the tokens and

@@ -9,20 +9,22 @@ from typing import Iterable, Mapping
 
 LOOKUP_SIZES = (1, 2, 3, 4, 6)
 # `copy:k`: the prompt-lookup chain alone, without the n-gram's two chains.  A `lookup` arm verifies all three
-# (up to 1 + 3k rows); where rows are dear (the native int4 kernels: 4 rows cost 1.6x one on an AVX-512 EPYC) and
-# the n-gram is seldom right (10% at depth 1 on HumanEval, against 40% for the prompt's own text), that priced
-# every lookup out and `auto` ran HumanEval as `ar` (AMD EPYC Zen 4, SmolLM2, 2026-11-27).
+# (up to 1 + 3k rows); where rows are dear (the native int4 kernels) and the n-gram is seldom right, that priced
+# every lookup out and `auto` ran HumanEval as `ar`
+# (docs/measurements.md, "Lookup arms priced out on HumanEval on a Zen 4 EPYC").
 COPY_SIZES = (1, 2, 4, 8)
 CPU_TREE_SIZES = (2, 4, 8, 16)
 CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
 STAGE_SIZES = (1, 2, 3, 4, 6)
 # `staged:k+m` arms also merge a long chain: where verification rows are nearly free (a CPU with native bf16,
 # a GPU) the copies it catches are long; where rows are dear the pricing leaves these arms alone.  The fixed
-# `staged` merges this many on a native-bf16 CPU (AMX Xeon, 2026-11-23: 1.75x -> 1.78-1.87x `ar`; docs/benchmarks.md).
+# `staged` merges this many on a native-bf16 CPU, where it pays
+# (docs/measurements.md, "A longer prompt-lookup chain in `staged` on an AMX Xeon").
 STAGE_LONG_LOOKUP = 8
 # A `staged:k` arm merges a prompt-lookup chain one token longer than its draft's k, as the tuned fixed
-# configurations do (bf16: 3 draft + 4 lookup; int4: 1 + 2, which no arm could express without this: `auto@int4`
-# ran at 1.10-1.17x `ar@int4` against `staged@int4`'s 1.35x on an AMX Xeon, 2026-11-23).
+# configurations do (bf16: 3 draft + 4 lookup; int4: 1 + 2, which no arm could express without this, and
+# `auto@int4` then ran behind `staged@int4`;
+# docs/measurements.md, "`auto@int4` without a longer lookup chain on an AMX Xeon").
 STAGE_LOOKUP_EXTRA = 1
 
 
@@ -85,11 +87,10 @@ def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu", kind: str |
 
 
 # The prompt-lookup chain's acceptance series, by the length of the suffix it matched (`ContextDrafter`: 3 tokens
-# down to 1).  A one-token match is mostly chance: on Qwen2.5-Coder-1.5B's greedy replies (16 prompts, H200,
-# 2026-11-27) the next token was the copy's first for 22% of one-token matches in code, 9% in prose, 3% in chat,
-# and for 91%, 64% and 54% of three-token matches.  Prose and chat propose mostly one-token matches (70-83% of their
-# chains), code mostly three-token ones (58%), so one series learned on code had priced chat's copies at 2-3
-# tokens a step where they yielded one.
+# down to 1).  A one-token match is mostly chance, a three-token one mostly right; prose and chat propose mostly
+# one-token matches, code mostly three-token ones, so one series learned on code had priced chat's copies at
+# several tokens a step where they yielded one
+# (docs/measurements.md, "Prompt-lookup copies by matched length on an H200").
 CONTEXT_SERIES = {1: "context:1", 2: "context:2"}  # a longer match: "context"
 
 

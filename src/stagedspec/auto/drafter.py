@@ -29,31 +29,31 @@ EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the p
 # may catch its draft up, and its drafting time is then not learned)
 # Each draft family (`Arm.family`: tree, staged, staged with a long lookup chain) is run early in every request
 # whatever its price, and again every `FAMILY_REVISIT` priced steps: a price is a model, and a model that is
-# wrong about an arm never lets it run to show otherwise.  On an AMX Xeon the Qwen2.5-Coder pair's `auto` ran
-# `ar` on all 96 steps of a prose prompt, where a fixed 3-token chain of the 0.5B draft ran at 1.22x `ar`
-# (2026-11-28).  Such an exploration runs the family's best-priced arm twice (its second step warm, timed), a
+# wrong about an arm never lets it run to show otherwise: `auto` had run `ar` on every step of a prompt where a
+# fixed chain of the draft was faster (docs/measurements.md, "A draft family its price never chose on an AMX Xeon").
+# Such an exploration runs the family's best-priced arm twice (its second step warm, timed), a
 # family at a time, `FAMILY_EXPLORE_AFTER` priced steps apart; its draft's catch-up on the context may cost at
 # most `FAMILY_CATCH_UP_SHARE` of the request's plain decoding time (the bounded cost), or it is skipped.
 FAMILY_EXPLORE_AFTER = 2
 FAMILY_REVISIT = 64  # (a family that ran on its price since the last round is not explored again)
 FAMILY_CATCH_UP_SHARE = 0.05
 FULL_PRICE_EVERY = 8  # priced steps between two that price every arm; the others price `ar`, the lookup arms
-# and the draft arms that came close at the last full pricing (`stagedspec.auto.pricing.contenders`): pricing all
-# 20 arms of the default pair cost about 200 us, 4% of a 5 ms SmolLM2 step (AMD EPYC Zen 4, 2026-11-27)
+# and the draft arms that came close at the last full pricing (`stagedspec.auto.pricing.contenders`): pricing every
+# arm is a visible share of a small model's CPU step (docs/measurements.md, "Pricing every arm on a Zen 4 EPYC")
 PLAIN_STREAK = 4  # after this many `ar` steps in a row, a step is quiet (below) except a probe ...
 LOOKUP_PROBE_EVERY = 4  # ... every this many steps at first, the gap doubled each time a probe chooses `ar` again ...
 PROBE_MAX_GAP = 16  # ... up to this many steps, and back to `LOOKUP_PROBE_EVERY` when one chooses to speculate
 # A quiet step runs `ar` and learns nothing of its own: no chains are looked at, no arm is priced, its time is
-# not observed (the probes' and the speculative steps' are), so it costs a few microseconds.  `auto`'s
-# bookkeeping on every step had cost about 200 us of a 5 ms SmolLM2 step, and `auto` ran prose at 0.93-0.97x
-# `ar` choosing `ar` on most steps (AMD EPYC Zen 4, bf16 activations, 2026-11-27).
+# not observed (the probes' and the speculative steps' are), so it costs a few microseconds.  With bookkeeping
+# on every step, `auto` had run prose slower than `ar` while choosing `ar` on most steps
+# (docs/measurements.md, "Bookkeeping on every step on a Zen 4 EPYC").
 # Observations per series of the shared statistics a request starts from (`AutoDrafter.begin`): how often a
 # draft or the prompt's own text is right depends on the request (code that restates its prompt, prose that
 # does not), so a request's choices follow its own record after a dozen or two steps.  A synthetic request
 # whose prompt is never copied, priced from a machine that saw it always copied, left lookup after 23 steps
-# with 8 and ran lookup still after 60 with all 200 (`tests/test_auto.py`).  Priced from the machine's 200
-# observations, `auto` on the Qwen2.5-Coder pair ran prose at 0.78x `ar` after a run of HumanEval prompts
-# had taught it that the prompt is copied (AVX2 EPYC, 2026-11-26).
+# with 8 and ran lookup still after 60 with all 200 (`tests/test_auto.py`).  Priced from all of the machine's
+# observations, `auto` ran prose slower than `ar` after a run of code prompts had taught it that the prompt is
+# copied (docs/measurements.md, "Shared statistics taught by code prompts on an AVX2 EPYC").
 REQUEST_PRIOR = 8.0
 
 
@@ -233,16 +233,16 @@ class AutoDrafter(Drafter):
             # no draft ran, so no statistic but `ar`'s own time moved), so `ar` again without pricing every
             # arm.  On a GPU that pricing is a few percent of a 3 ms step.  Decided by the history alone.  In a
             # batched round too: the shared round changes between probes, but each lane's pricing runs under
-            # the one interpreter lock, one lane after another, and pricing every step cost 8 SmolLM2 streams
-            # 16% beside `ar` (AMD EPYC Zen 4, 2 cores, 2026-11-26); a change of the round is seen at the next
-            # probe, a few steps later.
+            # the one interpreter lock, one lane after another, and pricing every step slowed a round of SmolLM2
+            # streams below `ar` (docs/measurements.md, "Pricing every step in a batched round on a Zen 4 EPYC");
+            # a change of the round is seen at the next probe, a few steps later.
             return self._run_quiet(context, sampling, generator, max_tokens)
         else:
             self._until_explore -= 1
             # A policy that prices by the profile alone (a seeded sampled request's, `Pipeline.drafter`) starts
             # from the priors every request and cannot carry what an exploration teaches to the next one, so
-            # it does not explore: on SmolLM2 (AVX2 EPYC, 2026-11-26) seeded T=1 requests of 128 tokens tried
-            # 8-10 arms each and ran at 0.92x `ar`.
+            # it does not explore: exploring, seeded T=1 requests tried many arms each and ran slower than `ar`
+            # (docs/measurements.md, "Exploration in seeded sampled requests on an AVX2 EPYC").
             explore = self._until_explore <= 0 and self.policy.learn_times
             backlog = {a.kind: len(context) - self._synced.get(id(self.arms[a][0]), 0)
                        for a in self.policy.arms if a.kind in ("tree", "staged")}

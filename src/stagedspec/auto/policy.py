@@ -101,10 +101,10 @@ class AutoPolicy:
 
         `backlog`: context tokens each arm kind's draft has not run yet (`AutoDrafter`), `remaining`: tokens
         left to generate.  Catching up is charged whole by a policy that does not learn times, and to an
-        exploring step (half a step, as it runs twice), which then likely hands back to `ar` (a run of `ar`
-        steps with explorations every 32 cost SmolLM2 about 4% on an AVX2 EPYC, 2026-11-25), and to any
-        other step as its share of the remaining tokens, about two a step, since an arm that pays keeps its
-        draft warm from then on.
+        exploring step (half a step, as it runs twice), which then likely hands back to `ar` (explorations
+        slow a run of `ar` steps: docs/measurements.md, "Explorations within a run of `ar` steps on an AVX2 EPYC"),
+        and to any other step as its share of the remaining tokens, about two a step, since an arm that pays keeps
+        its draft warm from then on.
 
         `stats`: the acceptance statistics to price with (default: the policy's own for `sampling`; a request
         passes its own, `AutoDrafter`).  `realized`: the request's realized / priced rate per arm kind
@@ -125,8 +125,9 @@ class AutoPolicy:
         plain = Arm("ar")
         # A policy that does not learn times (a seeded sampled request's, priced by the profile and the priors)
         # charges a cold draft its whole catch-up: it can neither see that its first draft steps lost nor explore,
-        # and on SmolLM2 prose at T=1 every such request had opened with a `staged` step priced by the prior at
-        # 1.96 tokens that yielded 1 at twice `ar`'s time, 0.96x `ar` in all (AMD EPYC Zen 4, 2026-11-27).
+        # and on SmolLM2 prose at T=1 every such request had opened with a `staged` step that the prior priced
+        # far above its yield, and ran slower than `ar` in all
+        # (docs/measurements.md, "A seeded sampled request's first `staged` step on a Zen 4 EPYC").
         share = 0.5 if explore else 1.0 if not self.learn_times else min(1.0, 2.0 / max(1, remaining))
         catch_up = {kind: share * catch_up_seconds(Arm(kind), self.profile, n) for kind, n in (backlog or {}).items()}
         with self.lock:

@@ -22,8 +22,7 @@ class StepCosts:
     verify_scale: float = 1.0  # measured verification time / the cost curve's prediction, all steps
     # The same per arm kind and decoding mode ("tree/sampled"): verifying a tree costs host work that
     # the cost curve (a pass) does not show, and `ar`'s step has the least.  One scale for all would
-    # charge `ar` the trees' extra work (on an H100, 2026-11-23, greedy: tree steps took 1.93x the curve,
-    # `ar` steps 1.10x).
+    # charge `ar` the trees' extra work (docs/measurements.md, "Verification time against the cost curve on an H100").
     verify_scales: dict[str, float] = field(default_factory=dict)
     # Per arm kind, measured drafting time / the cost curves' prediction: an arm not run yet is priced
     # by what its siblings taught (a GPU draft pass costs far more than its graph replay once the tree
@@ -33,8 +32,8 @@ class StepCosts:
     # the wall time from one `propose` to the next, so a step whose draft first runs over
     # every token it missed (after a run of `ar` steps; the whole prompt the first time), an exploration's
     # loss and the bookkeeping around a tree are all charged to what caused them.  The parts above leave
-    # those out (a cold draft's time is not its arm's price); without this `auto` ran at 0.89-0.96x `ar`
-    # on an AVX2 EPYC (SmolLM2, 2026-11-25) while each part's estimate was close.
+    # those out (a cold draft's time is not its arm's price); without this `auto` ran slower than `ar` while
+    # each part's estimate was close (docs/measurements.md, "Whole-step scales on an AVX2 EPYC").
     step_scales: dict[str, float] = field(default_factory=dict)
     verify_counts: dict[str, int] = field(default_factory=dict)  # steps behind each of `verify_scales` (this run)
 
@@ -95,11 +94,11 @@ class StepCosts:
 
 # The kind whose measured scales an arm kind's greedy steps share.  A greedy `lookup` or `copy` step is an `ar`
 # step with more rows (its chains cost microseconds and no model, and checking a chain is a comparison per row),
-# so its price is `ar`'s measured time moved along the cost curve: scales learned apart had each carried this
-# VM's noise (about 8% between neighbouring requests), and on SmolLM2 chat `auto` chose a `copy` or `lookup` arm
-# over `ar` on 30-50% of a request's steps whose chains added no row or none that was accepted, at 0.86-0.95x
-# `ar` (AMD EPYC Zen 4, greedy, 2026-11-27).  Sampled steps keep a scale per kind: verifying a sampled chain
-# does host work per node that `ar`'s step has not (on a GPU a lookup step took 1.6x the curve, `ar`'s 1.0x).
+# so its price is `ar`'s measured time moved along the cost curve: scales learned apart had each carried the
+# machine's noise between neighbouring requests, and on SmolLM2 chat `auto` chose `copy` or `lookup` arms over
+# `ar` on steps whose chains added no row or none that was accepted, running slower than `ar`.  Sampled steps
+# keep a scale per kind: verifying a sampled chain does host work per node that `ar`'s step has not
+# (docs/measurements.md, "Greedy lookup and copy steps on `ar`'s scale on a Zen 4 EPYC").
 GREEDY_SCALE_KIND = {"ar": "ar", "lookup": "ar", "copy": "ar", "tree": "tree", "staged": "staged"}
 _KEYS = {(kind, sampled): f"{kind if sampled else GREEDY_SCALE_KIND[kind]}/{'sampled' if sampled else 'greedy'}"
          for kind in GREEDY_SCALE_KIND for sampled in (False, True)}
@@ -244,8 +243,8 @@ def _long_pass_seconds(profile: CostProfile, rows: int) -> float:
 
     Static passes run more rows than their largest bucket as several passes of it (`runner.BUCKETS`), and a
     GPU's curve is flat up to there: extended past its last two points it priced a 0.5B draft's catch-up over
-    a prompt as about one pass, and the exploration that ran it took two steps of 45 ms each against a price
-    of 10 ms, 13 of `ar`'s steps each (Qwen2.5-Coder pair, H200, 2026-11-27).  On a CPU a long pass costs
+    a prompt as about one pass, and the exploration that ran it took several times its price
+    (docs/measurements.md, "A draft's catch-up priced past the curve on an H200").  On a CPU a long pass costs
     about its rows' share of the largest either way."""
     top = max(profile.drafts[0])
     if rows <= top:

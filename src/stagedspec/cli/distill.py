@@ -46,7 +46,8 @@ TARGETS = {"top1": 0.60, "top4": 0.80, "draft_cost_ratio": 0.10, "tree_mean_acce
            "tree_every_position": 3.5}
 TREE_TARGET_BUDGET = 16
 AT_MOST = ("draft_cost_ratio",)  # targets that are upper bounds; the others are lower bounds
-# Default --sample-batch per device type: a CPU gains little past 16 rows; an H100 sampled 256 at a time (2026-11-23).
+# Default --sample-batch per device type: a CPU gains little from more rows, a GPU samples many at a time
+# (docs/measurements.md, "Sample batch for distillation on an H100").
 SAMPLE_BATCH = {"cpu": 16, "cuda": 256}
 SAVE_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
 SAMPLES_NAME = "oracle_samples.jsonl"  # per-request reply cache (stagedspec.training.reply_cache)

@@ -18,9 +18,8 @@
 // whose pairwise sums are the tree's) and the exponentials 8 at a time; the portable path does the same
 // operations one key at a time.  Both give the same bits (checked at load and in the tests).
 //
-// Measured on an AMD EPYC (Zen 3, AVX2, 2 threads), 2026-11-26, SmolLM2-135M's shape (9 query heads over 3
-// key heads of 64, 208 cached keys): one key at a time with separate multiplies and adds took 53 / 154 / 292 us
-// for 1 / 4 / 8 query rows; this path 18-27 / 47-67 / 86-120 us.
+// At a small model's shape, one key at a time with separate multiplies and adds took much longer than this path
+// for 1 to 8 query rows (docs/measurements.md, "The AVX2 attention path against one key at a time on a Zen 3 EPYC").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -71,10 +71,10 @@ constexpr int64_t kQ5Bytes = 128 + 32 + 2 * kTile;  // 176
 constexpr int64_t kRowBlock = 4;                    // rows computed together against one loaded tile
 // The int4 / Q4_K / Q5_0 / Q6_K tiles take 8 rows, so a 5-8 row pass sweeps each tile once: their per-row
 // integer sums fit in registers (AVX2 int8's do not, and stay at 4; the VNNI forms have AVX-512VL's 32 registers).
-// On the AVX2 EPYC, 6 and 8 rows of a streamed Q4_K 1536 x 1536 layer cost about 0.85x what two 4-row sweeps
-// did.  On VNNI the int4 and Q4_K rows sum their low and high nibbles in two chains (twice the vpdpbusd in
-// flight; integer sums, so the same bits), and with 8-row tiles a 16-row Qwen2.5-Coder-1.5B pass went from
-// 5.26x to 4.44x a one-row pass (AMD EPYC Zen 4, 2 threads, 2026-11-26, scripts/llamacpp/pass_costs.py).
+// On AVX2 one sweep of 6 or 8 rows of a streamed Q4_K layer costs less than two 4-row sweeps.  On VNNI the int4
+// and Q4_K rows sum their low and high nibbles in two chains (twice the vpdpbusd in flight; integer sums, so the
+// same bits), and 8-row tiles make a 16-row pass cheaper against a one-row pass
+// (docs/measurements.md, "8-row tiles of the int4 and K-quant kernels").
 constexpr int64_t kMaxRowBlock = 8;
 constexpr int64_t kRowChunk = 64;                   // rows whose activations stay in cache per weight sweep
 constexpr int64_t kPrefetchBytes = 4096;            // how far ahead of the tile being read to prefetch
@@ -679,9 +679,8 @@ __attribute__((target("avx2,fma,f16c"))) void q6k_tile_avx2(const uint8_t* w, co
 }
 
 // Q6_K on VNNI: vpdpbusd sums a sub-block straight into 32 bits and vpmulld applies the scale; the -32 offset's
-// term comes from the packed negated half sums in one vpmaddwd, as on AVX2 (two vpmulld before: an 8-row Q6_K
-// sweep of Qwen2.5-Coder-1.5B took 0.94x the time, AMD EPYC Zen 4, 2026-11-26).  The same integer as above,
-// so the same bits.
+// term comes from the packed negated half sums in one vpmaddwd, as on AVX2 (faster than two vpmulld:
+// docs/measurements.md, "Q6_K on VNNI: vpdpbusd against two vpmulld").  The same integer as above, so the same bits.
 template <int RB>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void q6k_tile_vnni(
     const uint8_t* w, const RowsView& a, float* out) {

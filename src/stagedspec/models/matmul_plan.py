@@ -2,19 +2,18 @@
 
 Why: a decoding pass multiplies a few rows by every weight matrix, and how
 well a CPU's BLAS handles that shape is a property of the machine.  On an
-AMD EPYC with AVX2 only (2026-11-23, MKL 2024.2 in torch 2.13) PyTorch's
-fp32 `F.linear` (x Wᵀ) ran the SmolLM2-135M oracle's pass in 77 ms for one
-row, 129 ms for two and 178 ms for sixteen: its kernels for 2-16 rows
-streamed the weights at a third of the bandwidth the one-row kernel reached,
-so every multi-row verification cost as much as two or three tokens of
-plain decoding and speculation could not pay.  The same product taken the
+AMD EPYC with AVX2 only PyTorch's fp32 `F.linear` (x Wᵀ) streamed the
+weights far more slowly in its kernels for a few rows than in its one-row
+kernel, so every multi-row verification cost as much as several tokens of
+plain decoding and speculation could not pay
+(docs/measurements.md, "fp32 `F.linear` by row count on an AVX2 EPYC").  The same product taken the
 other way round, (W xᵀ)ᵀ, is a call with a long side of thousands of rows
 and a short one of a few columns, which the library blocks well: two rows
 then cost what one row costs, and a single row padded to two (the one-column
 call takes the slow path again) beats the one-row kernel too.  Which way is
-faster depends on the matrix's shape and the row count (on that CPU the
-1536-wide down projection is faster the usual way for 2-12 rows and the
-other way at 16), so nothing is hard-coded: `plan_matmuls` times both kernels
+faster depends on the matrix's shape and the row count (on that CPU one
+shape was faster the usual way at some row counts and the other way at
+others), so nothing is hard-coded: `plan_matmuls` times both kernels
 for every distinct weight shape of a model, streaming all the weights of
 that shape as a pass does, at `PLAN_ROWS` row counts, once per machine
 (cached beside the cost profiles; `stagedspec tune` times again), and each
@@ -22,10 +21,9 @@ layer runs the faster one for the row count at hand (`PlannedLinear`; the
 output head through `Transformer.head_row_plan`).
 
 Row counts are a choice too.  Both kernels block the short side in groups,
-so an odd count can cost more than the round one above it (2026-11-24, the
-same CPU, the oracle's matmuls: 3 rows 37 ms and 4 rows 29; 7 rows 51 and 8
-rows 46; 10-15 rows 65-81 and 16 rows 63; one row as a one-column product
-took the slow path, padded to two it did not).  So the plan for n rows is
+so an odd count can cost more than the round one above it, and one row as
+a one-column product takes the slow path where two rows do not
+(docs/measurements.md, "Odd row counts against round ones on an AVX2 EPYC").  So the plan for n rows is
 the fastest measured (kernel, m >= n rows) pair: the pass's rows padded with
 repeats of its last row, whose outputs are dropped.  The cost curve the
 `auto` policy prices trees with is measured through the plan, so it sees
@@ -177,9 +175,8 @@ def time_kernels(weights: Sequence[Tensor], rows: Sequence[int] = PLAN_ROWS,
 def choose(timings: dict[int, tuple[float, float]]) -> dict[int, Step]:
     """Per measured row count n: the fastest (kernel, m >= n measured rows) by the timings, if at least
     `MARGIN` faster than `F.linear` over the n rows; else `F.linear` over n.  (W xᵀ)ᵀ often wins
-    outright, and both kernels are often faster for a round count than for the odd one below it (AVX2
-    EPYC, 2026-11-24: (W xᵀ)ᵀ over 3 rows cost 26% more than over 4, over 13 rows 62% more than over
-    16), so a pass pads up to it."""
+    outright, and both kernels are often faster for a round count than for the odd one below it
+    (docs/measurements.md, "Odd row counts against round ones on an AVX2 EPYC"), so a pass pads up to it."""
     out: dict[int, Step] = {}
     for n, (plain, _) in timings.items():
         seconds, step = min((t[i], (i == 1, m)) for m, t in timings.items() if m >= n for i in (0, 1))

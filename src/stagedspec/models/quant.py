@@ -380,9 +380,9 @@ class RowSwitchLinear(nn.Module):
     """int8 weights for passes of at most `max_rows` rows, the dense weights for bigger ones.
 
     Why: the int8 kernel streams half of bf16's bytes and wins where a pass
-    is a few rows, but it is not blocked for many rows.  On the AMX CPU a
-    draft's 1-row pass costs 0.52x its bf16 time and a 4-row pass 0.72x, but
-    16 rows cost 1.6x and 48 rows 2.7x (AMX Xeon, 2026-11-23).  A draft's decoding
+    is a few rows, but it is not blocked for many rows: on an AMX CPU it beat
+    bf16 at a draft's few rows and lost at many
+    (docs/measurements.md, "int8 against bf16 weights by row count on an AMX Xeon").  A draft's decoding
     passes are a few rows; its prompt pass is a whole prompt.  Both weights
     are kept; the dense one is a plain attribute, not counted as streamed.
     """

@@ -283,8 +283,9 @@ def _without_init():
     """`torch.nn.init`'s functions as no-ops while a model is built on the meta device.
 
     Why: on meta tensors they run through PyTorch's decompositions, whose
-    first use imports torch._dynamo: 3.3 s of every command's start on an AVX2
-    EPYC (Zen 3), 2026-11-26, for values that are replaced at once."""
+    first use imports torch._dynamo: a noticeable part of every command's
+    start, for values that are replaced at once
+    (docs/measurements.md, "`torch.nn.init` on meta tensors at start-up on an AVX2 EPYC")."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
     for name in _INIT_FUNCTIONS:
         setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)

@@ -502,8 +502,8 @@ class Scheduler:
         else:
             # One after the other; a request alone in a batched round too: it has nothing to share a pass with,
             # so its step runs here and its lane's passes, called off the lane's thread, run as plain passes
-            # (`Lane.__call__`), bit for bit a solo run's.  That saves the lane's two thread hand-offs a pass:
-            # one SmolLM2 stream went from 108 to 119 tok/s in process (AMD EPYC Zen 4, 2 cores, 2026-11-26).
+            # (`Lane.__call__`), bit for bit a solo run's.  That saves the lane's two thread hand-offs a pass
+            # (docs/measurements.md, "A lone request's step on the scheduler's thread on a Zen 4 EPYC").
             for r in active:
                 if self.batcher is not None and r.load_aware:
                     r.drafter.shared_load = self.load.view(r.lane, [r.lane])
