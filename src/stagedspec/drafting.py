@@ -84,7 +84,7 @@ def fixed_drafter(parts: DraftParts) -> Drafter:
     """The drafter of a method run at fixed sizes (every step drafts the configured sizes)."""
     s, processor = parts.speculation, parts.processor
     m = method_named(s.method)
-    if not m.uses_drafts and not m.bottom:
+    if not m.speculates:
         return NoDrafter()
     if m.drafts == "one":
         adaptive = None

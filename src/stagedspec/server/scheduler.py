@@ -39,10 +39,8 @@ from typing import Any, Callable
 
 from stagedspec.auto.drafter import AutoDrafter
 from stagedspec.constraints.processor import LogitsProcessor
-from stagedspec.drafters.base import Drafter
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.methods import METHODS
-from stagedspec.generation import GenerationStats
 from stagedspec.threads import governor_for
 from stagedspec.pipeline import SpeculationConfig
 from stagedspec.request import stage_report, start_request
@@ -54,7 +52,6 @@ from stagedspec.server.batching import Lane, PassBatcher
 from stagedspec.server.metrics import Metrics
 from stagedspec.server.pressure import CappedDrafter, level_tree_budget, root_only_level
 from stagedspec.server.schemas import APIError
-from stagedspec.stops import StopTextStream
 
 Event = tuple  # ("text", str) | ("done", finish_reason, info) | ("error", status, message)
 
@@ -105,49 +102,20 @@ class _Running:
         # Its passes go to its lane (when batched), and the runners its oracle and drafters lease are given
         # back when the request ends (`Scheduler._finish`).
         self.passes = RequestPasses(router=lane)
-        caps: list[CappedDrafter] = []
-
-        def capped(drafter: Drafter) -> Drafter:
-            caps.append(CappedDrafter(drafter, job.spec.max_tree_budget, level))
-            return caps[0]
-
         try:
             self.request = start_request(pipe, job.prompt_ids, max_len, max_new_tokens=job.max_tokens,
                                          sampling=job.sampling, seed=job.seed, stop_strings=job.stop,
-                                         processor=job.processor, passes=self.passes, wrap=capped)
+                                         processor=job.processor, passes=self.passes,
+                                         wrap=lambda d: CappedDrafter(d, job.spec.max_tree_budget, level))
         except BaseException:
             self.passes.release()
             raise
-        self.switch = caps[0]
+        self.switch: CappedDrafter = self.request.stepper  # type: ignore[assignment] - what `wrap` made
         # `auto` prices its arms by the batched round it shares (`auto.SharedLoad`), except for a seeded
         # sampled request: its tree shapes, and so its draws, must be its solo run's.
         self.load_aware = isinstance(self.request.drafter, AutoDrafter) and not job.reproducible
         self.lane = lane
         self.outcome: tuple[tuple[list[int], int] | None, BaseException | None] = (None, None)
-
-    @property
-    def drafter(self) -> Drafter:
-        return self.request.drafter
-
-    @property
-    def text(self) -> StopTextStream:
-        return self.request.text
-
-    @property
-    def stats(self) -> GenerationStats:
-        return self.request.stats
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.token_ids
-
-    @property
-    def seconds(self) -> float:
-        return self.request.seconds
-
-    @property
-    def first_token_seconds(self) -> float | None:
-        return self.request.first_token_seconds
 
     def step(self) -> tuple[list[int], int] | None:
         """One step of this request's own loop: (tokens, oracle passes it took), or None when over."""
@@ -176,7 +144,7 @@ class _Running:
 
     def summary(self) -> dict[str, Any]:
         st = self.request.finish_stats()
-        st.stages = stage_report(st, self.drafter)
+        st.stages = stage_report(st, self.request.drafter)
         return {
             "speculation_off_steps": self.switch.skipped_steps,
             # steps proposed at each shrink level (0: full trees; see `server.pressure`), and their node caps
@@ -189,7 +157,7 @@ class _Running:
             "oracle_passes": st.oracle_forward_passes,
             "stages": st.stages,
             "seconds": st.seconds,
-            "token_ids": list(self.token_ids),
+            "token_ids": list(self.request.token_ids),
         }
 
 
@@ -486,8 +454,8 @@ class Scheduler:
         if self.batcher is not None and len(active) != 1:
             for r in active:
                 if r.load_aware:
-                    r.drafter.shared_load = self.load.view(r.lane, [x.lane for x in active])
-            first = {id(r.lane) for r in active if not r.token_ids}  # prompt prefill: not a step's load
+                    r.request.drafter.shared_load = self.load.view(r.lane, [x.lane for x in active])
+            first = {id(r.lane) for r in active if not r.request.token_ids}  # prompt prefill: not a step's load
             abandoned = set(map(id, self.batcher.run_round([(r.lane, r.run_step) for r in active])))
             record = self.batcher.last_round
             if record is not None:
@@ -506,7 +474,7 @@ class Scheduler:
             # (docs/measurements.md, "A lone request's step on the scheduler's thread on a Zen 4 EPYC").
             for r in active:
                 if self.batcher is not None and r.load_aware:
-                    r.drafter.shared_load = self.load.view(r.lane, [r.lane])
+                    r.request.drafter.shared_load = self.load.view(r.lane, [r.lane])
                 r.run_step()
                 self._after_step(r)
 
@@ -537,16 +505,16 @@ class Scheduler:
             return
         if out is not None:
             tokens, passes = out
-            st = r.stats
+            st = r.request.stats
             self.metrics.record_step(st.token_origins[-len(tokens):], st.accepted_lengths[-1], passes)
-            piece = r.text.push(tokens)
+            piece = r.request.text.push(tokens)
             if piece:
                 job.deliver(("text", piece))
         if out is None or r.over:
-            piece = r.text.finish()
+            piece = r.request.text.finish()
             if piece:
                 job.deliver(("text", piece))
-            stopped = r.text.stopped or r.stats.finish_reason == "stop"
+            stopped = r.request.text.stopped or r.request.stats.finish_reason == "stop"
             info = r.summary()
             self._finish(r, "completed", info)
             job.deliver(("done", "stop" if stopped else "length", info))
