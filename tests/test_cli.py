@@ -59,11 +59,11 @@ def test_json_output_fields(capsys) -> None:  # noqa: ANN001
 @pytest.mark.real_model
 @pytest.mark.parametrize("extra", [
     [],  # the default: --method auto with the shipped draft, prompt lookup and the default n-gram
-    ["--method", "lookup", "--lookup-chain-length", "4"],
+    ["--method", "lookup", "--lookup-length", "4"],
     ["--method", "tree", "--draft", "default", "--tree-budget", "8"],
     ["--method", "tree", "--draft", "default", "--tree-budget", "12", "--adaptive-budget", "--bit-exact"],
-    ["--stages", "default,default,context", "--stage-chain-length", "3"],
-    ["--stages", "default,default,context", "--no-oracle-lookup", "--stage-chain-length", "4",
+    ["--stages", "default,default,context", "--stage-length", "3"],
+    ["--stages", "default,default,context", "--no-oracle-lookup", "--stage-length", "4",
      "--stage-branching", "2"],
 ])
 def test_speculative_cli_matches_ar(extra: list[str], capsys) -> None:  # noqa: ANN001
@@ -199,13 +199,13 @@ def test_ngram_build_errors(capsys, tmp_path: Path) -> None:  # noqa: ANN001
 
 
 def test_one_name_per_knob(capsys) -> None:  # noqa: ANN001
-    """--chain-length, --lookup-chain-length, --stage-chain-length; the earlier -k names are gone (one line)."""
+    """--chain-length, --lookup-length, --stage-length; the earlier -k names are gone (one line)."""
     from stagedspec.cli import build_parser
 
     parser = build_parser()
-    args = parser.parse_args(["generate", "x", "--chain-length", "3", "--lookup-chain-length", "5",
-                              "--stage-chain-length", "2"])
-    assert (args.chain_length, args.lookup_chain_length, args.stage_chain_length) == (3, 5, 2)
+    args = parser.parse_args(["generate", "x", "--chain-length", "3", "--lookup-length", "5",
+                              "--stage-length", "2"])
+    assert (args.chain_length, args.lookup_length, args.stage_length) == (3, 5, 2)
     for old in ("--draft-k", "--lookup-k", "--stage-k"):
         code, _, err = run_cli(["generate", "x", old, "3"], capsys)
         assert code == 2 and "unrecognized arguments" in err and len(err.strip().splitlines()) == 1

@@ -50,9 +50,9 @@ def pipelines(tiny, private: bool = True) -> dict:  # noqa: ANN001
     configs = {
         "ar": SpeculationConfig(method="ar"),
         "chain": SpeculationConfig(method="chain", chain_length=3),
-        "tree": SpeculationConfig(method="tree", tree_budget=6, tree_depth=3, branching=2),
-        "lookup": SpeculationConfig(method="lookup", lookup_chain_length=4),
-        "staged": SpeculationConfig(method="staged", stage_chain_length=3, stage_branching=2),
+        "tree": SpeculationConfig(method="tree", tree_budget=6, tree_depth=3, tree_branching=2),
+        "lookup": SpeculationConfig(method="lookup", lookup_length=4),
+        "staged": SpeculationConfig(method="staged", stage_length=3, stage_branching=2),
         "auto": SpeculationConfig(method="auto"),
     }
     out = {}

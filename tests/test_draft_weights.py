@@ -167,8 +167,8 @@ def test_a_feature_draft_stays_native_under_auto_and_runs_int8_when_asked() -> N
 
 
 @pytest.mark.parametrize("kw", [
-    dict(method="tree", tree_budget=6, tree_depth=3, branching=2),
-    dict(method="staged", ngram=None, stage_chain_length=3, lookup_chain_length=3),
+    dict(method="tree", tree_budget=6, tree_depth=3, tree_branching=2),
+    dict(method="staged", ngram=None, stage_length=3, lookup_length=3),
 ])
 @pytest.mark.parametrize("max_rows", [None, 2])
 def test_greedy_output_with_an_int8_draft_is_ar_bit_for_bit(kw: dict, max_rows: int | None, tmp_path: Path) -> None:

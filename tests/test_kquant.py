@@ -207,5 +207,5 @@ def test_a_k_quant_model_is_bit_identical_per_row_and_speculation_reproduces_ar(
     prompt = [5, 9, 33, 2, 5, 9, 33, 2, 5, 9]
     ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar")).generate(prompt, max_new_tokens=24)
     spec = Pipeline(model, tok, speculation=SpeculationConfig(method="lookup", ngram=None,
-                                                                          lookup_chain_length=3))
+                                                                          lookup_length=3))
     assert spec.generate(prompt, max_new_tokens=24).token_ids == ar.token_ids

@@ -183,8 +183,8 @@ def test_the_forced_plans_cover_every_kind_of_step() -> None:
 
 @pytest.mark.parametrize("plan", ["all", "mixed"])
 @pytest.mark.parametrize("kw", [
-    dict(method="tree", tree_budget=6, tree_depth=3, branching=2),
-    dict(method="staged", ngram=None, stage_chain_length=3, lookup_chain_length=3),
+    dict(method="tree", tree_budget=6, tree_depth=3, tree_branching=2),
+    dict(method="staged", ngram=None, stage_length=3, lookup_length=3),
 ])
 def test_greedy_output_with_planned_kernels_is_ar(plan: str, kw: dict, tmp_path: Path) -> None:
     """Tiny fp32 oracle and draft, both planned: every method's greedy tokens are `ar`'s."""

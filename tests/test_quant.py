@@ -137,9 +137,9 @@ def test_default_gguf_runs_on_its_own_q4_codes(int4_default) -> None:  # noqa: A
 @pytest.mark.real_model
 @pytest.mark.parametrize("method, kw", [
     ("chain", dict(method="chain", chain_length=3)),
-    ("lookup", dict(method="lookup", ngram=None, lookup_chain_length=3)),
-    ("staged", dict(method="staged", ngram=None, stage_chain_length=2, tree_budget=3, lookup_chain_length=2)),
-    ("tree", dict(method="tree", tree_budget=6, tree_depth=3, branching=2)),  # branches off the first-child chain
+    ("lookup", dict(method="lookup", ngram=None, lookup_length=3)),
+    ("staged", dict(method="staged", ngram=None, stage_length=2, tree_budget=3, lookup_length=2)),
+    ("tree", dict(method="tree", tree_budget=6, tree_depth=3, tree_branching=2)),  # branches off the first-child chain
 ])
 def test_int4_speculation_reproduces_int4_ar_bit_exact(int4_default, method: str, kw: dict) -> None:  # noqa: ANN001
     """Exactness is with respect to the int4 oracle; with `bit_exact` it is bit for bit, trees included.
@@ -174,7 +174,7 @@ def test_cli_staged_on_int4_with_the_shipped_draft(capsys) -> None:  # noqa: ANN
 
     common = ["generate", "Write a function that reverses a string.", "--chat", "--quant", "int4", "--bit-exact",
               "--max-new-tokens", "24", "--json"]
-    assert main([*common, "--method", "staged", "--draft", "default", "--stage-chain-length", "3"]) == 0
+    assert main([*common, "--method", "staged", "--draft", "default", "--stage-length", "3"]) == 0
     staged = json.loads(capsys.readouterr().out)
     assert main([*common, "--method", "ar"]) == 0
     ar = json.loads(capsys.readouterr().out)

@@ -53,10 +53,10 @@ def _drafts(model, spec: str):  # noqa: ANN001, ANN202
 
 METHODS = [
     ("chain-k4", "2", dict(method="chain", chain_length=4)),
-    ("tree-b8-d4", "2", dict(method="tree", tree_budget=8, tree_depth=4, branching=3)),
+    ("tree-b8-d4", "2", dict(method="tree", tree_budget=8, tree_depth=4, tree_branching=3)),
     ("lookup-context+ngram", "", dict(method="lookup", ngram="default")),
-    ("staged-3-levels", "2", dict(method="staged", ngram="default", stage_chain_length=5)),
-    ("staged-4-levels", "4,2", dict(method="staged", context=True, stage_chain_length=4)),
+    ("staged-3-levels", "2", dict(method="staged", ngram="default", stage_length=5)),
+    ("staged-4-levels", "4,2", dict(method="staged", context=True, stage_length=4)),
     ("tree-default-draft", "default", dict(method="tree")),
     ("staged-default-draft", "default", dict(method="staged", ngram="default")),
     ("auto-default-draft", "default", dict(method="auto", ngram="default")),
@@ -140,9 +140,9 @@ def test_bf16_chain_verification_reproduces_one_token_logits_bit_for_bit(bf16_se
 BF16_CASES = [
     ("chain-k4", dict(method="chain", chain_length=4)),
     ("lookup-context", dict(method="lookup", ngram=None)),
-    ("staged-spine-only", dict(method="staged", ngram=None, stage_chain_length=3, stage_branching=1, oracle_lookup=False)),
-    ("tree", dict(method="tree", tree_budget=8, tree_depth=4, branching=3)),
-    ("staged-merged", dict(method="staged", ngram=None, stage_chain_length=3, stage_branching=2)),
+    ("staged-spine-only", dict(method="staged", ngram=None, stage_length=3, stage_branching=1, oracle_lookup=False)),
+    ("tree", dict(method="tree", tree_budget=8, tree_depth=4, tree_branching=3)),
+    ("staged-merged", dict(method="staged", ngram=None, stage_length=3, stage_branching=2)),
 ]
 
 

@@ -237,13 +237,13 @@ def run_concurrently(served: Served, speculation: list[dict], sampling: dict) ->
 
 def check_equal_to_solo(served: Served, speculation: list[dict], replies: list[dict], sampling: dict) -> None:
     """Each reply is its request run alone through the same engine: token ids and text."""
-    from stagedspec.server.schemas import SpeculationRequest
+    from stagedspec.server.schemas import parse_speculation
 
     engine, tok = served.engine, served.engine.tokenizer
     params = SamplingParams(temperature=sampling.get("temperature", 0.0), top_p=sampling.get("top_p", 1.0))
     for i, (body, spec, reply) in enumerate(zip(served.requests, speculation, replies)):
         text = tok.apply_chat_template(body["messages"]) if "messages" in body else body["prompt"]
-        pipe = engine.pipeline(engine.speculation_for(SpeculationRequest(**spec)))
+        pipe = engine.pipeline(engine.speculation_for(parse_speculation(spec)))
         solo = pipe.generate(tok.encode(text), max_new_tokens=body["max_tokens"], sampling=params,
                              seed=1000 + i if not params.greedy else None)
         assert reply["ext"]["method"] == pipe.speculation.method

@@ -30,10 +30,10 @@ PROMPT = [1, 5, 9, 5, 9, 5, 9, 2, 7]
 
 
 def test_the_command_line_measures_sizes_unless_one_is_named() -> None:
-    assert choose_sizing("tree", None, {"tree_budget": None, "lookup_chain_length": None}) == "measured"
+    assert choose_sizing("tree", None, {"tree_budget": None, "lookup_length": None}) == "measured"
     assert choose_sizing("tree", None, {"tree_budget": 16}) == "fixed"
-    assert choose_sizing("tree", None, {"lookup_chain_length": 2}) == "measured"  # not a size of tree
-    assert choose_sizing("lookup", None, {"lookup_chain_length": 2}) == "fixed"
+    assert choose_sizing("tree", None, {"lookup_length": 2}) == "measured"  # not a size of tree
+    assert choose_sizing("lookup", None, {"lookup_length": 2}) == "fixed"
     assert choose_sizing("staged", None, {"oracle_lookup": False}) == "fixed"  # --no-oracle-lookup
     assert choose_sizing("auto", None, {"tree_budget": 16}) == "fixed"  # a server request may switch to tree
     assert choose_sizing("tree", "fixed", {}) == "fixed"
@@ -55,9 +55,9 @@ def test_cli_flags_set_the_sizing() -> None:
         return speculation_from(p.parse_args(list(argv)))[2]
 
     assert spec("--method", "tree", "--draft", "d").sizing == "measured"
-    fixed = spec("--method", "tree", "--draft", "d", "--branching", "3")
-    assert (fixed.sizing, fixed.branching, fixed.tree_budget) == ("fixed", 3, SpeculationConfig().tree_budget)
-    assert spec("--method", "lookup", "--lookup-chain-length", "2").sizing == "fixed"
+    fixed = spec("--method", "tree", "--draft", "d", "--tree-branching", "3")
+    assert (fixed.sizing, fixed.tree_branching, fixed.tree_budget) == ("fixed", 3, SpeculationConfig().tree_budget)
+    assert spec("--method", "lookup", "--lookup-length", "2").sizing == "fixed"
     assert spec("--method", "staged", "--draft", "d", "--sizing", "fixed").sizing == "fixed"
     assert spec("--method", "staged", "--draft", "d").measured
     assert not spec("--method", "chain", "--draft", "d").measured  # chain is always the textbook baseline
@@ -146,7 +146,7 @@ def test_each_measured_method_keeps_its_own_learned_state(tiny) -> None:  # noqa
 
 def test_a_server_request_that_names_a_tree_budget_runs_it() -> None:
     from stagedspec.server.engine import Engine
-    from stagedspec.server.schemas import SpeculationRequest
+    from stagedspec.server.schemas import SpeculationRequest, parse_speculation
 
     from types import SimpleNamespace
 
@@ -155,5 +155,69 @@ def test_a_server_request_that_names_a_tree_budget_runs_it() -> None:
     engine.draft_names, engine.draft_models, engine.ngram = ["d"], [object()], None
     engine.model = SimpleNamespace(config=SimpleNamespace(max_position=2048))  # the tree budget's cap: the context
     assert engine.speculation_for(SpeculationRequest()).measured
-    named = engine.speculation_for(SpeculationRequest(tree_budget=5))
+    named = engine.speculation_for(parse_speculation({"tree_budget": 5}))
     assert (named.sizing, named.tree_budget, named.measured) == ("fixed", 5, False)
+
+
+def test_every_size_has_one_name_in_the_library_the_cli_and_the_server() -> None:
+    """`SIZE_FIELDS` are `SpeculationConfig`'s fields, `generate`'s and `serve`'s flags (with dashes) and the
+    server's `speculation` fields, under the same names."""
+    import dataclasses
+
+    from stagedspec.cli.commands import build_parser
+    from stagedspec.server.schemas import SPECULATION_FIELDS
+    from stagedspec.speculation import SIZE_FIELDS
+
+    fields = {f.name for f in dataclasses.fields(SpeculationConfig)}
+    assert set(SIZE_FIELDS) <= fields
+    sizing_names = {"tree_budget", "tree_depth", "tree_branching", "chain_length", "lookup_length", "stage_length",
+                    "stage_branching", "oracle_lookup_length"}
+    assert set(SIZE_FIELDS) == sizing_names
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for command in ("generate", "serve"):
+        flags = {s for a in commands[command]._actions for s in a.option_strings if a.help != argparse.SUPPRESS}
+        assert {"--" + n.replace("_", "-") for n in SIZE_FIELDS} <= flags, command
+    assert set(SIZE_FIELDS) <= set(SPECULATION_FIELDS)
+
+
+def test_old_size_names_still_work_for_one_release_with_a_notice(capsys: pytest.CaptureFixture[str]) -> None:
+    from stagedspec.cli.args import add_speculation_args, speculation_from
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--oracle", default="default")
+    p.add_argument("--quant", default="none")
+    add_speculation_args(p)
+    spec = speculation_from(p.parse_args(["--method", "staged", "--draft", "d", "--stage-chain-length", "2",
+                                          "--lookup-chain-length", "5"]))[2]
+    assert (spec.stage_length, spec.lookup_length, spec.sizing) == (2, 5, "fixed")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["stagedspec: --lookup-chain-length is now called --lookup-length; the old name will stop working "
+                   "in the next release",
+                   "stagedspec: --stage-chain-length is now called --stage-length; the old name will stop working "
+                   "in the next release"]
+    assert spec == speculation_from(p.parse_args(["--method", "staged", "--draft", "d", "--stage-length", "2",
+                                                  "--lookup-length", "5"]))[2]
+    with pytest.warns(FutureWarning, match="^branching is now called tree_branching"):
+        old = SpeculationConfig(method="tree", branching=3)
+    assert old == SpeculationConfig(method="tree", tree_branching=3)
+    with pytest.warns(FutureWarning, match="^stage_chain_length is now called stage_length"):
+        assert SpeculationConfig.tuned("staged", stage_chain_length=4).stage_length == 4
+
+
+def test_a_server_request_may_name_any_size() -> None:
+    from types import SimpleNamespace
+
+    from stagedspec.server.engine import Engine
+    from stagedspec.server.schemas import APIError, parse_speculation
+
+    engine = Engine.__new__(Engine)
+    engine.speculation = SpeculationConfig(method="staged", sizing="measured")
+    engine.draft_names, engine.draft_models, engine.ngram, engine.model = ["d"], [object()], object(), SimpleNamespace(
+        config=SimpleNamespace(max_position=2048))
+    named = engine.speculation_for(parse_speculation({"stage_length": 2, "stage_branching": 3, "lookup_length": 6}))
+    assert (named.stage_length, named.stage_branching, named.lookup_length, named.sizing) == (2, 3, 6, "fixed")
+    with pytest.raises(APIError, match="'speculation.stage_length' must be >= 1"):
+        parse_speculation({"stage_length": 0})
+    with pytest.raises(APIError, match="speculation.branching"):
+        parse_speculation({"branching": 2})  # the server never had the old names

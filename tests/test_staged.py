@@ -203,7 +203,7 @@ def test_merged_lookup_length_follows_the_machines_bf16(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(stagedspec.hardware, "cpu_has_native_bf16", lambda: native)
     tuned = SpeculationConfig.tuned
-    base = SpeculationConfig().lookup_chain_length
+    base = SpeculationConfig().lookup_length
     wide = NATIVE_BF16_DEFAULTS["oracle_lookup_length"] if native else base
     assert tuned("staged", dtype="bf16").merged_lookup_length == wide
     assert tuned("staged", dtype=torch.bfloat16).merged_lookup_length == wide
@@ -211,7 +211,7 @@ def test_merged_lookup_length_follows_the_machines_bf16(monkeypatch: pytest.Monk
     assert tuned("staged").merged_lookup_length == base  # dtype not known
     assert tuned("staged", "int4", dtype="bf16").merged_lookup_length == 2
     assert tuned("staged", device="cuda", dtype="bf16").merged_lookup_length == 8  # CUDA's own lookup length
-    assert tuned("staged", dtype="bf16", lookup_chain_length=3).merged_lookup_length == 3
+    assert tuned("staged", dtype="bf16", lookup_length=3).merged_lookup_length == 3
     assert tuned("staged", dtype="bf16", oracle_lookup_length=5).merged_lookup_length == 5
     assert tuned("staged", dtype="bf16").max_tree_budget >= 3 + wide
     with pytest.raises(Exception, match="oracle-lookup-length"):

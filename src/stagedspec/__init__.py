@@ -3,4 +3,4 @@
 from stagedspec.errors import StagedSpecError
 
 __all__ = ["StagedSpecError", "__version__"]
-__version__ = "0.1.0"
+__version__ = "0.1.1"

@@ -94,13 +94,13 @@ def fixed_drafter(parts: DraftParts) -> Drafter:
             assert parts.pass_seconds is not None, "an adaptive tree budget needs the oracle's pass prices"
             adaptive = AdaptiveBudget(parts.pass_seconds(s.tree_budget + 1))
         return tree_drafter(parts.draft_models[0], method=s.method, tree_budget=s.tree_budget,
-                            max_depth=s.tree_depth, branching=s.branching, chain_length=s.chain_length,
+                            max_depth=s.tree_depth, branching=s.tree_branching, chain_length=s.chain_length,
                             max_len=parts.max_len, adaptive=adaptive, growth=s.tree_growth, processor=processor,
                             passes=parts.passes)
-    below: Drafter = LookupDrafter(parts.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
+    below: Drafter = LookupDrafter(parts.ngram, s.context, chain_length=s.lookup_length, processor=processor)
     if not m.uses_drafts:
         return below
-    below = stage_chain(parts, below, s.stage_chain_length)
+    below = stage_chain(parts, below, s.stage_length)
     if s.oracle_lookup and s.context:
         from stagedspec.drafters.merged import MergedDrafter
 
@@ -139,7 +139,7 @@ def measured_drafter(parts: DraftParts, policy: AutoPolicy) -> Drafter:
             arms[arm] = (tree, [partial(tree.resize, tree_budget=arm.size, max_depth=tree_depth_for(arm.size))])
     stage_arms = [a for a in policy.arms if a.kind == "staged"]
     if stage_arms:
-        below = (LookupDrafter(parts.ngram, s.context, chain_length=s.lookup_chain_length, processor=processor)
+        below = (LookupDrafter(parts.ngram, s.context, chain_length=s.lookup_length, processor=processor)
                  if has_lookup else NoDrafter())
         top = stage_chain(parts, below, max(STAGE_SIZES))
         staged: Drafter = top

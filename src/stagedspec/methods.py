@@ -88,12 +88,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ar", drafts="none", bottom=False, sizable=False),
     Method("chain", drafts="one", bottom=False, sizable=False),
     Method("tree", drafts="one", bottom=False, sizable=True,
-           size_fields=("tree_budget", "tree_depth", "branching", "adaptive_budget")),
+           size_fields=("tree_budget", "tree_depth", "tree_branching", "adaptive_budget")),
     # a quantised pass of 2 rows costs about what 1 costs, so a copied token is checked alone
-    Method("lookup", drafts="none", bottom=True, sizable=True, size_fields=("lookup_chain_length",),
-           quantised_sizes=(("lookup_chain_length", 1),)),
+    Method("lookup", drafts="none", bottom=True, sizable=True, size_fields=("lookup_length",),
+           quantised_sizes=(("lookup_length", 1),)),
     Method("staged", drafts="stages", bottom=True, sizable=True,
-           size_fields=("stage_chain_length", "stage_branching", "lookup_chain_length", "oracle_lookup_length",
+           size_fields=("stage_length", "stage_branching", "lookup_length", "oracle_lookup_length",
                         "oracle_lookup"), merges_lookup=True, default_ngram=True),
 )}
 METHOD_NAMES = tuple(METHODS)

@@ -7,7 +7,8 @@ What a method takes (drafts, the model-free bottom stage, measured sizing) is as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 from typing import Any, Mapping
 
 import torch
@@ -18,17 +19,33 @@ from stagedspec.methods import METHODS, method_named
 
 
 # Speculation defaults on int4/int8 oracle weights (see `SpeculationConfig.tuned`).
-QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "chain_length": 2, "lookup_chain_length": 2,
-                      "stage_chain_length": 1}
+QUANTISED_DEFAULTS = {"tree_budget": 2, "tree_depth": 2, "chain_length": 2, "lookup_length": 2,
+                      "stage_length": 1}
 # On a GPU with CUDA graphs a 16-row oracle pass costs 1.2x a 1-row one and 64 rows 1.3x (H100, docs/gpu.md),
 # while each draft pass costs about as much host work as an oracle pass: so wider trees at the same depth
 # (more nodes per draft pass) and longer lookup chains (free to propose).
-CUDA_DEFAULTS = {"tree_budget": 16, "branching": 4, "lookup_chain_length": 8}
+CUDA_DEFAULTS = {"tree_budget": 16, "tree_branching": 4, "lookup_length": 8}
 # bf16 on a CPU with native bf16 (AVX-512 BF16 or AMX): a verification row costs next to nothing, so `staged`
 # merges a longer prompt-lookup chain into the oracle's tree.  Where rows are dear (AVX2 CPUs), the chain stays
-# `lookup_chain_length` long (docs/measurements.md, "A longer prompt-lookup chain in `staged` on an AMX Xeon").
+# `lookup_length` long (docs/measurements.md, "A longer prompt-lookup chain in `staged` on an AMX Xeon").
 NATIVE_BF16_DEFAULTS = {"oracle_lookup_length": 8}
-SIZINGS = ("fixed", "measured")  # how a sizable method's sizes are chosen (`SpeculationConfig.sizing`)
+SIZINGS = ("fixed", "measured")
+# Every size has one name, <what it sizes>_<dimension>: the `SpeculationConfig` field, the server's
+# `speculation` field, and with dashes the CLI's flag (`--tree-budget`).
+SIZE_FIELDS = ("tree_budget", "tree_depth", "tree_branching", "chain_length", "lookup_length", "stage_length",
+               "stage_branching", "oracle_lookup_length")
+# The names three of them had up to stagedspec 0.1.0; accepted by 0.1.1, with a one-line notice, and no later.
+RENAMED_SIZES = {"branching": "tree_branching", "lookup_chain_length": "lookup_length",
+                 "stage_chain_length": "stage_length"}
+
+
+def renamed_size_notice(old: str, flags: bool = False) -> str:
+    """The one line that says an old size name was used: as a flag (`flags`) or a keyword."""
+    new = RENAMED_SIZES[old]
+    if flags:
+        old, new = "--" + old.replace("_", "-"), "--" + new.replace("_", "-")
+    return f"{old} is now called {new}; the old name will stop working in the next release"
+  # how a sizable method's sizes are chosen (`SpeculationConfig.sizing`)
 
 
 @dataclass
@@ -46,7 +63,7 @@ class SpeculationConfig:
       their sizes) this machine's measured costs and the acceptance so far
       say is fastest (`stagedspec.auto`); the other fields do not apply;
     - staged: oracle <- draft model(s) <- lookup; each model stage decodes
-      `stage_chain_length` tokens per proposal speculatively against the stage below;
+      `stage_length` tokens per proposal speculatively against the stage below;
       with `oracle_lookup` the prompt-lookup chain is also merged into the
       tree the oracle verifies (it catches the copies a small draft misses).
     """
@@ -54,15 +71,15 @@ class SpeculationConfig:
     method: str = "auto"
     tree_budget: int = 8
     tree_depth: int = 4
-    branching: int = 2
+    tree_branching: int = 2
     chain_length: int = 4
     ngram: str | None = None  # n-gram spec for lookup/staged: "default" or a file
     context: bool = True  # prompt lookup at the bottom of lookup/staged
-    lookup_chain_length: int = 4  # tokens per lookup chain
-    stage_chain_length: int = 3  # tokens each model stage decodes per proposal
+    lookup_length: int = 4  # tokens per lookup chain
+    stage_length: int = 3  # tokens each model stage decodes per proposal
     stage_branching: int = 1  # spine token + (b - 1) alternatives per position
     oracle_lookup: bool = True  # staged: prompt-lookup chains also go straight to the oracle's tree
-    oracle_lookup_length: int | None = None  # staged: tokens of that chain (None: lookup_chain_length)
+    oracle_lookup_length: int | None = None  # staged: tokens of that chain (None: lookup_length)
     adaptive_budget: bool = False  # tree: verify only the nodes that pay for themselves (tree_budget = the most)
     # tree: "best-first" on the host, "levels" on the device with one copy back (`stagedspec.tree_levels`),
     # "auto": levels where a copy back waits for the device (CUDA), best-first on a CPU
@@ -72,15 +89,26 @@ class SpeculationConfig:
     # far (`Pipeline.sized_policy`), so the method is never knowingly slower than plain decoding.  The
     # CLI, the server and the bench run "measured" unless a size is given; the library keeps "fixed".
     sizing: str = "fixed"
+    # The old names of three sizes (`RENAMED_SIZES`), taken as keywords for one more release.  Reading them
+    # gives None: read the new names.
+    branching: InitVar[int | None] = None
+    lookup_chain_length: InitVar[int | None] = None
+    stage_chain_length: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, branching: int | None, lookup_chain_length: int | None,
+                      stage_chain_length: int | None) -> None:
+        for old, value in (("branching", branching), ("lookup_chain_length", lookup_chain_length),
+                           ("stage_chain_length", stage_chain_length)):
+            if value is not None:
+                warnings.warn(renamed_size_notice(old), FutureWarning, stacklevel=3)
+                setattr(self, RENAMED_SIZES[old], value)
         method_named(self.method)  # an unknown method: the one error every front end gives
         if self.sizing not in SIZINGS:
             raise StagedSpecError(f"unknown --sizing {self.sizing!r}: use one of {', '.join(SIZINGS)}")
         for label, value in (("--tree-budget", self.tree_budget), ("--tree-depth", self.tree_depth),
-                             ("--branching", self.branching), ("--chain-length", self.chain_length),
-                             ("--lookup-chain-length", self.lookup_chain_length),
-                             ("--stage-chain-length", self.stage_chain_length),
+                             ("--tree-branching", self.tree_branching), ("--chain-length", self.chain_length),
+                             ("--lookup-length", self.lookup_length),
+                             ("--stage-length", self.stage_length),
                              ("--stage-branching", self.stage_branching),
                              ("--oracle-lookup-length",
                               1 if self.oracle_lookup_length is None else self.oracle_lookup_length)):
@@ -99,7 +127,7 @@ class SpeculationConfig:
 
         On a CPU with native bf16, bf16 verification rows are nearly free, so
         `staged` merges a longer prompt-lookup chain (`NATIVE_BF16_DEFAULTS`)
-        unless `lookup_chain_length` is given.
+        unless `lookup_length` is given.
 
         On CUDA (`CUDA_DEFAULTS`), verification rows are nearly free and draft
         passes are not, so trees are wider at the same depth and lookup chains
@@ -111,13 +139,17 @@ class SpeculationConfig:
         8 tokens 1.72x), while the oracle pass itself got 2x cheaper than the
         draft's.  On int4/int8 the proposals therefore stay within four rows.
         """
+        for old, new in RENAMED_SIZES.items():
+            if overrides.get(old) is not None:
+                warnings.warn(renamed_size_notice(old), FutureWarning, stacklevel=2)
+                overrides[new] = overrides.pop(old)
         values: dict[str, Any] = dict(QUANTISED_DEFAULTS) if quant != "none" else {}
         if str(device).startswith("cuda") and quant == "none":
             values.update(CUDA_DEFAULTS)
         m = method_named(method)
         if quant != "none":
             values.update(m.quantised_sizes)
-        if (m.merges_lookup and quant == "none" and overrides.get("lookup_chain_length") is None
+        if (m.merges_lookup and quant == "none" and overrides.get("lookup_length") is None
                 and _native_bf16_cpu(device, dtype)):
             values.update(NATIVE_BF16_DEFAULTS)
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -133,7 +165,7 @@ class SpeculationConfig:
     @property
     def merged_lookup_length(self) -> int:
         """staged: tokens of the prompt-lookup chain merged into the oracle's tree."""
-        return self.oracle_lookup_length or self.lookup_chain_length
+        return self.oracle_lookup_length or self.lookup_length
 
     @property
     def max_tree_budget(self) -> int:
@@ -143,8 +175,8 @@ class SpeculationConfig:
 
             return max(arm.max_tree_budget for arm in arms_for(True, True, "cuda", sized_method(self.method)))
         lookup = self.merged_lookup_length if self.oracle_lookup else 0
-        staged = self.stage_chain_length * self.stage_branching + lookup
-        return max(self.tree_budget, self.chain_length, staged, self.lookup_chain_length * 3)
+        staged = self.stage_length * self.stage_branching + lookup
+        return max(self.tree_budget, self.chain_length, staged, self.lookup_length * 3)
 
 
 def sized_method(method: str) -> str | None:

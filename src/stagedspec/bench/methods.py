@@ -308,7 +308,7 @@ def ours(
         "lookup": f"our engine, model-free drafts ({'prompt lookup' if s.context else ''}"
                   f"{' + ' if s.context and ngram_spec else ''}{'n-gram ' + ngram_spec if ngram_spec else ''})",
         "staged": "our engine, staged: oracle <- " + " <- ".join([*draft_specs, _bottom(s.context, ngram_spec)])
-                  + f" ({s.stage_chain_length} tokens per stage step"
+                  + f" ({s.stage_length} tokens per stage step"
                   + (f"; prompt lookup of {s.merged_lookup_length} tokens also merged into the oracle's tree)"
                      if s.oracle_lookup and s.context else ")"),
     }[s.method]

@@ -267,7 +267,7 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
             if base in NEEDS_DRAFT and draft is None:
                 raise MethodSkipped(f"needs a draft model: {draft_problem}")
             if base == "tree-adaptive":  # a bigger tree, cut each step by the measured cost curve
-                spec = SpeculationConfig.tuned("tree", quant, tree_budget=16, tree_depth=6, branching=3,
+                spec = SpeculationConfig.tuned("tree", quant, tree_budget=16, tree_depth=6, tree_branching=3,
                                                adaptive_budget=True)
                 methods.append(ours(models, name, spec, [draft], None, quant))
             elif base == "tree-best-first":  # `tree` grown on the host, beside `tree` (levels on a GPU)

@@ -139,18 +139,18 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated chain, oracle first: e.g. default,DRAFT,context+ngram "
                         "(bottom: ngram, ngram:FILE, context, or a '+' mix)")
     p.add_argument("--no-context", action="store_true", help="no prompt lookup at the bottom stage")
-    p.add_argument("--lookup-chain-length", type=positive_int, default=None, metavar="K",
-                   help=f"tokens per lookup chain (default {d.lookup_chain_length}; "
-                        f"{q['lookup_chain_length']} with --quant, 1 for lookup)")
-    p.add_argument("--stage-chain-length", type=positive_int, default=None, metavar="K",
-                   help=f"tokens each model stage decodes per proposal, staged (default {d.stage_chain_length}; "
-                        f"{q['stage_chain_length']} with --quant)")
+    p.add_argument("--lookup-length", type=positive_int, default=None, metavar="K",
+                   help=f"tokens per lookup chain (default {d.lookup_length}; "
+                        f"{q['lookup_length']} with --quant, 1 for lookup)")
+    p.add_argument("--stage-length", type=positive_int, default=None, metavar="K",
+                   help=f"tokens each model stage decodes per proposal, staged (default {d.stage_length}; "
+                        f"{q['stage_length']} with --quant)")
     p.add_argument("--stage-branching", type=positive_int, default=None, metavar="B",
                    help=f"alternatives per position in a stage's proposal, spine included (staged; default "
                         f"{d.stage_branching})")
     p.add_argument("--oracle-lookup-length", type=positive_int, default=None, metavar="K",
                    help="staged: tokens of the prompt-lookup chain merged into the oracle's tree (default: "
-                        "--lookup-chain-length; 8 in bf16 on a CPU with native bf16, where rows are nearly free)")
+                        "--lookup-length; 8 in bf16 on a CPU with native bf16, where rows are nearly free)")
     p.add_argument("--no-oracle-lookup", action="store_true",
                    help="staged: do not merge the prompt-lookup chain into the oracle's tree (the paper's pure chain)")
     p.add_argument("--bit-exact", action=argparse.BooleanOptionalAction, default=None,
@@ -169,8 +169,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help=f"tree nodes per step (default {d.tree_budget}; {q['tree_budget']} with --quant)")
     p.add_argument("--tree-depth", type=positive_int, default=None, metavar="D",
                    help=f"maximum tree depth (default {d.tree_depth}; {q['tree_depth']} with --quant)")
-    p.add_argument("--branching", type=positive_int, default=None, metavar="B",
-                   help=f"children considered per node (tree; default {d.branching})")
+    p.add_argument("--tree-branching", type=positive_int, default=None, metavar="B",
+                   help=f"children considered per node (tree; default {d.tree_branching})")
     p.add_argument("--sizing", choices=SIZINGS, default=None,
                    help="tree, lookup, staged: 'measured' (the default when no size flag of the method is given) "
                         "chooses each step plain decoding or one of the method's sizes by this machine's measured "
@@ -179,10 +179,37 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chain-length", type=positive_int, default=None, metavar="K",
                    help=f"draft tokens per step for --method chain (default {d.chain_length}; "
                         f"{q['chain_length']} with --quant)")
+    add_renamed_size_flags(p)
+
+
+def add_renamed_size_flags(p: argparse.ArgumentParser) -> None:
+    """The sizes' old flag names (`RENAMED_SIZES`), hidden; `take_renamed_size_flags` moves what they give to
+    the new names."""
+    from stagedspec.speculation import RENAMED_SIZES
+
+    for old in RENAMED_SIZES:
+        p.add_argument("--" + old.replace("_", "-"), dest="renamed_" + old, type=positive_int, default=None,
+                       help=argparse.SUPPRESS)
+
+
+def take_renamed_size_flags(args: argparse.Namespace) -> None:
+    """Each old size flag given: a one-line notice on stderr, and its value under the new name (the new flag
+    wins when both are given)."""
+    import sys
+
+    from stagedspec.speculation import RENAMED_SIZES, renamed_size_notice
+
+    for old, new in RENAMED_SIZES.items():
+        value = getattr(args, "renamed_" + old, None)
+        if value is not None:
+            print(f"stagedspec: {renamed_size_notice(old, flags=True)}", file=sys.stderr)
+            if getattr(args, new, None) is None:
+                setattr(args, new, value)
 
 
 def speculation_from(args: argparse.Namespace):  # noqa: ANN201
     """(oracle spec, draft specs, SpeculationConfig) from the shared speculation flags."""
+    take_renamed_size_flags(args)
     from stagedspec.pipeline import SpeculationConfig, choose_sizing, parse_stages
 
     oracle, drafts, ngram, context = args.oracle, [args.draft] if args.draft else [], args.ngram, not args.no_context
@@ -194,9 +221,9 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
         method = args.method or "auto"
         if method in METHODS and METHODS[method].default_ngram and ngram is None and not args.no_context:
             ngram = "default"
-    sizes = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
-                 chain_length=args.chain_length, lookup_chain_length=args.lookup_chain_length,
-                 stage_chain_length=args.stage_chain_length, stage_branching=args.stage_branching,
+    sizes = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, tree_branching=args.tree_branching,
+                 chain_length=args.chain_length, lookup_length=args.lookup_length,
+                 stage_length=args.stage_length, stage_branching=args.stage_branching,
                  oracle_lookup_length=args.oracle_lookup_length,
                  # flags that are off unless given: None when not given, so they name no size
                  oracle_lookup=False if args.no_oracle_lookup else None,

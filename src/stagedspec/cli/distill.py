@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from stagedspec.cli.args import int_at_least, pass_options_from
+from stagedspec.cli.args import add_renamed_size_flags, int_at_least, pass_options_from, take_renamed_size_flags
 from stagedspec.errors import StagedSpecError
 
 # Targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
@@ -195,7 +195,8 @@ def add_commands(subparsers: Any) -> None:
                    help="draft tokens per step for chain speculation")
     e.add_argument("--tree-budget", type=int_at_least(1), default=16, metavar="N")
     e.add_argument("--tree-depth", type=int_at_least(1), default=6, metavar="D")
-    e.add_argument("--branching", type=int_at_least(1), default=4, metavar="B")
+    e.add_argument("--tree-branching", type=int_at_least(1), default=None, metavar="B", help="(default 4)")
+    add_renamed_size_flags(e)
     from stagedspec.drafters.model import GROWTHS
 
     e.add_argument("--tree-growth", choices=GROWTHS, default="auto",
@@ -515,6 +516,9 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     from stagedspec.training.distill import decode_step_seconds, oracle_greedy_continuations
     from stagedspec.pipeline import Pipeline, SpeculationConfig, check_device, load_draft_model
 
+    take_renamed_size_flags(args)
+    if args.tree_branching is None:
+        args.tree_branching = 4
     device = check_device(args.device)
     drafts = draft_specs(args.draft)
     if args.threads:
@@ -522,7 +526,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, args.n_prompts, args.offset)
     if not prompts:
         raise StagedSpecError(f"no prompts in {args.prompts} from offset {args.offset}")
-    spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, branching=args.branching,
+    spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, tree_branching=args.tree_branching,
                 chain_length=args.chain_length, tree_growth=args.tree_growth)
     pipe = Pipeline.load(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec),
                          dtype=args.dtype, device=device, draft_weights=args.draft_weights,
@@ -577,7 +581,7 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
         from stagedspec.tree_acceptance import tree_acceptance_everywhere
 
         everywhere = tree_acceptance_everywhere(model, streams, continuations, tree_budget=args.tree_budget,
-                                                max_depth=args.tree_depth, branching=args.branching,
+                                                max_depth=args.tree_depth, branching=args.tree_branching,
                                                 growth=args.tree_growth)
         if everywhere is not None:  # None: a feature draft (its trees need a decoding run's oracle features)
             report["tree_every_position"] = everywhere

@@ -179,13 +179,13 @@ class Engine:
         except StagedSpecError as e:
             raise bad(f"{e}; this server has neither", "speculation.method") from None
         changes: dict[str, Any] = {"method": method}
-        if req.tree_budget is not None and req.tree_budget > self.max_context:
-            # a tree is verified in one pass over the context: more nodes than the context holds is no tree
-            raise bad(f"'speculation.tree_budget' must be at most {self.max_context} (the model's context), "
-                      f"got {req.tree_budget}", "speculation.tree_budget")
-        if req.tree_budget is not None:  # a size the request names is run as named
-            changes["tree_budget"] = req.tree_budget
-            changes["sizing"] = "fixed"
+        for name, size in req.sizes.items():
+            if size > self.max_context:
+                # a tree is verified in one pass over the context: more nodes than the context holds is no tree
+                raise bad(f"'speculation.{name}' must be at most {self.max_context} (the model's context), "
+                          f"got {size}", f"speculation.{name}")
+        if req.sizes:  # the sizes a request names are run as named
+            changes.update(req.sizes, sizing="fixed")
         try:
             return dataclasses.replace(s, **changes)
         except StagedSpecError as e:

@@ -24,6 +24,7 @@ from typing import Any
 
 from stagedspec.constraints.grammar import GrammarSpec
 from stagedspec.errors import StagedSpecError, first_line
+from stagedspec.speculation import SIZE_FIELDS
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -61,7 +62,7 @@ class SpeculationRequest:
 
     method: str | None = None
     draft: str | None = None
-    tree_budget: int | None = None
+    sizes: dict[str, int] = field(default_factory=dict)  # the sizes named, by `speculation.SIZE_FIELDS` names
 
 
 @dataclass
@@ -192,7 +193,7 @@ INERT_FIELDS: dict[bool, dict[str, type]] = {
 # The same, inside a message: what the `openai` client's `message.model_dump()` carries when a reply is sent back.
 MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"tool_calls": ([],), "annotations": ([],)}
 STREAM_OPTIONS = {"include_usage": bool, "include_obfuscation": bool}  # obfuscation pads chunks; none is added
-SPECULATION_FIELDS = ("method", "draft", "tree_budget")
+SPECULATION_FIELDS = ("method", "draft") + SIZE_FIELDS
 
 
 _TYPE_NAMES = {str: "string", dict: "JSON object", bool: "boolean"}
@@ -303,20 +304,29 @@ def _stop(body: dict[str, Any]) -> list[str]:
 
 
 def _speculation(body: dict[str, Any]) -> SpeculationRequest:
-    value = body.get("speculation")
+    return parse_speculation(body.get("speculation"))
+
+
+def parse_speculation(value: Any) -> SpeculationRequest:
+    """A request's `speculation` object (None: absent) as a `SpeculationRequest`, or a 400 naming the field."""
     if value is None:
         return SpeculationRequest()
     if not isinstance(value, dict):
-        raise bad("'speculation' must be an object with optional method, draft and tree_budget", "speculation")
+        raise bad(f"'speculation' must be an object with optional method, draft and sizes "
+                  f"({', '.join(SIZE_FIELDS)})", "speculation")
     _check_object_fields(value, "speculation", SPECULATION_FIELDS)
     method, draft = value.get("method"), value.get("draft")
     for name, v in (("method", method), ("draft", draft)):
         if v is not None and not isinstance(v, str):
             raise bad(f"'speculation.{name}' must be a string", f"speculation.{name}")
-    budget = _integer(value, "tree_budget", "speculation")
-    if budget is not None and budget < 1:
-        raise bad(f"'speculation.tree_budget' must be >= 1, got {budget}", "speculation.tree_budget")
-    return SpeculationRequest(method=method, draft=draft, tree_budget=budget)
+    sizes = {}
+    for name in SIZE_FIELDS:
+        size = _integer(value, name, "speculation")
+        if size is not None and size < 1:
+            raise bad(f"'speculation.{name}' must be >= 1, got {size}", f"speculation.{name}")
+        if size is not None:
+            sizes[name] = size
+    return SpeculationRequest(method=method, draft=draft, sizes=sizes)
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
