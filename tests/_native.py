@@ -8,8 +8,9 @@ build fails every test that needs the kernels, with the compiler's first error
 line (`stagedspec.kernels.native.build_failure`).
 
 Instruction-set paths: each test that compares bits runs once per path
-(`ISA_PARAMS`: portable C++, AVX2, AVX-512 VNNI; the kernels have no AMX path,
-AMX CPUs run the VNNI one), each forced in turn with `NativeKernels.with_isa`;
+(`ISA_PARAMS`: portable C++, AVX2, AVX-512 VNNI in 256-bit tiles and in 512-bit
+pairs of them; the kernels have no AMX path, AMX CPUs run the VNNI ones), each
+forced in turn with `NativeKernels.with_isa`;
 a path this CPU does not run is skipped, naming what the CPU lacks.
 """
 

@@ -135,6 +135,47 @@ def test_every_pair_of_paths_this_cpu_runs_gives_the_same_bits(kernels: native.N
     assert not differ, differ
 
 
+@pytest.mark.parametrize("fmt", sorted(packing.FORMATS))
+def test_512_bit_pairs_of_tiles_give_the_256_bit_tiles_bits(fmt: str, kernels: native.NativeKernels) -> None:
+    """The 512-bit path runs two tiles at a time where both are one thread's and one segment's, and single tiles
+    elsewhere: every row block (1-8 rows and the rest), an odd tile count with a partial last tile, and thread
+    counts that split the tiles at odd places give the 256-bit path's bits."""
+    runs = native.cpu_isa()
+    assert runs is not None
+    if runs < 3:
+        pytest.skip(f"this CPU does not run the {native.ISA_NAMES[3]} path (its best: {native.ISA_NAMES[runs]})")
+    g = torch.Generator().manual_seed(7)
+    n, k = 8 * 7 + 3, 512  # seven full tiles and a partial eighth
+    weight, _ = packing.random_format(fmt, n, k, g)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 5, 8, 9, 17):
+                x = torch.randn(rows, k, generator=g) * 2
+                wide = kernels.with_isa(3).qlinear(x, weight, [packing.FORMATS[fmt]], [n])
+                narrow = kernels.with_isa(2).qlinear(x, weight, [packing.FORMATS[fmt]], [n])
+                assert_bit_identical(wide, narrow, f"{fmt}, {rows} rows, {threads} threads: 512-bit pairs against "
+                                                   "256-bit tiles")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_512_bit_path_is_chosen_by_the_measured_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wide_vnni_pays` times the same count of 256-bit and 512-bit `vpdpbusd`: twice the multiply-adds in about
+    the same time selects the 512-bit path; the same multiply-adds (a core that splits 512-bit operations in
+    halves) does not."""
+    clock = {"t": 0.0}
+    monkeypatch.setattr(native.time, "perf_counter", lambda: clock["t"])
+    for t512_over_t256, pays in ((1.0, True), (1.3, True), (1.6, False), (2.0, False)):
+        def fake_peak(self, width: int, rounds: int, threads: int, ratio: float = t512_over_t256) -> int:  # noqa: ANN001
+            clock["t"] += (ratio if width == 512 else 1.0) * 1e-3
+            return 1
+
+        monkeypatch.setattr(native.NativeKernels, "int8_peak", fake_peak)
+        assert native.wide_vnni_pays() is pays, t512_over_t256
+
+
 def test_zero_rows_and_extreme_activations(isa_kernels: native.NativeKernels) -> None:
     kernels = isa_kernels
     p4, _, _, _ = _layers(n=8, k=32)

@@ -16,7 +16,8 @@ differences of PyTorch's attention into visible ones).  `layer.cpp` runs a
 whole Llama-family decoder layer in one call (the same operations, without
 Python's cost per operation).  `grid.cpp` (in the
 same library) finds the 4-bit grid a dequantised GGUF group sits on, so
-loading recovers its codes.
+loading recovers its codes.  `peak.cpp` runs nothing but int8 dot products, to
+measure the rate the tiles are a fraction of (`scripts/kernels/floor.py`).
 
 Before the kernels are used, the fastest instruction set the CPU has is
 checked against the portable C++ path on random data, bit for bit (the kernels
@@ -39,6 +40,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +50,15 @@ from stagedspec.errors import first_line
 from stagedspec.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp",
-                                                      "layer.cpp"))
-ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
+                                                      "layer.cpp", "peak.cpp"))
+ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI", 3: "AVX-512 VNNI, 512-bit"}
 # The values of STAGEDSPEC_QKERNELS that force one instruction set; each CPU runs the paths up to its best.
-ISA_KEYS = {"portable": 0, "avx2": 1, "avx512-vnni": 2}
+ISA_KEYS = {"portable": 0, "avx2": 1, "avx512-vnni": 2, "avx512-vnni-512": 3}
+# A CPU with AVX-512 VNNI runs the tiles in 256-bit registers (2) or two at a time in 512-bit ones (3, the same
+# bits).  The 512-bit form is chosen where this core's 512-bit `vpdpbusd` retires more multiply-adds than its
+# 256-bit one: Zen 5 twice as many (AMD EPYC, 2026-11-28: 1,015 against 510 G a second on 2 threads); Zen 4
+# splits 512-bit operations in two halves, so there it would only add work.  Measured at load (`wide_vnni_pays`).
+WIDE_VNNI_GAIN = 1.4  # the least gain in multiply-adds a second that selects the 512-bit form
 ENV_SWITCH = "STAGEDSPEC_QKERNELS"
 OFF_VALUES = ("torch", "0", "off", "none")
 AUTO_VALUES = ("", "auto", "native")
@@ -130,6 +137,16 @@ class NativeKernels:
         return torch.ops.stagedspec_qlinear.ragged_layers(x, packed, formats, outs, splits, biases, attn_norms,
                                                           mlp_norms, eps, cos, sin, k_caches, v_caches, starts, rows,
                                                           masks, scale, n_heads, n_kv_heads, self.isa)
+
+    def int8_peak(self, width: int, rounds: int, threads: int) -> int | None:
+        """Run `rounds` x `int8_peak_chains()` of this instruction set's int8 dot products (`width`-bit
+        `vpdpbusd` on AVX-512 VNNI; `vpmaddubsw` + `vpaddw` on AVX2) on each of `threads` threads, for the caller
+        to time (`peak.cpp`).  None where this CPU has no such instruction."""
+        out = torch.ops.stagedspec_qlinear.int8_peak(self.isa, width, rounds, threads)
+        return None if out < 0 else out
+
+    def int8_peak_chains(self) -> int:
+        return torch.ops.stagedspec_qlinear.int8_peak_chains()
 
     def with_isa(self, isa: int) -> NativeKernels:
         """The same kernels on another instruction set (tests compare them bit for bit)."""
@@ -252,12 +269,33 @@ def _load(quiet: bool) -> tuple[NativeKernels | None, str | None]:
             return None, f"build failed: {failure.error}"
     _register_fakes()
     best = int(torch.ops.stagedspec_qlinear.best_isa())
+    if best == 3 and not wide_vnni_pays():
+        best = 2
     for isa in range(best, -1, -1):
         if isa == 0 or _agrees_with_portable(isa):
             return NativeKernels(isa), None
         print(f"stagedspec: the {ISA_NAMES[isa]} kernels disagree with the portable ones on this CPU; not used",
               file=sys.stderr)
     return None, "no instruction set passed the self-check"
+
+
+def wide_vnni_pays(rounds: int = 20_000) -> bool:
+    """Whether this core's 512-bit `vpdpbusd` retires at least `WIDE_VNNI_GAIN` times the multiply-adds of its
+    256-bit one: a few milliseconds of one thread running nothing else (`peak.cpp`), best of 5 each, so that a
+    busy machine slows both forms alike."""
+    kernels = NativeKernels(3)
+    if kernels.int8_peak(512, 10, 1) is None:
+        return False
+    seconds = {}
+    for width in (256, 512):
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            kernels.int8_peak(width, rounds, 1)
+            best = min(best, time.perf_counter() - start)
+        seconds[width] = best
+    # the same instruction count: 512-bit ones carry twice the multiply-adds
+    return 2 * seconds[256] / seconds[512] >= WIDE_VNNI_GAIN
 
 
 def _register_fakes() -> None:

@@ -78,8 +78,12 @@ constexpr int64_t kRowBlock = 4;                    // rows computed together ag
 constexpr int64_t kMaxRowBlock = 8;
 constexpr int64_t kRowChunk = 64;                   // rows whose activations stay in cache per weight sweep
 constexpr int64_t kPrefetchBytes = 4096;            // how far ahead of the tile being read to prefetch
+// The 512-bit path pairs tiles from 2 rows up: one row is bound by reading the weights, and there two streams
+// read side by side ran about 5% slower than one (docs/kernels.md, "512-bit pairs of tiles on Zen 5").
+constexpr int64_t kPairMinRows = 2;
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+// kAvx512Vnni512: the VNNI tiles two at a time in 512-bit registers (the same bits; chosen where it pays).
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAvx512Vnni512 = 3 };
 enum Format : int64_t { kInt4 = 0, kInt8 = 1, kQ4K = 2, kQ6K = 3, kQ5 = 4 };
 
 // Bytes of one tile (8 outputs) over K inputs, or -1 where the format cannot hold K inputs.
@@ -832,16 +836,309 @@ __attribute__((target("avx2,fma,f16c"))) void q5_tile_avx2(const uint8_t* w, con
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
 }
 template <int RB> void q5_tile_vnni(const uint8_t* w, const RowsView& a, float* out) { q5_tile_vnni_impl<RB, true>(w, a, out); }
+
+// ---------------------------------------------------------------------------------------------------------
+// Two adjacent tiles (16 outputs) in 512-bit registers, for cores that run 512-bit operations whole (Zen 5,
+// Intel's server cores: twice the int8 multiply-adds of 256-bit `vpdpbusd` at the same instruction rate;
+// `peak.cpp`).  Lanes 0-7 are the first tile's outputs, lanes 8-15 the second's, and each lane goes through
+// the 256-bit VNNI tile's operations in the same order (exact integer sums, then the same float steps), so
+// the results are the same bits.  Half the instructions per output; the tiles' bytes are not moved, so every
+// path reads one packing.
+#define STAGEDSPEC_W512 "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+
+// Prefetching for a pair of adjacent tiles t, t + 1 (`w1 - w0` bytes each), read side by side: tile t + 1's
+// stream runs on into tile t + 2, where the next pair starts; tile t's would run into t + 1, read already, so
+// past its end it goes to tile t + 3 instead.  `p0`, `p1`: the groups being read in each.
+inline void prefetch_pair(const uint8_t* w0, const uint8_t* w1, const uint8_t* p0, const uint8_t* p1, int64_t bytes) {
+  const int64_t tile = w1 - w0;
+  for (int64_t b = 0; b < bytes; b += 64) {
+    const uint8_t* ahead = p0 + kPrefetchBytes + b;
+    if (ahead >= w1) ahead += 2 * tile;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p1 + kPrefetchBytes + b), _MM_HINT_T1);
+  }
+}
+
+__attribute__((target(STAGEDSPEC_W512))) inline __m512i pair_load(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
+}
+
+// 8 fp16 values from each tile -> 16 floats.
+__attribute__((target(STAGEDSPEC_W512))) inline __m512 pair_halves(const uint8_t* p0, const uint8_t* p1) {
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+  return _mm512_cvtph_ps(h);
+}
+
+// 8 bytes from each tile -> 16 int32 (unsigned or signed bytes).
+template <bool Signed>
+__attribute__((target(STAGEDSPEC_W512))) inline __m512i pair_bytes(const uint8_t* p0, const uint8_t* p1) {
+  const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1)));
+  return Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+}
+
+__attribute__((target(STAGEDSPEC_W512))) inline __m512i broadcast4_512(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int RB>
+__attribute__((target(STAGEDSPEC_W512))) inline void pin512(__m512i* v) {
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) asm volatile("" : "+v"(v[r]));
+}
+
+template <int RB>
+__attribute__((target(STAGEDSPEC_W512))) inline void store_pair(const __m512* acc, float* out) {
+  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(out + r * 2 * kTile, acc[r]);
+}
+
+// int4: `q4_tile_vnni` on two tiles.
+template <int RB>
+__attribute__((target(STAGEDSPEC_W512))) void q4_pair_vnni512(const uint8_t* w0, const uint8_t* w1, const RowsView& a,
+                                                              float* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t *base0 = w0, *base1 = w1;
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g, w0 += kQ4Bytes, w1 += kQ4Bytes) {
+    prefetch_pair(base0, base1, w0, w1, kQ4Bytes);
+    __m512i isum[RB], isum2[RB];
+    for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      const __m512i wv = pair_load(w0 + 32 * v, w1 + 32 * v);
+      const __m512i lo = _mm512_and_si512(wv, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = a.q + r * a.K + g * kGroup;
+        isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4_512(x + 4 * v));
+        isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, broadcast4_512(x + 16 + 4 * v));
+      }
+      pin512<RB>(isum);
+      pin512<RB>(isum2);
+    }
+    const __m512 dw = pair_halves(w0 + 128, w1 + 128);
+    const __m512 mw = pair_halves(w0 + 144, w1 + 144);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(isum[r], isum2[r])), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[r * a.G + g]), acc[r]);
+    }
+  }
+  store_pair<RB>(acc, out);
+}
+
+// int8: `q8_tile_vnni` on two tiles.
+template <int RB>
+__attribute__((target(STAGEDSPEC_W512))) void q8_pair_vnni512(const uint8_t* w0, const uint8_t* w1, const RowsView& a,
+                                                              float* out) {
+  constexpr bool kTwo = RB <= 4;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t *base0 = w0, *base1 = w1;
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g, w0 += kQ8Bytes, w1 += kQ8Bytes) {
+    prefetch_pair(base0, base1, w0, w1, kQ8Bytes);
+    __m512i isum[RB], isum2[RB];
+    for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+      const __m512i wu = _mm512_xor_si512(pair_load(w0 + 32 * v, w1 + 32 * v), bias);
+      for (int r = 0; r < RB; ++r) {
+        const __m512i x = broadcast4_512(a.q + r * a.K + g * kGroup + 4 * v);
+        if (kTwo && (v & 1))
+          isum2[r] = _mm512_dpbusd_epi32(isum2[r], wu, x);
+        else
+          isum[r] = _mm512_dpbusd_epi32(isum[r], wu, x);
+      }
+      pin512<RB>(isum);
+      if constexpr (kTwo) pin512<RB>(isum2);
+    }
+    const __m512 dw = pair_halves(w0 + 256, w1 + 256);
+    for (int r = 0; r < RB; ++r) {
+      const int32_t* h = a.h + 2 * (r * a.G + g);
+      const __m512i sum = kTwo ? _mm512_add_epi32(isum[r], isum2[r]) : isum[r];
+      const __m512i exact = _mm512_sub_epi32(sum, _mm512_set1_epi32((h[0] + h[1]) * 128));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
+    }
+  }
+  store_pair<RB>(acc, out);
+}
+
+// Q4_K: `q4k_tile_vnni` on two tiles.
+template <int RB>
+__attribute__((target(STAGEDSPEC_W512))) void q4k_pair_vnni512(const uint8_t* w0, const uint8_t* w1, const RowsView& a,
+                                                               float* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  const uint8_t *base0 = w0, *base1 = w1;
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < a.G; g0 += kGroupsPerSuper, w0 += kQ4KSuperBytes, w1 += kQ4KSuperBytes) {
+    const __m512 d = pair_halves(w0, w1);
+    const __m512 dmin = pair_halves(w0 + 2 * kTile, w1 + 2 * kTile);
+    for (int64_t j = 0; j < kGroupsPerSuper; ++j) {
+      const int64_t g = g0 + j;
+      const uint8_t* grp0 = w0 + 4 * kTile + j * kQ4KGroupBytes;
+      const uint8_t* grp1 = w1 + 4 * kTile + j * kQ4KGroupBytes;
+      prefetch_pair(base0, base1, grp0, grp1, kQ4KGroupBytes);
+      __m512i isum[RB], isum2[RB];
+      for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        const __m512i wv = pair_load(grp0 + 32 * v, grp1 + 32 * v);
+        const __m512i lo = _mm512_and_si512(wv, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* x = a.q + r * a.K + g * kGroup;
+          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4_512(x + 4 * v));
+          isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, broadcast4_512(x + 16 + 4 * v));
+        }
+        pin512<RB>(isum);
+        pin512<RB>(isum2);
+      }
+      const __m512 sc = _mm512_cvtepi32_ps(pair_bytes<false>(grp0 + 128, grp1 + 128));
+      const __m512 m = _mm512_cvtepi32_ps(pair_bytes<false>(grp0 + 136, grp1 + 136));
+      const __m512 dw = _mm512_mul_ps(d, sc);
+      // -(dmin * m): the sign flipped by xor, as `_mm256_xor_ps` with -0.f does
+      const __m512 mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, m)), sign));
+      for (int r = 0; r < RB; ++r) {
+        const __m512i exact = _mm512_add_epi32(isum[r], isum2[r]);
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[r * a.G + g]), acc[r]);
+      }
+    }
+  }
+  store_pair<RB>(acc, out);
+}
+
+// Q6_K: the code vectors of `q6k_codes`, two tiles at a time.
+template <int K>
+__attribute__((target(STAGEDSPEC_W512))) inline __m512i q6k_high512(__m512i h) {
+  const __m512i mask = _mm512_set1_epi8(0x30);
+  if constexpr (K == 0) return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
+  if constexpr (K == 1) return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
+  if constexpr (K == 2) return _mm512_and_si512(h, mask);
+  return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
+}
+
+__attribute__((target(STAGEDSPEC_W512))) inline void q6k_codes512(const uint8_t* g0, const uint8_t* g1, __m512i* code) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i h0 = pair_load(g0 + 128, g1 + 128);
+  const __m512i h1 = pair_load(g0 + 160, g1 + 160);
+  __m512i nib[4];
+  for (int p = 0; p < 4; ++p) nib[p] = pair_load(g0 + 32 * p, g1 + 32 * p);
+  code[0] = _mm512_or_si512(_mm512_and_si512(nib[0], low), q6k_high512<0>(h0));
+  code[1] = _mm512_or_si512(_mm512_and_si512(nib[1], low), q6k_high512<1>(h0));
+  code[2] = _mm512_or_si512(_mm512_and_si512(nib[2], low), q6k_high512<2>(h0));
+  code[3] = _mm512_or_si512(_mm512_and_si512(nib[3], low), q6k_high512<3>(h0));
+  code[4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib[0], 4), low), q6k_high512<0>(h1));
+  code[5] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib[1], 4), low), q6k_high512<1>(h1));
+  code[6] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib[2], 4), low), q6k_high512<2>(h1));
+  code[7] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib[3], 4), low), q6k_high512<3>(h1));
+}
+
+// Q6_K: `q6k_tile_vnni` on two tiles.
+template <int RB>
+__attribute__((target(STAGEDSPEC_W512))) void q6k_pair_vnni512(const uint8_t* w0, const uint8_t* w1, const RowsView& a,
+                                                               float* out) {
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 dw = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* head0 = w0 + (g / kGroupsPerSuper) * kQ6KSuperBytes;
+    const uint8_t* head1 = w1 + (g / kGroupsPerSuper) * kQ6KSuperBytes;
+    const uint8_t* grp0 = head0 + 2 * kTile + (g % kGroupsPerSuper) * kQ6KGroupBytes;
+    const uint8_t* grp1 = head1 + 2 * kTile + (g % kGroupsPerSuper) * kQ6KGroupBytes;
+    if (g % kGroupsPerSuper == 0) dw = pair_halves(head0, head1);
+    prefetch_pair(w0, w1, grp0, grp1, kQ6KGroupBytes);
+    __m512i code[8];
+    q6k_codes512(grp0, grp1, code);
+    const __m512i sc1 = pair_bytes<true>(grp0 + 192, grp1 + 192);
+    const __m512i sc2 = pair_bytes<true>(grp0 + 200, grp1 + 200);
+    const __m512i sc32 = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(sc1, 5), lo16), _mm512_slli_epi32(sc2, 21));
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* x = a.q + r * a.K + g * kGroup;
+      __m512i u1 = _mm512_setzero_si512(), u2 = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        u1 = _mm512_dpbusd_epi32(u1, code[v], broadcast4_512(x + 4 * v));
+        u2 = _mm512_dpbusd_epi32(u2, code[v + 4], broadcast4_512(x + 16 + 4 * v));
+      }
+      const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(u1, sc1), _mm512_mullo_epi32(u2, sc2));
+      const __m512i exact = _mm512_add_epi32(t, _mm512_madd_epi16(sc32, _mm512_set1_epi32(a.hn[r * a.G + g])));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
+    }
+  }
+  store_pair<RB>(acc, out);
+}
+
+// Q5_0: the code vectors of `q5_codes`, two tiles at a time.
+template <int K>
+__attribute__((target(STAGEDSPEC_W512))) inline __m512i q5_high512(__m512i h) {
+  const __m512i mask = _mm512_set1_epi8(0x10);
+  if constexpr (K <= 4) return _mm512_and_si512(_mm512_slli_epi16(h, 4 - K), mask);
+  return _mm512_and_si512(_mm512_srli_epi16(h, K - 4), mask);
+}
+
+// Q5_0: `q5_tile_vnni` on two tiles.
+template <int RB>
+__attribute__((target(STAGEDSPEC_W512))) void q5_pair_vnni512(const uint8_t* w0, const uint8_t* w1, const RowsView& a,
+                                                              float* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 minus16 = _mm512_set1_ps(-16.f);
+  const uint8_t *base0 = w0, *base1 = w1;
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g, w0 += kQ5Bytes, w1 += kQ5Bytes) {
+    prefetch_pair(base0, base1, w0, w1, kQ5Bytes);
+    const __m512i h = pair_load(w0 + 128, w1 + 128);
+    __m512i nib[4], code[8];
+    for (int p = 0; p < 4; ++p) nib[p] = pair_load(w0 + 32 * p, w1 + 32 * p);
+    code[0] = _mm512_or_si512(_mm512_and_si512(nib[0], low), q5_high512<0>(h));
+    code[1] = _mm512_or_si512(_mm512_and_si512(nib[1], low), q5_high512<1>(h));
+    code[2] = _mm512_or_si512(_mm512_and_si512(nib[2], low), q5_high512<2>(h));
+    code[3] = _mm512_or_si512(_mm512_and_si512(nib[3], low), q5_high512<3>(h));
+    code[4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib[0], 4), low), q5_high512<4>(h));
+    code[5] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib[1], 4), low), q5_high512<5>(h));
+    code[6] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib[2], 4), low), q5_high512<6>(h));
+    code[7] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib[3], 4), low), q5_high512<7>(h));
+    const __m512 dw = pair_halves(w0 + 160, w1 + 160);
+    const __m512 mw = _mm512_mul_ps(dw, minus16);
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* x = a.q + r * a.K + g * kGroup;
+      __m512i e0 = _mm512_setzero_si512(), e1 = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        e0 = _mm512_dpbusd_epi32(e0, code[v], broadcast4_512(x + 4 * v));
+        e1 = _mm512_dpbusd_epi32(e1, code[v + 4], broadcast4_512(x + 16 + 4 * v));
+      }
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(e0, e1)), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[r * a.G + g]), acc[r]);
+    }
+  }
+  store_pair<RB>(acc, out);
+}
+#undef STAGEDSPEC_W512
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
 
 using TileFn = void (*)(const uint8_t*, const RowsView&, float*);
 
-// fn[n] computes a block of n rows, for n up to `block`.
+using PairFn = void (*)(const uint8_t*, const uint8_t*, const RowsView&, float*);
+
+// fn[n] computes a block of n rows, for n up to `block`; pair[n], where set, the same for two adjacent tiles at
+// once (out: [n, 2 * kTile]).
 struct TileKernels {
   TileFn fn[kMaxRowBlock + 1];
   int64_t block;
+  PairFn pair[kMaxRowBlock + 1];
 };
 
 #define STAGEDSPEC_TABLE(name, f)                                                    \
@@ -867,10 +1164,32 @@ STAGEDSPEC_TABLE8(q6k_avx2, q6k_tile_avx2)
 STAGEDSPEC_TABLE8(q6k_vnni, q6k_tile_vnni)
 STAGEDSPEC_TABLE8(q5_avx2, q5_tile_avx2)
 STAGEDSPEC_TABLE8(q5_vnni, q5_tile_vnni)
+#define STAGEDSPEC_PAIRS(name, single, f)                                                                      \
+  TileKernels name() {                                                                                         \
+    TileKernels t = single();                                                                                  \
+    const PairFn pairs[] = {nullptr, &f<1>, &f<2>, &f<3>, &f<4>, &f<5>, &f<6>, &f<7>, &f<8>};                   \
+    for (int64_t n = 1; n <= t.block; ++n) t.pair[n] = pairs[n];                                               \
+    return t;                                                                                                  \
+  }
+STAGEDSPEC_PAIRS(q4_vnni512, q4_vnni, q4_pair_vnni512)
+STAGEDSPEC_PAIRS(q8_vnni512, q8_vnni, q8_pair_vnni512)
+STAGEDSPEC_PAIRS(q4k_vnni512, q4k_vnni, q4k_pair_vnni512)
+STAGEDSPEC_PAIRS(q6k_vnni512, q6k_vnni, q6k_pair_vnni512)
+STAGEDSPEC_PAIRS(q5_vnni512, q5_vnni, q5_pair_vnni512)
+#undef STAGEDSPEC_PAIRS
 #endif
 
 TileKernels kernels_for(int64_t format, int64_t isa) {
 #ifdef STAGEDSPEC_X86
+  if (isa == kAvx512Vnni512) {
+    switch (format) {
+      case kInt4: return q4_vnni512();
+      case kInt8: return q8_vnni512();
+      case kQ4K: return q4k_vnni512();
+      case kQ5: return q5_vnni512();
+      default: return q6k_vnni512();
+    }
+  }
   if (isa == kAvx512Vnni) {
     switch (format) {
       case kInt4: return q4_vnni();
@@ -960,31 +1279,38 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
   for (int64_t r0 = 0; r0 < R; r0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, R - r0);
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      float tmp[kMaxRowBlock * kTile];
+      float tmp[kMaxRowBlock * 2 * kTile];
       size_t s = 0;
       if (r0 == 0) prefetch_start(segments, t0, t1);
-      for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t t = t0; t < t1;) {
         while (t >= segments[s].first_tile + segments[s].tiles) ++s;
         const Segment& seg = segments[s];
         const int64_t local = t - seg.first_tile;
         const uint8_t* w = seg.w + local * seg.bytes_per_tile;
-        const int64_t cols = std::min(kTile, seg.N - local * kTile);
+        // two tiles at once where the path pairs them, both are this thread's and this segment's
+        const bool pair = rows >= kPairMinRows && seg.table.pair[1] != nullptr && t + 1 < t1 && local + 1 < seg.tiles;
+        const int64_t width = pair ? 2 * kTile : kTile;
+        const int64_t cols = std::min(width, seg.N - local * kTile);
         const int64_t col0 = seg.out_offset + local * kTile;
         for (int64_t rb = 0; rb < rows; rb += seg.table.block) {
           const int64_t n = std::min(seg.table.block, rows - rb);
           const int64_t r = r0 + rb;
           const RowsView view{qa.q.data() + r * K, qa.d.data() + r * G, qa.s.data() + r * G,
                               qa.h.data() + r * 2 * G, qa.hn.empty() ? nullptr : qa.hn.data() + r * G, K, G};
-          seg.table.fn[n](w, view, tmp);
+          if (pair)
+            seg.table.pair[n](w, w + seg.bytes_per_tile, view, tmp);
+          else
+            seg.table.fn[n](w, view, tmp);
           for (int64_t i = 0; i < n; ++i)
             for (int64_t o = 0; o < cols; ++o) {
               const int64_t at = (r + i) * N + col0 + o;
               if (bf16)
-                yb[at] = at::BFloat16(tmp[i * kTile + o]);
+                yb[at] = at::BFloat16(tmp[i * width + o]);
               else
-                yf[at] = tmp[i * kTile + o];
+                yf[at] = tmp[i * width + o];
             }
         }
+        t += pair ? 2 : 1;
       }
     });
   }
@@ -1006,14 +1332,15 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, i
   return segmented_linear(x, packed, at::IntArrayRef(&format, 1), at::IntArrayRef(&N, 1), isa);
 }
 
-// The best instruction set this CPU runs: 2 (AVX-512 VNNI), 1 (AVX2 + FMA + F16C) or 0 (portable C++).
+// The best instruction set this CPU runs: 3 (AVX-512 VNNI, also in 512-bit pairs of tiles), 1 (AVX2 + FMA +
+// F16C) or 0 (portable C++).
 int64_t best_isa() {
 #ifdef STAGEDSPEC_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw"))
-    return kAvx512Vnni;
+    return kAvx512Vnni512;  // runs both VNNI forms; `native.py` measures whether the 512-bit one pays
   if (avx2) return kAvx2;
 #endif
   return kScalar;
