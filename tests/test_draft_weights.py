@@ -89,7 +89,7 @@ def test_auto_runs_int8_up_to_the_rows_it_was_measured_faster_at_and_caches_that
     timed = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.0, 16: 3.0}  # against 2.0 ms native at every row count
     draft = choose_draft_weights(load, oracle, "auto", measure=_fake_measure(timed, 2.0), cache_file=cache,
                                  quiet=True)
-    assert _int8_rows(draft) == 4 and draft.weight_format == "int8" and "up to 4 rows" in draft.weight_reason
+    assert _int8_rows(draft) == 4 and draft.runtime.weight_format == "int8" and "up to 4 rows" in draft.runtime.weight_reason
     assert len(calls) == 2  # the timed copy lost its dense weights: a fresh one switches by rows
     (entry,) = json.loads(cache.read_text()).values()
     assert entry["int8_max_rows"] == 4 and entry["native_ms"]["8"] == 2.0 and entry["int8_ms"]["1"] == 1.0
@@ -108,7 +108,7 @@ def test_auto_keeps_native_weights_when_int8_is_not_clearly_faster(tmp_path: Pat
     load, _ = _draft_loader(oracle)
     draft = choose_draft_weights(load, oracle, "auto", measure=_fake_measure({1: 1.95, 4: 1.0}, 2.0),
                                  cache_file=tmp_path / "c.json", quiet=True)
-    assert draft.weight_format == "native" and draft.head_q is None and _int8_rows(draft) is None
+    assert draft.runtime.weight_format == "native" and draft.head_q is None and _int8_rows(draft) is None
     assert isinstance(draft.layers[0].mlp.w_up, torch.nn.Linear)
 
 
@@ -131,7 +131,7 @@ def test_rules_without_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     # fp32 (the reference dtype): no int8 kernel applies
     oracle32 = _oracle(torch.float32)
     load, _ = _draft_loader(oracle32)
-    assert choose_draft_weights(load, oracle32, "auto", measure=never, cache_file=cache).weight_format == "native"
+    assert choose_draft_weights(load, oracle32, "auto", measure=never, cache_file=cache).runtime.weight_format == "native"
     with pytest.raises(StagedSpecError, match="computes in bf16"):
         choose_draft_weights(load, oracle32, "int8", cache_file=cache)
     # asked for, on bf16: int8 without timing anything
@@ -147,7 +147,7 @@ def test_a_layers_draft_never_quantises_the_oracles_own_layers(tmp_path: Path) -
 
     oracle = _oracle()
     draft = choose_draft_weights(lambda: truncated_copy(oracle, 1), oracle, "auto", cache_file=tmp_path / "c.json")
-    assert draft.weight_format == "native" and not isinstance(oracle.layers[0].mlp.w_up, Int8Linear)
+    assert draft.runtime.weight_format == "native" and not isinstance(oracle.layers[0].mlp.w_up, Int8Linear)
     with pytest.raises(StagedSpecError, match="oracle's own layers"):
         choose_draft_weights(lambda: truncated_copy(oracle, 1), oracle, "int8")
     assert not isinstance(oracle.layers[0].mlp.w_up, Int8Linear)
@@ -161,9 +161,9 @@ def test_a_feature_draft_stays_native_under_auto_and_runs_int8_when_asked() -> N
     def load() -> FeatureDraftModel:
         return FeatureDraftModel(oracle, layers=[2], head_tokens=torch.arange(200), dtype=torch.bfloat16).eval()
 
-    assert choose_draft_weights(load, oracle, "auto").weight_format == "native"
+    assert choose_draft_weights(load, oracle, "auto").runtime.weight_format == "native"
     draft = choose_draft_weights(load, oracle, "int8")
-    assert draft.weight_format == "int8" and isinstance(draft.layers[0].mlp.w_up, Int8Linear)
+    assert draft.runtime.weight_format == "int8" and isinstance(draft.layers[0].mlp.w_up, Int8Linear)
 
 
 @pytest.mark.parametrize("kw", [
@@ -269,23 +269,23 @@ def test_a_quantised_gguf_draft_under_a_quantised_oracle_runs_its_own_formats_or
     cache = tmp_path / "c.json"
     draft = choose_draft_weights(load, oracle, "auto", measure=measure(1.0, 2.0), cache_file=cache, quiet=True,
                                  load_mixed=load_mixed)
-    assert draft.weight_format == "mixed" and draft.from_source and "faster here than int8" in draft.weight_reason
+    assert draft.runtime.weight_format == "mixed" and draft.from_source and "faster here than int8" in draft.runtime.weight_reason
     (entry,) = json.loads(cache.read_text()).values()
     assert entry["choice"] == "mixed" and entry["int8_ms"]["4"] == 2.0
     again = choose_draft_weights(load, oracle, "auto", measure=no_timing, cache_file=cache, quiet=True,
                                  load_mixed=load_mixed)
-    assert again.weight_format == "mixed" and again.from_source
+    assert again.runtime.weight_format == "mixed" and again.from_source
 
     other = tmp_path / "other.json"
     slower = choose_draft_weights(load, oracle, "auto", measure=measure(3.0, 2.0), cache_file=other, quiet=True,
                                   load_mixed=load_mixed)
-    assert slower.weight_format == "int8" and _is_int8(slower) and not getattr(slower, "from_source", False)
+    assert slower.runtime.weight_format == "int8" and _is_int8(slower) and not getattr(slower, "from_source", False)
     cached = choose_draft_weights(load, oracle, "auto", measure=no_timing, cache_file=other, quiet=True,
                                   load_mixed=load_mixed)
-    assert cached.weight_format == "int8" and _is_int8(cached)
+    assert cached.runtime.weight_format == "int8" and _is_int8(cached)
 
     asked = choose_draft_weights(load, oracle, "mixed", measure=no_timing, cache_file=cache, load_mixed=load_mixed)
-    assert asked.weight_format == "mixed" and asked.from_source
+    assert asked.runtime.weight_format == "mixed" and asked.from_source
     with pytest.raises(StagedSpecError, match="needs a draft GGUF with quantised weights"):
         choose_draft_weights(load, oracle, "mixed", measure=no_timing, cache_file=cache)
 
@@ -312,7 +312,7 @@ def test_a_draft_under_a_quantised_oracle_times_no_fp32_kernels_unless_it_stays_
 
     monkeypatch.setattr(matmul_plan, "apply_plan", apply_plan)
     draft = load_draft_model(str(folder), oracle, tok, torch.float32, "cpu")
-    assert draft.weight_format == "int8" and planned == []
+    assert draft.runtime.weight_format == "int8" and planned == []
     native = load_draft_model(str(folder), oracle, tok, torch.float32, "cpu", weights="native")
-    assert native.weight_format == "native" and planned == [native]
+    assert native.runtime.weight_format == "native" and planned == [native]
     assert any(isinstance(m, matmul_plan.PlannedLinear) for m in native.modules())

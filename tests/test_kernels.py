@@ -465,9 +465,9 @@ def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: t
             batch = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.arange(3), batch_cache)
         return [prompt, nodes, batch]
 
-    assert isinstance(model.native_stack, NativeLayerStack)
+    assert isinstance(model.runtime.native_stack, NativeLayerStack)
     stacked = passes()
-    stack, model.native_stack = model.native_stack, None
+    stack, model.runtime.native_stack = model.runtime.native_stack, None
     fused = passes()
     saved = [b.native_layer for b in model.layers]
     for b in model.layers:
@@ -475,6 +475,6 @@ def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: t
     op_by_op = passes()
     for b, layer in zip(model.layers, saved):
         b.native_layer = layer
-    model.native_stack = stack
+    model.runtime.native_stack = stack
     for s, a, b in zip(stacked, fused, op_by_op):
         assert torch.equal(s, b) and torch.equal(a, b)

@@ -59,11 +59,11 @@ def test_loaded_models_keep_the_pass_options_they_were_loaded_with(llama_dir: Pa
 
     options = PassOptions(mode="static", compile=True)
     oracle, tok = load_model(llama_dir, dtype=torch.float32, pass_options=options)
-    assert oracle.pass_runtime.options is options and pass_mode(oracle) == "static" and is_compiled(oracle)
+    assert oracle.runtime.passes.options is options and pass_mode(oracle) == "static" and is_compiled(oracle)
     draft = load_draft_model("layers:1", oracle, tok, torch.float32, "cpu", "native")
-    assert draft.pass_runtime.options == options and draft.pass_runtime is not oracle.pass_runtime
+    assert draft.runtime.passes.options == options and draft.runtime.passes is not oracle.runtime.passes
     plain, _ = load_model(llama_dir, dtype=torch.float32)
-    assert plain.pass_runtime.options == PassOptions.from_environment()
+    assert plain.runtime.passes.options == PassOptions.from_environment()
 
 
 def test_sharded_checkpoint_matches_single_file(llama_dir: Path, tmp_path: Path) -> None:

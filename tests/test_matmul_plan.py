@@ -90,7 +90,7 @@ def test_planned_layers_run_the_chosen_kernel_per_row_count(monkeypatch: pytest.
     up = model.layers[0].mlp.w_up
     assert isinstance(up, mp.PlannedLinear) and isinstance(up, nn.Linear)
     assert up.row_plan[:5] == ((False, 0), (False, 1), (True, 2), (True, 3), (False, 4))
-    assert model.head_row_plan is not None and model.head_row_plan[2] == (True, 2)
+    assert model.runtime.head_row_plan is not None and model.runtime.head_row_plan[2] == (True, 2)
     used = []
     real = mp.wxt_linear
     monkeypatch.setattr(mp, "wxt_linear", lambda *a: used.append(a[0].shape[-2]) or real(*a))
@@ -139,7 +139,7 @@ def test_the_plan_is_part_of_the_cost_profile_key(tmp_path: Path) -> None:
 def test_only_fp32_cpu_models_are_planned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     measure, calls = _measure({1})
     bf16 = mp.plan_matmuls(_model(torch.bfloat16), measure=measure, cache_file=tmp_path / "p.json")
-    assert calls == [] and type(bf16.layers[0].mlp.w_up) is nn.Linear and bf16.head_row_plan is None
+    assert calls == [] and type(bf16.layers[0].mlp.w_up) is nn.Linear and bf16.runtime.head_row_plan is None
     monkeypatch.setenv(mp.OFF_ENV, "off")
     off = mp.plan_matmuls(_model(), measure=measure, cache_file=tmp_path / "p.json")
     assert calls == [] and type(off.layers[0].mlp.w_up) is nn.Linear
@@ -152,16 +152,16 @@ def test_a_quantised_head_is_left_to_its_kernel(tmp_path: Path) -> None:
     model.head_q = Int8Linear(model.head_weight.detach(), None)
     measure, calls = _measure({1})
     mp.plan_matmuls(model, measure=measure, cache_file=tmp_path / "p.json")
-    assert (320, 64) not in calls and model.head_row_plan is None
+    assert (320, 64) not in calls and model.runtime.head_row_plan is None
 
 
 def test_an_untied_head_and_a_drafts_own_head_are_planned_as_heads(tmp_path: Path) -> None:
     untied = mp.plan_matmuls(_model(tie=False), measure=_measure({1})[0], cache_file=tmp_path / "p.json")
-    assert type(untied.lm_head) is nn.Linear and untied.head_row_plan is not None  # `head_logits` multiplies it
+    assert type(untied.lm_head) is nn.Linear and untied.runtime.head_row_plan is not None  # `head_logits` multiplies it
     draft = DraftModel(_model(), layers=[0], head_tokens=torch.arange(100), dtype=torch.float32).eval()
     measure, calls = _measure({1})
     mp.plan_matmuls(draft, measure=measure, cache_file=tmp_path / "p.json")
-    assert (100, 64) in calls and draft.head_row_plan is not None and type(draft.head) is nn.Linear
+    assert (100, 64) in calls and draft.runtime.head_row_plan is not None and type(draft.head) is nn.Linear
     assert mp.describe(draft)[-1].endswith("(output head)")
 
 
@@ -170,8 +170,8 @@ def test_a_layers_draft_keeps_the_oracles_plan(tmp_path: Path) -> None:
 
     oracle = mp.plan_matmuls(_model(), measure=_measure({1, 2})[0], cache_file=tmp_path / "p.json")
     draft = truncated_copy(oracle, 2)
-    assert draft.head_row_plan == oracle.head_row_plan
-    assert draft.matmul_plan_signature == oracle.matmul_plan_signature
+    assert draft.runtime.head_row_plan == oracle.runtime.head_row_plan
+    assert draft.runtime.matmul_plan_signature == oracle.runtime.matmul_plan_signature
     assert draft.layers[0].mlp.w_up is oracle.layers[0].mlp.w_up
 
 

@@ -266,13 +266,13 @@ def test_quantised_models_on_the_native_kernels_batch_bit_identically(mode: str,
     cfg = ModelConfig(arch="llama", vocab_size=80, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       intermediate_size=64, max_position=96)  # input sizes in whole groups of 32
     model = quantize_model(init_random(Transformer(cfg), seed=1).eval(), mode, torch.float32, kernels)
-    assert model.native_stack is not None  # the ragged pass runs every block in one native call
+    assert model.runtime.native_stack is not None  # the ragged pass runs every block in one native call
     with torch.inference_mode():
         solo, solo_caches = run(model, False, False, seed=3)
         ragged, ragged_caches = run(model, True, False, seed=3, pad=pad)
-        stack, model.native_stack = model.native_stack, None  # the same pass op by op, from Python
+        stack, model.runtime.native_stack = model.runtime.native_stack, None  # the same pass op by op, from Python
         by_ops, _ = run(model, True, False, seed=3, pad=pad)
-        model.native_stack = stack
+        model.runtime.native_stack = stack
     where = f"{kernels.name} {mode}{' padded' if pad else ''}"
     for i, (a, b, c) in enumerate(zip(solo, ragged, by_ops)):
         assert_bit_identical(b, a, f"{where}: segment {i} of the ragged pass against its solo pass")

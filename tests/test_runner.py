@@ -490,8 +490,8 @@ def test_a_copy_of_a_model_keeps_its_options_and_gets_a_pool_of_its_own() -> Non
     runner_mod.set_compiled(m, True)
     acquire_runner(m, 10, m)
     twin = copy.deepcopy(m)
-    assert twin.pass_runtime.options == m.pass_runtime.options and pass_mode(twin) == "static"
-    assert twin.pass_runtime.runners == [] and len(m.pass_runtime.runners) == 1
+    assert twin.runtime.passes.options == m.runtime.passes.options and pass_mode(twin) == "static"
+    assert twin.runtime.passes.runners == [] and len(m.runtime.passes.runners) == 1
 
 
 def test_bit_exact_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -159,7 +159,7 @@ def feature_server(default_server: Served) -> Iterator[Served]:
     base = default_server.engine
     torch.manual_seed(0)
     draft = choose_draft_weights(lambda: FeatureDraftModel(base.model, 1), base.model, "auto", quiet=True)
-    draft.pass_runtime = PassRuntime(base.model.pass_runtime.options)
+    draft.runtime.passes = PassRuntime(base.model.runtime.passes.options)
     spec = dataclasses.replace(base.speculation, method="staged", sizing="fixed")
     engine = Engine(base.model, base.tokenizer, [draft], spec, base.ngram, model_name=base.model_name,
                     draft_names=["feature"])

@@ -127,7 +127,7 @@ def choose_draft_weights(
 
     `load_mixed`: the draft in its quantised GGUF's own formats (None: its
     source is not a quantised GGUF).  The chosen format and why are left on
-    the draft as `weight_format` ("native", "int8" or "mixed") and `weight_reason`.  `measure` times a draft's
+    the draft as `runtime.weight_format` ("native", "int8" or "mixed") and `weight_reason`.  `measure` times a draft's
     passes by row count (default: `profiling.forward_cost_curve` at
     `MEASURED_ROWS`); `cache_file` keeps auto's measured choices (default:
     under the cost-profile folder).
@@ -170,7 +170,7 @@ def dtype_label(dtype: torch.dtype) -> str:
 
 
 def _mark(draft: Transformer, fmt: str, reason: str) -> Transformer:
-    draft.weight_format, draft.weight_reason = fmt, reason
+    draft.runtime.weight_format, draft.runtime.weight_reason = fmt, reason
     return draft
 
 
@@ -219,7 +219,7 @@ def _mixed_or_int8(draft: Transformer, load_mixed: Callable[[], Transformer], or
                         for r in map(str, MIXED_ROWS) if r in entry["mixed_ms"] and r in entry["int8_ms"])
     if entry["choice"] == "mixed":
         return _mark(load_mixed(), "mixed", f"the GGUF's own formats, faster here than int8 ({timings})")
-    if getattr(draft, "head_q", None) is None:  # not the copy timed above
+    if draft.head_q is None:  # not the copy timed above
         draft = to_int8(draft, oracle)
     return _mark(draft, "int8", f"int8, faster here than the GGUF's own formats ({timings})")
 

@@ -148,7 +148,7 @@ def _load_draft(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.d
                 quant: str = "none") -> Transformer:
     """The draft `spec`, its passes run with its oracle's options: a pipeline's models share one `PassOptions`."""
     draft = load_draft_spec(spec, DraftSource(oracle, oracle_tokenizer, dtype, device, quant))
-    draft.pass_runtime = PassRuntime(oracle.pass_runtime.options)
+    draft.runtime.passes = PassRuntime(oracle.runtime.passes.options)
     return draft
 
 

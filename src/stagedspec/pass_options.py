@@ -2,7 +2,7 @@
 
 The options are chosen where models are loaded (the CLI's `--cuda-graphs`,
 `--static-passes`, `--compile`; the environment for library callers), held
-by each model (`Transformer.pass_runtime`) and read by `stagedspec.runner`
+by each model (`Transformer.runtime.passes`) and read by `stagedspec.runner`
 whenever a pass runs.  A module of its own that imports nothing of the
 package, so that the models, the loaders and the runner all read it without
 an import cycle.

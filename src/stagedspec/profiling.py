@@ -169,9 +169,9 @@ def model_fingerprint(model: Transformer) -> str:
     the fp32 kernel plan)."""
     h = hashlib.sha256(repr(sorted(vars(model.config).items())).encode())
     h.update(str(model.embed.weight.dtype).encode())
-    h.update(str(getattr(model, "quantised", False)).encode())
+    h.update(str(model.quantised).encode())
     h.update(str(len(model.layers)).encode())
-    if getattr(model, "head_q", None) is not None:  # int4, int8, or int8 up to some rows (`draft_weights`)
+    if model.head_q is not None:  # int4, int8, or int8 up to some rows (`draft_weights`)
         kinds = {f"{type(m).__name__}:{getattr(m, 'max_rows', '')}" for m in model.modules()}
         h.update(repr(sorted(kinds)).encode())
     sample = model.embed.weight.detach().flatten()[:512].float().cpu()
@@ -180,7 +180,7 @@ def model_fingerprint(model: Transformer) -> str:
     # apart (else two rounds of a draft would share a profile and what `auto` learned of the other's acceptance).
     for tensor in model.layers[-1].state_dict().values():
         h.update(tensor.detach().flatten()[:64].float().cpu().numpy().tobytes())
-    plan = getattr(model, "matmul_plan_signature", None)  # fp32 CPU: which kernel runs which passes
+    plan = model.runtime.matmul_plan_signature  # fp32 CPU: which kernel runs which passes
     if plan is not None:
         h.update(f"plan={plan}".encode())
     return h.hexdigest()[:16]

@@ -29,7 +29,7 @@ is paid once per process, not per request.
 The mode of a model's passes is a property of the loaded model: the
 `PassOptions` it was loaded with (`stagedspec.pass_options`; the CLI's
 `--cuda-graphs`, `--static-passes`, `--compile`), held with its pool of
-runners in `Transformer.pass_runtime`, and changed with `set_pass_mode`:
+runners in `Transformer.runtime.passes`, and changed with `set_pass_mode`:
 "eager" (the CPU default: the original variable-shape path), "static" (this
 path without graphs: the same arithmetic, which is how the CPU suites test
 it) and "graphs" (the CUDA default).
@@ -61,12 +61,12 @@ def pass_mode(model: Transformer) -> str:
     with), else its device's default: "graphs" on CUDA ("static" with CUDA
     graphs turned off), "eager" on the CPU ("static" with static passes on).
     """
-    return model.pass_runtime.options.mode_on(model.embed.weight.device)
+    return model.runtime.passes.options.mode_on(model.embed.weight.device)
 
 
 def set_pass_mode(model: Transformer, mode: str) -> None:
     """Choose how the oracle and drafters run `model`'s passes from now on (pooled runners are dropped)."""
-    runtime = model.pass_runtime
+    runtime = model.runtime.passes
     options = replace(runtime.options, mode=mode)  # an unknown mode: ValueError
     with runtime.lock:
         runtime.options = options
@@ -82,20 +82,20 @@ def set_compiled(model: Transformer, enabled: bool = True) -> None:
     its on-disk cache (TORCHINDUCTOR_CACHE_DIR), so later processes pay far
     less.  A compile that fails falls back to the uncompiled pass.
     """
-    runtime = model.pass_runtime
+    runtime = model.runtime.passes
     runtime.options = replace(runtime.options, compile=bool(enabled))
     runtime.compiled_forward = None
 
 
 def is_compiled(model: Transformer) -> bool:
     """Whether `model`'s static passes go through `torch.compile` (`set_compiled`, `--compile`)."""
-    return model.pass_runtime.options.compile
+    return model.runtime.passes.options.compile
 
 
 def _static_forward(model: Transformer):  # noqa: ANN202 - the model's static pass, compiled when asked
     if not is_compiled(model):
         return model.forward_static
-    runtime = model.pass_runtime
+    runtime = model.runtime.passes
     if runtime.compiled_forward is None:
         import torch._dynamo
 
@@ -404,7 +404,7 @@ def acquire_runner(model: Transformer, max_len: int, owner: object, *, min_rows:
     """
     mode = pass_mode(model)
     cap = runner_capacity(max_len)
-    runtime = model.pass_runtime
+    runtime = model.runtime.passes
     with runtime.lock:
         pool = runtime.runners
         runner = next((r for r in pool if not r.busy and r.capacity == cap and r.min_rows == min_rows), None)

@@ -318,8 +318,8 @@ def ours(
         desc += f", oracle on {quant} weights"
     settings = asdict(s) | {"drafts": list(draft_specs), "oracle_bytes": oracle_bytes, "draft_bytes": draft_bytes,
                             "quant": quant,
-                            "draft_weights": [getattr(d, "weight_format", "native") for d in drafts],
-                            "draft_weights_reason": [getattr(d, "weight_reason", "") for d in drafts]}
+                            "draft_weights": [d.runtime.weight_format for d in drafts],
+                            "draft_weights_reason": [d.runtime.weight_reason for d in drafts]}
     return Method(name, "ours", kind, desc, run, settings)
 
 

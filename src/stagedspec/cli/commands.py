@@ -276,7 +276,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     _print_kernel_plan(pipe.model)
     for spec, curve, model in zip(drafts, profile.drafts, pipe.draft_models):
         print(f"\ndraft {spec} pass:")
-        print(f"{getattr(model, 'weight_format', 'native')} weights ({getattr(model, 'weight_reason', '')})")
+        print(f"{model.runtime.weight_format} weights ({model.runtime.weight_reason})")
         print_cost_curve(curve)
         _print_kernel_plan(model)
     path = profile_path(profile.key)

@@ -546,8 +546,8 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
         report, ar_speed = _eval_one_draft(args, pipe, model, streams, continuations, oracle_s, spec, ar_speed)
         report.update(oracle=args.oracle, draft=name, prompts=args.prompts, n_prompts=len(streams),
                       tokens=args.tokens, offset=args.offset, device=device,
-                      weights=getattr(model, "weight_format", "native"),
-                      weights_reason=getattr(model, "weight_reason", ""))
+                      weights=model.runtime.weight_format,
+                      weights_reason=model.runtime.weight_reason)
         reports.append(report)
     if args.json:
         out: Any = reports[0] if len(reports) == 1 else {"oracle": args.oracle, "drafts": reports}

@@ -78,7 +78,7 @@ def load_model(
 
         plan_matmuls(model)  # fp32 on the CPU: each layer's faster kernel per row count, timed here once
     if pass_options is not None:
-        model.pass_runtime = PassRuntime(pass_options)
+        model.runtime.passes = PassRuntime(pass_options)
     return model, tok
 
 

@@ -18,7 +18,7 @@ for every distinct weight shape of a model, streaming all the weights of
 that shape as a pass does, at `PLAN_ROWS` row counts, once per machine
 (cached beside the cost profiles; `stagedspec tune` times again), and each
 layer runs the faster one for the row count at hand (`PlannedLinear`; the
-output head through `Transformer.head_row_plan`).
+output head through `Transformer.runtime.head_row_plan`).
 
 Row counts are a choice too.  Both kernels block the short side in groups,
 so an odd count can cost more than the round one above it, and one row as
@@ -198,7 +198,7 @@ def plan_matmuls(model: nn.Module, *, measure: Measure | None = None, cache_file
     Timings come from `cache_file` (default: `matmul-plan.json` in the cost-profile folder), keyed by the
     weight shape, how many weights share it, and the machine; shapes not timed yet are timed now with
     `measure` (default `time_kernels`), a few seconds for a 135M model.  The model gets
-    `matmul_plan_signature` (part of its cost-profile key: its passes' costs depend on the plan).
+    `runtime.matmul_plan_signature` (part of its cost-profile key: its passes' costs depend on the plan).
     A model `planned` rules out is returned untouched.
     """
     from stagedspec import hardware
@@ -238,9 +238,9 @@ def apply_plan(model: nn.Module, plans: dict[tuple[int, int], RowPlan]) -> None:
             module.__class__ = PlannedLinear
             module.row_plan = plans[tuple(module.weight.shape)]
     if head is not None and tuple(head.shape) in plans:
-        model.head_row_plan = plans[tuple(head.shape)]
+        model.runtime.head_row_plan = plans[tuple(head.shape)]
     signature = repr(sorted(plans.items()))
-    model.matmul_plan_signature = hashlib.sha256(signature.encode()).hexdigest()[:12]
+    model.runtime.matmul_plan_signature = hashlib.sha256(signature.encode()).hexdigest()[:12]
 
 
 def describe(model: nn.Module) -> list[str]:
@@ -253,7 +253,7 @@ def describe(model: nn.Module) -> list[str]:
         if isinstance(module, PlannedLinear) and tuple(module.weight.shape) not in seen:
             seen.add(tuple(module.weight.shape))
             lines.append(_line(tuple(module.weight.shape), module.row_plan))
-    plan = getattr(model, "head_row_plan", None)
+    plan = model.runtime.head_row_plan
     if head is not None and plan is not None and tuple(head.shape) not in seen:
         lines.append(_line(tuple(head.shape), plan) + " (output head)")
     return lines

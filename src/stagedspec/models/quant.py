@@ -549,7 +549,7 @@ def run_rest_natively(model: nn.Module, kernels: NativeKernels) -> None:
             m.native_attention = kernels
     for block in model.layers:
         block.native_layer = NativeDecoderLayer(block, kernels) if fusable(block) else None
-    model.native_stack = NativeLayerStack.of(list(model.layers))
+    model.runtime.native_stack = NativeLayerStack.of(list(model.layers))
 
 
 def dequantized_copy(module: nn.Module) -> nn.Module:
@@ -558,7 +558,7 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     Drafts copy oracle layers as their starting point and own float weights
     (they are trained and saved as such), whatever the oracle runs on.
     """
-    from stagedspec.models.transformer import Attention, RMSNorm
+    from stagedspec.models.transformer import Attention, RMSNorm, Transformer
 
     if isinstance(module, NativeRMSNorm):
         return _as_rms_norm(copy.deepcopy(module), RMSNorm)
@@ -572,8 +572,8 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
             m.native_attention = None
         if getattr(m, "native_layer", None) is not None:
             m.native_layer = None  # it would still run the quantised copies
-        if getattr(m, "native_stack", None) is not None:
-            m.native_stack = None
+        if isinstance(m, Transformer):  # a whole model: its stack would run the quantised blocks
+            m.runtime.native_stack = None
     return module
 
 

@@ -122,7 +122,7 @@ def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> l
         if features is not None:
             features = torch.cat([features, features.new_zeros(1, extra, features.shape[-1])], dim=1)
     x, rope, local_rope = model.embed_rows(tokens, positions, features)  # row-wise
-    stack = getattr(model, "native_stack", None)
+    stack = model.runtime.native_stack
     if stack is not None and all(s.cache.k.dim() == 5 and not isinstance(p.start, Tensor)
                                  for s, p in zip(segments, prepared)):
         # every block in one native call, attention per segment inside it: the same operations and bits as

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from stagedspec.cache import KVCache
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.matmul_plan import planned_linear
-from stagedspec.pass_options import PassRuntime
+from stagedspec.models.runtime import ModelRuntime
 
 
 def decoding_mode(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -318,17 +318,8 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A quantised copy of the output head (set by `models.quant.quantize_model`); None: `head_weight` is used.
         self.head_q: nn.Module | None = None
-        # Which kernel and padded row count the head runs per row count (`models.matmul_plan`); None: `F.linear`.
-        self.head_row_plan: tuple[tuple[bool, int], ...] | None = None
-        # Set by `models.quant.run_rest_natively` where every block runs natively: all blocks as one C++ call
-        # (`quant.NativeLayerStack`, the same bits as a call per block).
-        self.native_stack: Callable[..., Tensor] | None = None
-        # Which kernel runs which fp32 passes, hashed (set by `models.matmul_plan.plan_matmuls`; part of the
-        # cost-profile key).  None: not planned.
-        self.matmul_plan_signature: str | None = None
-        # How the runner runs this model's passes, with its pool of runners (`stagedspec.runner`): the environment's
-        # defaults until a loader gives the options a command chose (`load_model(pass_options=...)`).
-        self.pass_runtime = PassRuntime()
+        # What this model runs with beside its weights: runner pool, native stack, matmul plan, weight format.
+        self.runtime = ModelRuntime()
         if cfg.arch != "gpt2":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -354,10 +345,12 @@ class Transformer(nn.Module):
         cfg.local_layers = list(cfg.local_layers[:n_layers])
         draft = Transformer.skeleton(cfg)
         draft.embed, draft.pos_embed, draft.norm, draft.lm_head = self.embed, self.pos_embed, self.norm, self.lm_head
-        draft.head_q, draft.head_row_plan = self.head_q, self.head_row_plan
-        draft.matmul_plan_signature = self.matmul_plan_signature
+        draft.head_q = self.head_q
+        draft.runtime.head_row_plan = self.runtime.head_row_plan
+        draft.runtime.matmul_plan_signature = self.runtime.matmul_plan_signature
         draft.layers = nn.ModuleList(list(self.layers)[:n_layers])
-        draft.native_stack = None if self.native_stack is None else type(self.native_stack).of(list(draft.layers))
+        stack = self.runtime.native_stack
+        draft.runtime.native_stack = None if stack is None else type(stack).of(list(draft.layers))
         draft.local, draft.embed_scale = list(self.local[:n_layers]), self.embed_scale
         for name, table in self.named_buffers(recurse=False):  # the RoPE tables
             draft.register_buffer(name, table, persistent=False)
@@ -448,8 +441,9 @@ class Transformer(nn.Module):
             local = self.local_attention_mask(bool_mask, positions, cache, start + T)
             if local is not None:
                 local_mask = self.mask_to_bias(local, x.dtype, groups)
-        if self.native_stack is not None and not isinstance(start, Tensor) and cache.k.dim() == 5:
-            return self.head_logits(self.native_stack(x, rope, cache.k, cache.v, start, mask), logits_rows, return_hidden)
+        stack = self.runtime.native_stack
+        if stack is not None and not isinstance(start, Tensor) and cache.k.dim() == 5:
+            return self.head_logits(stack(x, rope, cache.k, cache.v, start, mask), logits_rows, return_hidden)
         for i, layer in enumerate(self.layers):
             if self.local and self.local[i]:
                 x = layer(x, local_rope, cache.k[i], cache.v[i], start, local_mask, row_independent)
@@ -527,8 +521,8 @@ class Transformer(nn.Module):
             h = self.norm(x if logits_rows is None else x[:, logits_rows])
         if self.head_q is not None:
             logits = self.head_q(h)
-        elif self.head_row_plan is not None:
-            logits = planned_linear(h, self.head_weight, None, self.head_row_plan)
+        elif self.runtime.head_row_plan is not None:
+            logits = planned_linear(h, self.head_weight, None, self.runtime.head_row_plan)
         else:
             logits = F.linear(h, self.head_weight)
         cap = self.config.final_logit_softcap
