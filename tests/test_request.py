@@ -30,6 +30,7 @@ def test_a_request_stepped_by_hand_is_the_pipeline_s_run(tiny_folder: Path, samp
     from stagedspec.models.loading import load_model
     from stagedspec.pipeline import Pipeline, SpeculationConfig
     from stagedspec.request import start_request
+    from stagedspec.request_plan import plan_request
 
     model, tok = load_model(tiny_folder, dtype=torch.float32)
     pipe = Pipeline(model, tok, [truncated_copy(model, 1)], SpeculationConfig(method="tree", tree_budget=4))
@@ -40,8 +41,9 @@ def test_a_request_stepped_by_hand_is_the_pipeline_s_run(tiny_folder: Path, samp
     passes = RequestPasses()
     try:
         max_len = context_budget(model, len(ids), 24, pipe.speculation.max_tree_budget)
-        request = start_request(pipe, ids, max_len, max_new_tokens=24, sampling=sampling, seed=7, stop_strings=(),
-                                processor=None, passes=passes)
+        plan = plan_request(ids, max_new_tokens=24, context=model.config.max_position, speculation=pipe.speculation,
+                            temperature=sampling.temperature, seed=7)
+        request = start_request(pipe, plan, max_len, processor=None, passes=passes)
         text = []
         while not request.over and (step := request.step()) is not None:
             text.append(request.text.push(step))

@@ -21,6 +21,7 @@ from stagedspec.sampling import SamplingParams  # noqa: E402
 from stagedspec.server.engine import Engine, parse_size  # noqa: E402
 from stagedspec.server.scheduler import Job, Scheduler  # noqa: E402
 from stagedspec.server.schemas import APIError  # noqa: E402
+from stagedspec.request_plan import plan_request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,15 +125,17 @@ def run_jobs(sched: Scheduler, jobs: list[Job], timeout: float = 60) -> list[lis
     return events
 
 
-def job(prompt_ids, max_tokens=8, spec=None):  # noqa: ANN001, ANN201
-    return Job(list(prompt_ids), max_tokens, SamplingParams(temperature=0.0), None, [],
-               spec or SpeculationConfig(method="tree"), lambda ev: None)
+def job(prompt_ids, max_tokens=8, spec=None, temperature=0.0, seed=None):  # noqa: ANN001, ANN201
+    plan = plan_request(list(prompt_ids), max_new_tokens=max_tokens, context=2048,
+                        speculation=spec or SpeculationConfig(method="tree"), temperature=temperature, seed=seed)
+    return Job(plan, lambda ev: None)
 
 
 def kv_of(engine, j: Job) -> int:  # noqa: ANN001
-    spec = j.spec
+    spec = j.plan.speculation
     mem = engine.memory_model()
-    return mem.request_kv(engine.cache_slots(len(j.prompt_ids), j.max_tokens, spec), spec.max_tree_budget, True)
+    return mem.request_kv(engine.cache_slots(len(j.plan.prompt_ids), j.plan.max_new_tokens, spec),
+                          spec.max_tree_budget, True)
 
 
 def test_memory_pressure_shrinks_tree_budgets_in_steps_and_regrows(engine):
@@ -192,9 +195,9 @@ def test_memory_pressure_shrinks_tree_budgets_in_steps_and_regrows(engine):
 def test_memory_pressure_never_shrinks_a_seeded_sampled_request(engine):
     """A seeded sampled request's sample depends on its trees, and it must equal its solo run: under pressure
     it keeps its full tree, the others shrink for it, and a newcomer that would need it to shrink waits."""
-    jobs = [job([5 + i, 6, 7], max_tokens=8) for i in range(4)]
-    for j in jobs[1:3]:  # b and c: seeded, sampled
-        j.sampling, j.seed = SamplingParams(temperature=1.0), 7
+    # b and c: seeded, sampled
+    jobs = [job([5 + i, 6, 7], max_tokens=8, **(dict(temperature=1.0, seed=7) if i in (1, 2) else {}))
+            for i in range(4)]
     for j in jobs:
         j.kv_bytes = kv_of(engine, j)
     probe = Scheduler(engine, max_batch=4)
@@ -211,8 +214,7 @@ def test_memory_pressure_never_shrinks_a_seeded_sampled_request(engine):
         assert [(jn.job is j, jn.level) for jn, j in zip(joining, jobs)] == [(True, 0)] * 3
         assert list(sched._waiting) == [jobs[3]]  # noqa: SLF001 - d waits: b and c keep their trees
         # a seeded sampled newcomer is admitted only at its full tree: the greedy a shrinks for it
-        e = job([9, 6, 7], max_tokens=8)
-        e.sampling, e.seed = SamplingParams(temperature=1.0), 3
+        e = job([9, 6, 7], max_tokens=8, temperature=1.0, seed=3)
         e.kv_bytes = kv_of(engine, e)
         assert sched._floor(e) == 0 and sched._floor(jobs[0]) > 0  # noqa: SLF001
         # one whose full tree could never fit is told so (400), not served on a shrunk tree
@@ -287,7 +289,7 @@ def test_batched_memory_pressure_shrinks_running_trees_and_output_stays_exact(en
     assert sched.metrics.requests["completed"] == 3 and sched.metrics.queued == 0
     for p, j, info in zip(prompts, (a, b, c), infos):
         solo = Pipeline(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
-            p, max_new_tokens=j.max_tokens)
+            p, max_new_tokens=j.plan.max_new_tokens)
         assert info["token_ids"] == solo.token_ids
     assert sched.metrics.ragged_passes > 0 and sched.metrics.ragged_segments > sched.metrics.ragged_passes
 
@@ -388,7 +390,7 @@ def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, m
     spec = SpeculationConfig(method="auto")
     prompts = [engine.tokenizer.encode(p) for p in ("Hello the", "in the in", "def f(x):", "1 2 3 4")]
     jobs = [job(p, 10 + 3 * i, spec) for i, p in enumerate(prompts)]
-    seeded = Job(prompts[0], 12, SamplingParams(temperature=1.0), 5, [], spec, lambda ev: None)
+    seeded = job(prompts[0], 12, spec, temperature=1.0, seed=5)
     sched = Scheduler(eng, max_batch=5)
     sched.start()
     try:
@@ -402,7 +404,7 @@ def test_batched_auto_prices_steps_by_the_shared_round_and_stays_exact(engine, m
     for j, ev in zip([*jobs, seeded], events):
         assert ev[-1][0] == "done"
         solo = Pipeline(engine.model, engine.tokenizer, engine.draft_models, spec).generate(
-            j.prompt_ids, max_new_tokens=j.max_tokens, sampling=j.sampling, seed=j.seed)
+            j.plan.prompt_ids, max_new_tokens=j.plan.max_new_tokens, sampling=j.plan.sampling, seed=j.plan.seed)
         assert ev[-1][2]["token_ids"] == solo.token_ids
 
 

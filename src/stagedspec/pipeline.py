@@ -263,9 +263,7 @@ class Pipeline:
 
         passes = RequestPasses()  # the runners this request's oracle and drafters hold, given back when it ends
         try:
-            request = start_request(self, plan.prompt_ids, max_len, max_new_tokens=plan.max_new_tokens,
-                                    sampling=plan.sampling, seed=plan.seed, stop_strings=plan.stop,
-                                    processor=processor, passes=passes)
+            request = start_request(self, plan, max_len, processor=processor, passes=passes)
             while (step := request.step()) is not None:
                 if governor is not None:
                     governor.tick()

@@ -22,7 +22,7 @@ from stagedspec.drafters.base import Drafter
 from stagedspec.generation import GenerationResult, GenerationStats, NoDrafter, iter_steps, speculative_generate
 from stagedspec.models.transformer import Transformer
 from stagedspec.oracle import Oracle
-from stagedspec.request_plan import check_length
+from stagedspec.request_plan import RequestPlan, check_length
 from stagedspec.runner import ModelOracle, RequestPasses
 from stagedspec.sampling import SamplingParams
 from stagedspec.stops import StopTextStream
@@ -102,11 +102,9 @@ class Request:
         return st
 
 
-def start_request(pipe: Models, prompt_ids: Sequence[int], max_len: int, *, max_new_tokens: int,
-                  sampling: SamplingParams, seed: int | None, stop_strings: Sequence[str],
-                  processor: LogitsProcessor | None, passes: RequestPasses,
-                  wrap: Callable[[Drafter], Drafter] | None = None) -> Request:
-    """A request over `pipe`'s models with a cache of `max_len` slots.
+def start_request(pipe: Models, plan: RequestPlan, max_len: int, *, processor: LogitsProcessor | None,
+                  passes: RequestPasses, wrap: Callable[[Drafter], Drafter] | None = None) -> Request:
+    """The request `plan` over `pipe`'s models with a cache of `max_len` slots.
 
     Its oracle is `pipe`'s model (bit-exact as `pipe.bit_exact` says), constrained by `processor` (the request's
     logit bias and grammar, which shapes every draft row too); its drafter is `pipe.drafter`'s, which gives a
@@ -117,11 +115,11 @@ def start_request(pipe: Models, prompt_ids: Sequence[int], max_len: int, *, max_
         from stagedspec.constraints.processor import ConstrainedOracle
 
         oracle = ConstrainedOracle(oracle, processor, settles=True)
-    drafter = pipe.drafter(max_len, reproducible=seed is not None and not sampling.greedy, processor=processor,
-                           passes=passes)
-    return Request(oracle, drafter, wrap(drafter) if wrap is not None else drafter, prompt_ids,
-                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                   stop_token_ids=pipe.tokenizer.eos_token_ids, text=StopTextStream(pipe.tokenizer, stop_strings))
+    drafter = pipe.drafter(max_len, reproducible=plan.seed is not None and not plan.sampling.greedy,
+                           processor=processor, passes=passes)
+    return Request(oracle, drafter, wrap(drafter) if wrap is not None else drafter, plan.prompt_ids,
+                   max_new_tokens=plan.max_new_tokens, sampling=plan.sampling, seed=plan.seed,
+                   stop_token_ids=pipe.tokenizer.eos_token_ids, text=StopTextStream(pipe.tokenizer, plan.stop))
 
 
 def generate_ar(

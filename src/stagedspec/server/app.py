@@ -196,8 +196,7 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 pass
 
-        job = Job(list(plan.prompt_ids), plan.max_new_tokens, plan.sampling, plan.seed, list(plan.stop),
-                  plan.speculation, deliver, processor=processor)
+        job = Job(plan, deliver, processor=processor)
         sched.submit(job)
         reply = Reply(chat, sched.engine.model_name, len(prompt_ids))
         if req.stream:

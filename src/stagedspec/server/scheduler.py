@@ -42,10 +42,9 @@ from stagedspec.constraints.processor import LogitsProcessor
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.methods import METHODS
 from stagedspec.threads import governor_for
-from stagedspec.pipeline import SpeculationConfig
 from stagedspec.request import stage_report, start_request
+from stagedspec.request_plan import RequestPlan
 from stagedspec.runner import RequestPasses
-from stagedspec.sampling import SamplingParams
 from stagedspec.server.engine import Engine, format_size
 from stagedspec.server.exactness import batch_exactness
 from stagedspec.server.batching import Lane, PassBatcher
@@ -60,12 +59,7 @@ Event = tuple  # ("text", str) | ("done", finish_reason, info) | ("error", statu
 class Job:
     """One generation request as the scheduler sees it; `deliver` must be callable from any thread."""
 
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    seed: int | None
-    stop: list[str]
-    spec: SpeculationConfig
+    plan: RequestPlan  # what to run, checked (`stagedspec.request_plan`)
     deliver: Callable[[Event], None]
     kv_bytes: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -75,7 +69,7 @@ class Job:
     def reproducible(self) -> bool:
         """A seeded sampled request: its tokens must equal the same request run alone (as `Pipeline.generate`
         decides for a solo run), so its arm choices and trees may not depend on the server's load."""
-        return self.seed is not None and not self.sampling.greedy
+        return self.plan.seed is not None and not self.plan.sampling.greedy
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -97,16 +91,14 @@ class _Running:
         """`lane`: where the steps run with batched passes (None: on the caller's thread); `level`: the
         shrink level its trees start at (0: full; higher under memory pressure, see `server.pressure`)."""
         self.job = job
-        pipe = engine.pipeline(job.spec)
-        max_len = engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
+        pipe = engine.pipeline(job.plan.speculation)
+        max_len = engine.cache_slots(len(job.plan.prompt_ids), job.plan.max_new_tokens, job.plan.speculation)
         # Its passes go to its lane (when batched), and the runners its oracle and drafters lease are given
         # back when the request ends (`Scheduler._finish`).
         self.passes = RequestPasses(router=lane)
         try:
-            self.request = start_request(pipe, job.prompt_ids, max_len, max_new_tokens=job.max_tokens,
-                                         sampling=job.sampling, seed=job.seed, stop_strings=job.stop,
-                                         processor=job.processor, passes=self.passes,
-                                         wrap=lambda d: CappedDrafter(d, job.spec.max_tree_budget, level))
+            self.request = start_request(pipe, job.plan, max_len, processor=job.processor, passes=self.passes,
+                                         wrap=lambda d: CappedDrafter(d, job.plan.speculation.max_tree_budget, level))
         except BaseException:
             self.passes.release()
             raise
@@ -149,9 +141,9 @@ class _Running:
             "speculation_off_steps": self.switch.skipped_steps,
             # steps proposed at each shrink level (0: full trees; see `server.pressure`), and their node caps
             "tree_levels": {str(k): v for k, v in sorted(self.switch.level_steps.items())},
-            "tree_caps": {str(k): level_tree_budget(self.job.spec.max_tree_budget, k)
+            "tree_caps": {str(k): level_tree_budget(self.job.plan.speculation.max_tree_budget, k)
                           for k in sorted(self.switch.level_steps)},
-            "method": self.job.spec.method,
+            "method": self.job.plan.speculation.method,
             "mean_accepted_length": st.mean_accepted_length,
             "tokens_by_stage": dict(Counter(st.token_origins)),
             "oracle_passes": st.oracle_forward_passes,
@@ -317,18 +309,18 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Queue a job; a job that could never fit the memory budget is refused (400) at once."""
-        uses_drafts = METHODS[job.spec.method].needs_drafts
-        slots = self.engine.cache_slots(len(job.prompt_ids), job.max_tokens, job.spec)
-        job.kv_bytes = self.memory.request_kv(slots, job.spec.max_tree_budget, uses_drafts)
+        uses_drafts = METHODS[job.plan.speculation.method].needs_drafts
+        slots = self.engine.cache_slots(len(job.plan.prompt_ids), job.plan.max_new_tokens, job.plan.speculation)
+        job.kv_bytes = self.memory.request_kv(slots, job.plan.speculation.max_tree_budget, uses_drafts)
         if self.base_bytes + self._charge(job, self._floor(job)) > self.max_memory:
             if job.reproducible and self.base_bytes + self._charge(job, root_only_level(
-                    job.spec.max_tree_budget)) <= self.max_memory:
+                    job.plan.speculation.max_tree_budget)) <= self.max_memory:
                 raise APIError(400, "a seeded sampled request runs its full tree (its sample must not depend on "
                                     "what else the server runs), and that does not fit the server's memory budget: "
                                     "lower speculation.tree_budget, or drop the seed",
                                "speculation.tree_budget", "memory_budget_exceeded")
             # a request whose own tree is bigger than the server's trees is told to shrink the tree
-            tree = job.spec.max_tree_budget > self.engine.speculation.max_tree_budget
+            tree = job.plan.speculation.max_tree_budget > self.engine.speculation.max_tree_budget
             param, advice = (("speculation.tree_budget", "lower speculation.tree_budget") if tree
                              else ("max_tokens", "lower max_tokens or the prompt"))
             raise APIError(400, f"this request's KV cache ({format_size(job.kv_bytes)}) does not fit the server's "
@@ -355,13 +347,13 @@ class Scheduler:
         tree, and others shrink to make it."""
         if job.reproducible:
             return 0
-        return root_only_level(job.spec.max_tree_budget)
+        return root_only_level(job.plan.speculation.max_tree_budget)
 
     def _charge(self, job: Job, level: int = 0) -> int:
         """What a request holds: its KV, plus (batched) its tree rows of the shared pass at shrink `level`."""
         if not self.batch_passes:
             return job.kv_bytes
-        return job.kv_bytes + self.memory.tree_scratch(level_tree_budget(job.spec.max_tree_budget, level))
+        return job.kv_bytes + self.memory.tree_scratch(level_tree_budget(job.plan.speculation.max_tree_budget, level))
 
     def _free(self) -> int:
         return self.max_memory - self.base_bytes - self._kv_in_use
@@ -490,7 +482,7 @@ class Scheduler:
             self._release(job, "error", level)
             job.deliver(("error", 400 if isinstance(e, StagedSpecError) else 500, first_line(e)))
             return
-        self.metrics.record_prompt(len(job.prompt_ids))
+        self.metrics.record_prompt(len(job.plan.prompt_ids))
         self._running.append(r)
 
     def _after_step(self, r: _Running) -> None:
