@@ -27,7 +27,7 @@ import torch
 from stagedspec.kernels.native import ISA_NAMES, cpu_isa, native_kernels
 from stagedspec.kernels.packing import BITS_PER_WEIGHT, FORMATS, random_format
 
-PEAK_ROUNDS = 2_000_000
+PEAK_ROUNDS = 20_000_000  # about 30 ms a call: long enough that waking the threads does not count
 
 
 def best_of(fn, reps: int) -> float:  # noqa: ANN001
