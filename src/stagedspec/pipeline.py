@@ -27,7 +27,7 @@ from stagedspec.model_set import (  # noqa: F401 - re-exported: the library's na
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
 from stagedspec.runner import RequestPasses
-from stagedspec.request_plan import plan_request
+from stagedspec.request_plan import plan_constraints, plan_request
 from stagedspec.request import context_budget, stage_report, start_request  # noqa: F401 - stage_report re-exported
 from stagedspec.sampling import SamplingParams
 from stagedspec.speculation import (  # noqa: F401 - re-exported: the library's names since the start
@@ -209,11 +209,7 @@ class Pipeline:
     def logits_processor(self, controls: LogitControls | None) -> LogitsProcessor | None:
         """A request's processor for `controls` (bias, grammar), or None when it asks for neither;
         a bad bias or grammar raises a one-line `StagedSpecError`."""
-        if controls is None or not controls.active:
-            return None
-        from stagedspec.constraints.processor import build_processor
-
-        return build_processor(controls, self.model.config.vocab_size, self.grammar_compiler)
+        return plan_constraints(controls, self.model.config.vocab_size, self.grammar_compiler)
 
     def thread_governor(self) -> ThreadGovernor | None:
         """The thread count for a run (`stagedspec.threads.governor_for`): `threads` = N fixes it; "auto"

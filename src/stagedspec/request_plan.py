@@ -11,8 +11,9 @@ message, `param` and `code`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
+from stagedspec.constraints.processor import LogitControls, LogitsProcessor, build_processor, parse_logit_bias
 from stagedspec.errors import StagedSpecError
 from stagedspec.sampling import SamplingParams
 from stagedspec.speculation import SpeculationConfig
@@ -87,6 +88,25 @@ def check_length(prompt_len: int, max_new_tokens: int, context: int) -> None:
         raise PlanError(f"this model's context is {context} tokens; the prompt ({prompt_len} tokens) plus "
                         f"max_tokens ({max_new_tokens}) is {prompt_len + max_new_tokens}", "max_tokens",
                         "context_length_exceeded")
+
+
+def plan_constraints(controls: LogitControls | None, vocab_size: int,
+                     compiler: Callable[[], Any]) -> LogitsProcessor | None:
+    """A request's logit bias and grammar as its processor (None when it asks for neither), or a `PlanError`
+    naming the field at fault: `logit_bias` (a token outside the vocabulary, a bias out of range) or
+    `response_format` (a schema or grammar the grammar library refuses).  `compiler` returns the
+    `GrammarCompiler` of the model's tokenizer, called only for a grammar.  The one builder of a request's
+    constraints, for the CLI, the library and the server."""
+    if controls is None or not controls.active:
+        return None
+    try:
+        bias = parse_logit_bias(controls.logit_bias, vocab_size) if controls.logit_bias else {}
+    except StagedSpecError as e:
+        raise PlanError(str(e), "logit_bias") from None
+    try:
+        return build_processor(LogitControls(bias, controls.grammar), vocab_size, compiler)
+    except StagedSpecError as e:
+        raise PlanError(str(e), "response_format") from None
 
 
 def _sampling_param(message: str) -> str | None:

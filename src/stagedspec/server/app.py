@@ -25,8 +25,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from stagedspec.constraints.processor import LogitControls
 from stagedspec.errors import first_line
-from stagedspec.request_plan import PlanError, plan_request
+from stagedspec.request_plan import PlanError, plan_constraints, plan_request
 from stagedspec.server.engine import Engine
 from stagedspec.server.guard import AccessGuard, AccessPolicy
 from stagedspec.server.metrics import Metrics
@@ -183,10 +184,11 @@ def create_app(engine: Engine | None = None, *, loader: Callable[[], Engine] | N
             plan = plan_request(prompt_ids, max_new_tokens=default_max_tokens(sched.engine, req, len(prompt_ids)),
                                 context=sched.engine.max_context, speculation=spec, temperature=req.temperature,
                                 top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=req.stop)
+            processor = plan_constraints(LogitControls(req.logit_bias, req.grammar),
+                                         sched.engine.model.config.vocab_size, sched.engine.grammar_compiler)
         except PlanError as e:
             param = "messages" if req.chat and e.param == "prompt" else e.param
             raise bad(str(e), param, e.code) from None
-        processor = sched.engine.logits_processor(req.logit_bias, req.grammar)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 

@@ -14,8 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from stagedspec.constraints import GrammarCompiler, GrammarSpec, LogitControls, LogitsProcessor, build_processor
-from stagedspec.constraints import parse_logit_bias
+from stagedspec.constraints import GrammarCompiler
 from stagedspec.errors import StagedSpecError
 from stagedspec.request import TREE_SLACK, context_budget
 from stagedspec.learned_state import LearnedState
@@ -191,22 +190,9 @@ class Engine:
         except StagedSpecError as e:
             raise bad(str(e), "speculation") from None
 
-    def logits_processor(self, logit_bias: dict[str, Any], grammar: GrammarSpec | None) -> LogitsProcessor | None:
-        """A request's logit bias and grammar as its processor (None when it asks for neither), or a 400
-        naming the field that is wrong: a token id outside the vocabulary, a schema llguidance refuses."""
-        controls = LogitControls(logit_bias=logit_bias, grammar=grammar)
-        if not controls.active:
-            return None
-        try:
-            bias = parse_logit_bias(logit_bias, self.model.config.vocab_size) if logit_bias else {}
-        except StagedSpecError as e:
-            raise bad(str(e), "logit_bias") from None
-        try:
-            return build_processor(LogitControls(bias, grammar), self.model.config.vocab_size, self.grammar_compiler)
-        except StagedSpecError as e:
-            raise bad(str(e), "response_format") from None
-
     def grammar_compiler(self) -> GrammarCompiler:
+        """The tokenizer as the grammar library sees it, built at the first request with a grammar and kept
+        (`request_plan.plan_constraints` calls it)."""
         if self._grammar_compiler is None:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
         return self._grammar_compiler
