@@ -1017,8 +1017,8 @@ def test_every_draft_family_is_explored_early_in_a_request_even_when_its_price_s
     """A price is a model; one that is wrong about a draft never lets it run to show otherwise (the Qwen pair ran
     `ar` on every step of a prose prompt where a fixed draft chain ran at 1.22x `ar`).  So each draft family runs
     twice early in a request whatever its price, a family at a time; then `ar` again while the prices say so.
-    A seeded sampled request's policy (no learned times) never explores, and a family whose catch-up would cost
-    more than its share of the request's plain time is skipped."""
+    A seeded sampled request's policy (no learned times) never explores, and an exploration whose draft's
+    catch-up would take the request's explorations past their share of its plain time is skipped."""
     from stagedspec.auto import AutoDrafter
     from stagedspec.auto.drafter import FAMILY_EXPLORE_AFTER
 
@@ -1047,3 +1047,8 @@ def test_every_draft_family_is_explored_early_in_a_request_even_when_its_price_s
     # a draft whose catch-up over a long prompt is dear: 0.2 s against 5% of 64 steps of 10 ms
     dear = CostProfile(oracle={r: 0.010 * r for r in ROWS}, drafts=[{1: 0.0005, 2: 0.0005, 64: 0.2}])
     assert set(kinds_run(AutoPolicy([plain, tree, staged], dear), prompt_len=64)) == {"ar"}
+    # catch-ups that fit the budget one at a time but not together (about 0.026 s each against 0.032 s for the
+    # request): the first family is explored, the second is not
+    each = CostProfile(oracle={r: 0.010 * r for r in ROWS}, drafts=[{1: 0.0005, 2: 0.0005, 64: 0.025}])
+    runs = kinds_run(AutoPolicy([plain, tree, staged], each), prompt_len=64)
+    assert runs.count("tree:2") == 2 and "staged:1" not in runs, runs
