@@ -896,30 +896,39 @@ __attribute__((target(STAGEDSPEC_W512))) inline void store_pair(const __m512* ac
   for (int r = 0; r < RB; ++r) _mm512_storeu_ps(out + r * 2 * kTile, acc[r]);
 }
 
+// The 4-bit group core of the int4 and Q4_K pairs: the low and high nibbles of a group's four code vectors
+// (two tiles side by side) against each row's int8 activations, summed in two 32-bit chains per row.
+template <int RB>
+__attribute__((target(STAGEDSPEC_W512))) inline void nibble_sums512(const uint8_t* g0, const uint8_t* g1,
+                                                                     const RowsView& a, int64_t g, __m512i* isum,
+                                                                     __m512i* isum2) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm512_setzero_si512();
+  for (int v = 0; v < 4; ++v) {
+    const __m512i wv = pair_load(g0 + 32 * v, g1 + 32 * v);
+    const __m512i lo = _mm512_and_si512(wv, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* x = a.q + r * a.K + g * kGroup;
+      isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4_512(x + 4 * v));
+      isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, broadcast4_512(x + 16 + 4 * v));
+    }
+    pin512<RB>(isum);
+    pin512<RB>(isum2);
+  }
+}
+
 // int4: `q4_tile_vnni` on two tiles.
 template <int RB>
 __attribute__((target(STAGEDSPEC_W512))) void q4_pair_vnni512(const uint8_t* w0, const uint8_t* w1, const RowsView& a,
                                                               float* out) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t *base0 = w0, *base1 = w1;
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w0 += kQ4Bytes, w1 += kQ4Bytes) {
     prefetch_pair(base0, base1, w0, w1, kQ4Bytes);
     __m512i isum[RB], isum2[RB];
-    for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm512_setzero_si512();
-    for (int v = 0; v < 4; ++v) {
-      const __m512i wv = pair_load(w0 + 32 * v, w1 + 32 * v);
-      const __m512i lo = _mm512_and_si512(wv, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-      for (int r = 0; r < RB; ++r) {
-        const int8_t* x = a.q + r * a.K + g * kGroup;
-        isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4_512(x + 4 * v));
-        isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, broadcast4_512(x + 16 + 4 * v));
-      }
-      pin512<RB>(isum);
-      pin512<RB>(isum2);
-    }
+    nibble_sums512<RB>(w0, w1, a, g, isum, isum2);
     const __m512 dw = pair_halves(w0 + 128, w1 + 128);
     const __m512 mw = pair_halves(w0 + 144, w1 + 144);
     for (int r = 0; r < RB; ++r) {
@@ -973,7 +982,6 @@ __attribute__((target(STAGEDSPEC_W512))) void q8_pair_vnni512(const uint8_t* w0,
 template <int RB>
 __attribute__((target(STAGEDSPEC_W512))) void q4k_pair_vnni512(const uint8_t* w0, const uint8_t* w1, const RowsView& a,
                                                                float* out) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
   const uint8_t *base0 = w0, *base1 = w1;
   __m512 acc[RB];
@@ -987,19 +995,7 @@ __attribute__((target(STAGEDSPEC_W512))) void q4k_pair_vnni512(const uint8_t* w0
       const uint8_t* grp1 = w1 + 4 * kTile + j * kQ4KGroupBytes;
       prefetch_pair(base0, base1, grp0, grp1, kQ4KGroupBytes);
       __m512i isum[RB], isum2[RB];
-      for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm512_setzero_si512();
-      for (int v = 0; v < 4; ++v) {
-        const __m512i wv = pair_load(grp0 + 32 * v, grp1 + 32 * v);
-        const __m512i lo = _mm512_and_si512(wv, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-        for (int r = 0; r < RB; ++r) {
-          const int8_t* x = a.q + r * a.K + g * kGroup;
-          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4_512(x + 4 * v));
-          isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, broadcast4_512(x + 16 + 4 * v));
-        }
-        pin512<RB>(isum);
-        pin512<RB>(isum2);
-      }
+      nibble_sums512<RB>(grp0, grp1, a, g, isum, isum2);
       const __m512 sc = _mm512_cvtepi32_ps(pair_bytes<false>(grp0 + 128, grp1 + 128));
       const __m512 m = _mm512_cvtepi32_ps(pair_bytes<false>(grp0 + 136, grp1 + 136));
       const __m512 dw = _mm512_mul_ps(d, sc);
