@@ -42,6 +42,8 @@ from torch import Tensor
 from stagedspec.drafters.base import Drafter
 from stagedspec.errors import StagedSpecError
 from stagedspec.methods import METHODS
+from stagedspec.models.matmul_plan import OFF_ENV
+from stagedspec.runner import ModelOracle
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree
 
@@ -377,8 +379,6 @@ def _plain_matmuls() -> Iterator[None]:
     """Models loaded inside run every fp32 linear layer as `F.linear`, untimed (`models.matmul_plan`'s switch)."""
     import os
 
-    from stagedspec.models.matmul_plan import OFF_ENV
-
     before = os.environ.get(OFF_ENV)
     os.environ[OFF_ENV] = "off"
     try:
@@ -547,7 +547,6 @@ def _greedy_continuation(loaded: _Loaded, ids: list[int], n: int) -> list[int]:
 def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
     """Next-token logits after ids + continuation[:j] for j = 0..len(continuation) (one pass over the chain)."""
     from stagedspec.request import context_budget
-    from stagedspec.runner import ModelOracle
 
     oracle = ModelOracle(model, context_budget(model, len(ids), len(continuation) + 1, len(continuation) + 1))
     oracle.prefill(ids)
@@ -558,7 +557,6 @@ def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
 def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[int], continuation: list[int],
               sampling: SamplingParams, n: int) -> None:
     from stagedspec.request import context_budget
-    from stagedspec.runner import ModelOracle
     from stagedspec.models.draft_formats import truncated_copy
 
     label = _sampling_label(sampling)

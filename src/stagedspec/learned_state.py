@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stagedspec import costs
 from stagedspec.methods import METHODS
 from stagedspec.paths import learned_store, write_text_atomic
 
@@ -49,10 +50,8 @@ PASS_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 def auto_state_path(profile_key: str, method: str = "auto") -> Path:
     """Where `--method auto`'s learned state lives (or a measured method's: `METHOD-sizes`): beside the cost
     profile it was learned with."""
-    from stagedspec.costs import profile_path
-
     name = "auto" if METHODS[method].always_measured else f"{method}-sizes"
-    return profile_path(profile_key).with_name(f"{profile_key}.{name}.json")  # whatever the profile's version
+    return costs.profile_path(profile_key).with_name(f"{profile_key}.{name}.json")  # whatever the profile's version
 
 
 class LearnedState:

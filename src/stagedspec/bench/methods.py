@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from stagedspec.draft_weights import split_weights_suffix
 from stagedspec.errors import StagedSpecError
 from stagedspec.methods import METHODS
 from stagedspec.models.transformer import Transformer
@@ -181,8 +182,6 @@ class BenchModels:
     def draft(self, spec: str, quant: str = "none", weights: str | None = None) -> Transformer:
         """The draft `spec`; for a quantised oracle, on top of it.  Its weight format is `weights`, a
         `SPEC@FORMAT` suffix, or the run's `--draft-weights` (as `Pipeline` picks it)."""
-        from stagedspec.draft_weights import split_weights_suffix
-
         base, own = split_weights_suffix(spec)
         fmt = weights or own or self.draft_weights
         key = f"{base}|{fmt}|{quant}"

@@ -46,7 +46,10 @@ from stagedspec.bench.methods import (
     split_quant,
     transformers_method,
 )
+from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_threads_arg, non_negative_int,
+                                 pass_options_from, positive_int)
 from stagedspec.errors import StagedSpecError
+from stagedspec.hardware import KERNEL_FLAGS, cpu_flags
 from stagedspec.methods import METHODS
 from stagedspec.pass_options import PassOptions
 from stagedspec.sampling import SamplingParams
@@ -152,8 +155,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _cpu_flags() -> str:
     """The vector-ISA flags of this CPU, as lscpu names them (every figure is named with them)."""
-    from stagedspec.hardware import KERNEL_FLAGS, cpu_flags
-
     return " ".join(f for f in KERNEL_FLAGS if f in cpu_flags()) or "none of " + " ".join(KERNEL_FLAGS)
 
 
@@ -583,9 +584,6 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", default="default", type=_none_or, metavar="SPEC",
                    help="draft for chain/tree/staged/hf-assisted: 'default' (bundled distilled draft), a draft "
                         "folder, an HF folder, a .gguf, layers:N, or none")
-    from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_threads_arg, non_negative_int,
-                                     positive_int)
-
     add_model_args(p)  # --oracle, --dtype, --device, --cuda-graphs, --compile, --static-passes
     add_draft_weights_arg(p)
     add_threads_arg(p)
@@ -623,8 +621,6 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    from stagedspec.cli.args import pass_options_from
-
     common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, ngram=args.ngram,
                   prompts=args.prompts,
                   prompt_offset=args.prompt_offset, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from stagedspec.bench.prompts import chat_instruction, load_prompts
 from stagedspec.errors import StagedSpecError
 
 
@@ -85,8 +86,6 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def read_prompts(files: list[str] | None) -> list[str]:
-    from stagedspec.bench.prompts import load_prompts
-
     prompts: list[str] = []
     for source in files or ["humaneval"]:
         prompts.extend(load_prompts(source, None))
@@ -96,8 +95,6 @@ def read_prompts(files: list[str] | None) -> list[str]:
 
 
 async def _one(client: Any, model: str, prompt: str, args: argparse.Namespace, method: str | None) -> RequestResult:
-    from stagedspec.bench.prompts import chat_instruction
-
     extra = {"speculation": {"method": method}} if method else {}
     t0 = time.perf_counter()
     first: float | None = None

@@ -36,8 +36,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from stagedspec.cli.args import add_renamed_size_flags, int_at_least, pass_options_from, take_renamed_size_flags
+from stagedspec.cli.args import (add_draft_weights_arg, add_renamed_size_flags, add_static_passes_arg, int_at_least,
+                                 pass_options_from, take_renamed_size_flags)
+from stagedspec.drafters.model import GROWTHS
 from stagedspec.errors import StagedSpecError
+from stagedspec.sampling import SamplingParams
 
 # Targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
 # draft's cost per token against the oracle's, and the mean accepted length of a budget-16 tree (in decoding and
@@ -197,22 +200,16 @@ def add_commands(subparsers: Any) -> None:
     e.add_argument("--tree-depth", type=int_at_least(1), default=6, metavar="D")
     e.add_argument("--tree-branching", type=int_at_least(1), default=None, metavar="B", help="(default 4)")
     add_renamed_size_flags(e)
-    from stagedspec.drafters.model import GROWTHS
-
     e.add_argument("--tree-growth", choices=GROWTHS, default="auto",
                    help="how the draft grows its trees, as in decoding: best-first on the host, or level by level "
                         "(EAGLE-2's, one draft pass per level; needs static passes: CUDA, or --static-passes); "
                         "auto (default): what `tree` decodes with on this device (levels on CUDA)")
-    from stagedspec.cli.args import add_static_passes_arg
-
     add_static_passes_arg(e)  # needed for --tree-growth levels on a CPU
     e.add_argument("--every-position", action=argparse.BooleanOptionalAction, default=True,
                    help="also grow the draft's tree after every prefix of the oracle's replies and report its "
                         "mean accepted length there: the same positions for every draft, far more trees "
                         "(default: on)")
     e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
-    from stagedspec.cli.args import add_draft_weights_arg
-
     add_draft_weights_arg(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
     e.add_argument("--threads", type=int_at_least(1), default=None, metavar="N")
     e.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda (default: cpu)")
@@ -572,7 +569,6 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
 
     from stagedspec.training.distill import depth_reach, eval_draft
     from stagedspec.pipeline import SpeculationConfig
-    from stagedspec.sampling import SamplingParams
 
     with torch.inference_mode():
         report: dict[str, Any] = eval_draft(pipe.model, model, streams, args.tokens, timing_dtype=torch.bfloat16,

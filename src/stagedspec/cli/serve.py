@@ -13,14 +13,12 @@ import socket
 import sys
 from typing import Any
 
-from stagedspec.cli.args import add_quant_arg, add_threads_arg
+from stagedspec.cli.args import (add_model_args, add_quant_arg, add_speculation_args, add_threads_arg,
+                                 pass_options_from, positive_int, speculation_from)
 from stagedspec.errors import StagedSpecError
 
 
 def add_commands(sub: Any) -> None:
-    from stagedspec.cli.args import add_model_args, add_speculation_args
-    from stagedspec.cli.args import positive_int
-
     def _positive_float(text: str) -> float:
         try:
             value = float(text)
@@ -115,7 +113,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'stagedspec[serve]'") from None
-    from stagedspec.cli.args import pass_options_from, speculation_from
     from stagedspec.heap import freeze_loaded
     from stagedspec.server.engine import Engine, parse_size
 
