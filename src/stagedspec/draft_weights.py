@@ -132,6 +132,7 @@ def choose_draft_weights(
     `MEASURED_ROWS`); `cache_file` keeps auto's measured choices (default:
     under the cost-profile folder).
     """
+    # deferred: the CLI's parser loads this module (DRAFT_WEIGHTS); feature_draft loads when a draft is chosen
     from stagedspec.models.feature_draft import is_feature_draft
 
     if weights == "mixed":
@@ -173,6 +174,7 @@ def _mark(draft: Transformer, fmt: str, reason: str) -> Transformer:
 
 
 def _default_measure(model: Transformer) -> dict[int, float]:
+    # deferred: the CLI's parser loads this module (DRAFT_WEIGHTS); profiling loads only to time a draft
     from stagedspec.profiling import forward_cost_curve
 
     return forward_cost_curve(model, sizes=MEASURED_ROWS, context=256, repeats=7, fixed_width=False)
@@ -183,6 +185,7 @@ def _cache_file() -> Path:
 
 
 def _cache_key(draft: Transformer) -> str:
+    # deferred: the CLI's parser loads this module (DRAFT_WEIGHTS); profiling loads only to time a draft
     from stagedspec.profiling import model_fingerprint
 
     return f"{model_fingerprint(draft)}|{hardware.fingerprint('cpu')}"

@@ -70,6 +70,7 @@ class LearnedState:
         rather than assumed."""
         cached = self._pass_seconds
         if cached is None or max(cached) < max_rows:
+            # deferred: profiling imports torch, which reading and writing the learned state does not need
             from stagedspec.profiling import forward_cost_curve
 
             sizes = sorted({r for r in PASS_ROWS if r < max_rows} | {max_rows})
@@ -84,6 +85,7 @@ class LearnedState:
         started from what an earlier process learned with that profile, if it saved anything."""
         policy = self._policies.get(method)
         if policy is None:
+            # deferred: auto imports torch, which reading and writing the learned state does not need
             from stagedspec.auto import AutoPolicy
 
             policy = AutoPolicy(arms, profile())

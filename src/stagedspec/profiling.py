@@ -202,6 +202,7 @@ class OthersLoad:
     """CPUs' worth of other processes' work since construction (0.0 where `/proc/stat` is not readable)."""
 
     def __init__(self) -> None:
+        # deferred: looked up at each call, so a test's stand-in for threads.allowed_cpus/read_busy_seconds is used
         from stagedspec.threads import allowed_cpus, read_busy_seconds
 
         self._cpus, self._read = allowed_cpus(), read_busy_seconds

@@ -171,6 +171,7 @@ class SpeculationConfig:
     def max_tree_budget(self) -> int:
         """Most tree nodes the oracle may be asked to verify in one step."""
         if self.measured:  # the biggest arm the policy may run on any device
+            # deferred: the CLI's parser loads this module (its defaults); auto's arms load only for a measured method
             from stagedspec.auto import arms_for
 
             return max(arm.max_tree_budget for arm in arms_for(True, True, "cuda", sized_method(self.method)))

@@ -184,6 +184,7 @@ def environment() -> dict[str, Any]:
 
 # ====================================================================== setup
 def encode_prompts(cfg: BenchConfig, models: BenchModels) -> tuple[list[str], list[list[int]], bool]:
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.bench.prompts import chat_instruction, load_prompts
 
     raw = load_prompts(cfg.prompts, cfg.n_prompts, cfg.prompt_offset)
@@ -236,6 +237,7 @@ def build_methods(
 
 def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, methods: list[Method],
                  skipped: list[dict], notes: list[str]) -> None:
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.pipeline import SpeculationConfig, parse_stages
 
     names = expand_methods(cfg.methods)
@@ -285,6 +287,7 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
             elif name in TRANSFORMERS:
                 methods.append(transformers_method(models, name, draft))
             else:
+                # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
                 from stagedspec.bench.llamacpp import llamacpp_method
 
                 methods.append(llamacpp_method(models, name, max_context, own if own is not None else cfg.draft))
@@ -312,6 +315,7 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
 
 def lookup_costs(models: BenchModels, prompt_ids: Sequence[Sequence[int]], chain_length: int = 6) -> list[dict]:
     """Microseconds per proposed token of each n-gram drafter (and of prompt lookup) on the bench prompts."""
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.drafters.context import ContextDrafter
     from stagedspec.drafters.ngram import benchmark_lookup
 
@@ -359,6 +363,7 @@ def run_record(method: Method, outcome: Outcome, temperature: float, prompt_inde
 def measure(cfg: BenchConfig, methods: list[Method], prompt_ids: list[list[int]]) -> list[dict]:
     from tqdm import tqdm
 
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.heap import freeze_loaded
 
     warm_bar = tqdm(methods, desc="warm-up", unit="method", disable=not cfg.progress, leave=False)
@@ -509,6 +514,7 @@ def standard_notes(cfg: BenchConfig, methods: list[Method], models: BenchModels,
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the whole benchmark; writes results.json, report.md and the plots into `cfg.out`."""
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.bench import report
 
     if cfg.max_new_tokens < 1 or cfg.n_prompts < 1:
@@ -637,6 +643,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.bench import report
 
     cfg = config_from_args(args)

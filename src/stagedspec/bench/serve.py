@@ -241,6 +241,7 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult] | SoakResult:
 
 def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, llama-server flags): plain decoding, and draft-model speculation with `--llamacpp-draft`."""
+    # deferred: imports torch, which the HTTP client runs without (only --llamacpp needs these)
     from stagedspec.bench.llamacpp import draft_model_flags
     from stagedspec.bench.methods import gguf_for
 
@@ -255,6 +256,7 @@ def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 def _threads(args: argparse.Namespace) -> int:
     """llama-server's thread count: `--llamacpp-threads`, else the CPUs this process may use (its affinity)."""
+    # deferred: threads imports torch, which the HTTP client runs without
     from stagedspec.threads import allowed_cpus
 
     return args.llamacpp_threads or len(allowed_cpus())
@@ -266,6 +268,7 @@ async def _llamacpp_levels(args: argparse.Namespace, prompts: list[str], levels:
     import httpx
     import openai
 
+    # deferred: imports torch, which the HTTP client runs without (only --llamacpp needs these)
     from stagedspec.bench.llamacpp import LlamaServer, bin_dir
     from stagedspec.bench.methods import MethodSkipped, gguf_for
 

@@ -205,6 +205,7 @@ def take_renamed_size_flags(args: argparse.Namespace) -> None:
 def speculation_from(args: argparse.Namespace):  # noqa: ANN201
     """(oracle spec, draft specs, SpeculationConfig) from the shared speculation flags."""
     take_renamed_size_flags(args)
+    # deferred: model_set loads the model loaders and tokenizers; building the parser needs neither
     from stagedspec.model_set import parse_stages
 
     oracle, drafts, ngram, context = args.oracle, [args.draft] if args.draft else [], args.ngram, not args.no_context

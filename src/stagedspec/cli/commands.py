@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "auto's learned state, matmul plans, draft weight formats), then measure again")
     tune.set_defaults(func=cmd_tune)
 
+    # deferred: a cycle through stagedspec.cli's __init__ (bench.run imports cli.args at its top)
     from stagedspec.bench.run import add_bench_command
 
     add_bench_command(sub)
@@ -132,6 +133,7 @@ def show_stages(tokenizer, token_ids: list[int], origins: list[str]) -> str:  # 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.exactness import greedy_note
     from stagedspec.pipeline import Pipeline, dtype_name
     from stagedspec.request_plan import check_options
@@ -183,6 +185,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_ngram_build(args: argparse.Namespace) -> int:
     import time
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.drafters.ngram_files import build_ngram, stdlib_source_files, token_streams_from_files
     from stagedspec.models.loading import load_model
 
@@ -207,12 +210,14 @@ def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: flo
     """
     from tqdm import tqdm
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.request import generate_ar
     from stagedspec.pipeline import load_draft_model
 
     model = oracle if spec == "oracle" else load_draft_model(spec, oracle, tokenizer, oracle.embed.weight.dtype,
                                                              str(oracle.embed.weight.device))
     try:
+        # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
         from stagedspec.training.distill import stdlib_prompts
 
         prompts = stdlib_prompts(256, seed=0)
@@ -233,6 +238,7 @@ def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: flo
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.costs import profile_path
     from stagedspec.learned_state import forget_everything, learned_store
     from stagedspec.models.draft import ORACLES_WITH_DRAFTS
@@ -287,12 +293,14 @@ def _print_kernel_plan(model) -> None:  # noqa: ANN001 - a Transformer
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.bench.engine import run_engine_bench
 
     run_engine_bench(oracle=args.oracle, dtypes=args.dtypes.split(","), device=args.device,
                      n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
                      with_transformers=not args.no_transformers, pass_options=pass_options_from(args))
     if args.tree_cost:
+        # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
         from stagedspec.bench.tree_cost import forward_cost_curve, print_cost_curve
         from stagedspec.models.loading import load_model
         from stagedspec.pipeline import parse_weights

@@ -250,6 +250,7 @@ def documented_functions(source: str) -> list[tuple[str, str]]:
 
 
 def chat_instruction(code: str) -> str:
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.bench.prompts import chat_instruction as bench_instruction
 
     return bench_instruction(code)
@@ -293,6 +294,7 @@ def cached_oracle_samples(oracle: Any, tokenizer: Any, requests: Sequence[str], 
     older whole-list cache (`legacy`, by default `oracle_samples.json` beside
     `cache`) is imported when it was made for exactly these requests.
     """
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.training.distill import oracle_samples
     from stagedspec.training.reply_cache import ReplyCache, legacy_streams
 
@@ -339,6 +341,7 @@ def request_files(paths: Sequence[str]) -> list[Path]:
     beyond the stdlib's few thousand; their order is fixed so a seed picks
     the same requests on every machine with the same packages.
     """
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.training.distill import check_no_human_eval
 
     out: list[Path] = []
@@ -372,6 +375,7 @@ def _check_files(paths: Sequence[str]) -> list[Path]:
 def cmd_distill(args: argparse.Namespace) -> int:
     import torch
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.training.chat_requests import general_requests
     from stagedspec.training.distill import (
         DistillConfig,
@@ -509,6 +513,7 @@ def draft_specs(values: Sequence[str]) -> list[str]:
 def cmd_eval_draft(args: argparse.Namespace) -> int:
     import torch
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.bench.prompts import load_prompts
     from stagedspec.training.distill import decode_step_seconds, oracle_greedy_continuations
     from stagedspec.pipeline import Pipeline, SpeculationConfig, check_device, load_draft_model
@@ -567,6 +572,7 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
     """One draft's report: agreement (overall and by reply position), accepted lengths per depth, speed, cost."""
     import torch
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.training.distill import depth_reach, eval_draft
     from stagedspec.pipeline import SpeculationConfig
 
@@ -574,6 +580,7 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
         report: dict[str, Any] = eval_draft(pipe.model, model, streams, args.tokens, timing_dtype=torch.bfloat16,
                                             continuations=continuations, oracle_seconds=oracle_s)
     if args.every_position:
+        # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
         from stagedspec.tree_acceptance import tree_acceptance_everywhere
 
         everywhere = tree_acceptance_everywhere(model, streams, continuations, tree_budget=args.tree_budget,
@@ -716,6 +723,7 @@ def _saved_layers(init_from: str | None) -> int | None:
     distillation's own checks then name the problem)."""
     if not init_from:
         return None
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.models.draft import default_draft_dir, read_draft_config
 
     try:

@@ -108,11 +108,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        # deferred: optional dependency (the server needs fastapi and uvicorn), loaded only when serve runs
         from stagedspec.server.app import create_app
         from stagedspec.server.guard import startup_warning
     except ImportError as e:
         raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'stagedspec[serve]'") from None
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.heap import freeze_loaded
     from stagedspec.server.engine import Engine, parse_size
 
@@ -160,6 +162,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise StagedSpecError(f"stagedspec bench-serve needs the openai client and httpx ({e.name} is missing): "
                               "pip install -e '.[bench]'") from None
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.bench.serve import run_bench_serve
 
     return run_bench_serve(args)
