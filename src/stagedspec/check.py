@@ -42,6 +42,8 @@ from torch import Tensor
 from stagedspec.drafters.base import Drafter
 from stagedspec.errors import StagedSpecError
 from stagedspec.methods import METHODS
+from stagedspec.models.matmul_plan import OFF_ENV
+from stagedspec.runner import ModelOracle
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from stagedspec.tree import TokenTree
 
@@ -179,6 +181,7 @@ def wrong_q_distribution(p: Tensor, tokens: Sequence[int], q: Tensor) -> Tensor:
     Mirrors `sampled_node_rule` applied to fixed proposals: accept x_i w.p. min(1, r(x)/q_i(x)), else
     r <- residual(r, q_i), q_{i+1} = q_i without x_i; finally draw from r.
     """
+    # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
     from stagedspec.verification import residual
 
     r, qq = p.double(), q.double() / q.double().sum()
@@ -290,6 +293,7 @@ class _ControlDrafter(Drafter):
 
 def wrong_q_verifier(tree: TokenTree, logits: Tensor, sampling: SamplingParams, generator: Any) -> Any:
     """NEGATIVE CONTROL: a deterministic tree verified with min(1, p/q) as if its children were draws from q."""
+    # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
     from stagedspec.verification import verify
 
     return verify(dataclasses.replace(tree, sampled=True), logits, sampling, generator)
@@ -297,6 +301,7 @@ def wrong_q_verifier(tree: TokenTree, logits: Tensor, sampling: SamplingParams, 
 
 def _real_verifier(tree: TokenTree, logits: Tensor, sampling: SamplingParams, generator: Any) -> Any:
     """The verifier every method uses (looked up at call time, as the loop does)."""
+    # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
     import stagedspec.generation as generation
 
     return generation.verify(tree, logits, sampling, generator)
@@ -339,6 +344,7 @@ class _Loaded:
 
     def __init__(self, cfg: CheckConfig, dtype: torch.dtype, quant: str, ngram: Any,
                  reference_only: bool = False) -> None:
+        # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
         from stagedspec.models.loading import load_model
         from stagedspec.pipeline import load_draft_model
 
@@ -352,6 +358,7 @@ class _Loaded:
     def pipeline(self, method: str, bit_exact: bool = False, every_arm: bool = False) -> Any:
         """A pipeline of `method` over these models.  `every_arm`: `auto` prices every pass as nearly free
         (`reference_profile`), so it runs each of its arms in turn, as it always does on reference-only models."""
+        # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
         from stagedspec.pipeline import Pipeline, SpeculationConfig
 
         spec = SpeculationConfig.tuned(method, self.quant, ngram="given" if self.ngram is not None else None)
@@ -360,6 +367,7 @@ class _Loaded:
         pipe.bit_exact = bit_exact
         profile = reference_profile() if every_arm else self.auto_profile
         if METHODS[method].always_measured and profile is not None:
+            # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
             from stagedspec.auto import AutoPolicy, arms_for
 
             arms = arms_for(self.ngram is not None or spec.context, bool(drafts), self.device, has_context=spec.context)
@@ -377,8 +385,6 @@ def _plain_matmuls() -> Iterator[None]:
     """Models loaded inside run every fp32 linear layer as `F.linear`, untimed (`models.matmul_plan`'s switch)."""
     import os
 
-    from stagedspec.models.matmul_plan import OFF_ENV
-
     before = os.environ.get(OFF_ENV)
     os.environ[OFF_ENV] = "off"
     try:
@@ -394,6 +400,7 @@ def reference_profile() -> Any:
     """Prices for `auto` on reference-only models: every pass nearly free, so it takes every arm (lookup,
     trees, staged) in turn by acceptance alone rather than settling on one; a hand-made profile is never
     saved, so nothing learned here reaches the user's cache."""
+    # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
     from stagedspec.costs import CostProfile
 
     return CostProfile(oracle={1: 0.01, 64: 0.01}, drafts=[{1: 1e-4, 8: 1e-4}])
@@ -411,6 +418,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 
 def run_check(cfg: CheckConfig, out: Callable[[str], None] = print) -> Report:
     """Run every part and return the report (the CLI prints its table)."""
+    # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
     from stagedspec.bench.prompts import chat_instruction, humaneval_prompts
     from stagedspec.pipeline import check_device, dtype_name, resolve_dtype
 
@@ -424,6 +432,7 @@ def run_check(cfg: CheckConfig, out: Callable[[str], None] = print) -> Report:
     fp32 = _Loaded(cfg, torch.float32, "none", None, reference_only=not serving_is_fp32)
     tok = fp32.tokenizer
     if cfg.ngram:
+        # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
         from stagedspec.drafters.ngram_files import load_ngram
 
         fp32.ngram = load_ngram(cfg.ngram, tok)
@@ -546,8 +555,8 @@ def _greedy_continuation(loaded: _Loaded, ids: list[int], n: int) -> list[int]:
 
 def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
     """Next-token logits after ids + continuation[:j] for j = 0..len(continuation) (one pass over the chain)."""
+    # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
     from stagedspec.request import context_budget
-    from stagedspec.runner import ModelOracle
 
     oracle = ModelOracle(model, context_budget(model, len(ids), len(continuation) + 1, len(continuation) + 1))
     oracle.prefill(ids)
@@ -557,8 +566,8 @@ def _rows_along(model: Any, ids: list[int], continuation: list[int]) -> Tensor:
 
 def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[int], continuation: list[int],
               sampling: SamplingParams, n: int) -> None:
+    # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
     from stagedspec.request import context_budget
-    from stagedspec.runner import ModelOracle
     from stagedspec.models.draft_formats import truncated_copy
 
     label = _sampling_label(sampling)
@@ -637,6 +646,7 @@ def _sampling(report: Report, loaded: _Loaded, cfg: CheckConfig, prompt: list[in
 def _draw_first_tokens(oracle: Any, drafter: Any, context: list[int], sampling: SamplingParams, n: int,
                        verifier: Callable) -> tuple[Counter, TokenTree | None]:
     """The first emitted token of one step of the real loop, for seeds 0..n-1."""
+    # deferred: the CLI's parser loads this module (cli.check); a check's stack loads when it runs
     from stagedspec.generation import iter_steps
 
     counts: Counter = Counter()

@@ -35,6 +35,8 @@ from torch import nn
 from stagedspec import hardware, measured_cache
 from stagedspec.errors import StagedSpecError
 from stagedspec.kernels.native import native_kernels
+from stagedspec.models.matmul_plan import plan_matmuls
+from stagedspec.models.quant import Int8Linear, RowSwitchLinear, quantize_draft, swap_layers
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import learned_store
 
@@ -83,8 +85,6 @@ def to_int8(draft: Transformer, oracle: Transformer, max_rows: int | None = None
     model) gets an int8 copy of it too; a head shared with a bf16 oracle
     stays the oracle's.
     """
-    from stagedspec.models.quant import Int8Linear, RowSwitchLinear, quantize_draft, swap_layers
-
     if max_rows is None:
         quantize_draft(draft, oracle)
         if draft.head_q is None and draft.head_weight is not oracle.head_weight:
@@ -132,6 +132,7 @@ def choose_draft_weights(
     `MEASURED_ROWS`); `cache_file` keeps auto's measured choices (default:
     under the cost-profile folder).
     """
+    # deferred: the CLI's parser loads this module (DRAFT_WEIGHTS); feature_draft loads when a draft is chosen
     from stagedspec.models.feature_draft import is_feature_draft
 
     if weights == "mixed":
@@ -153,8 +154,6 @@ def choose_draft_weights(
         why = "asked for" if weights == "int8" else "the oracle is quantised"
         return _mark(to_int8(draft, oracle), "int8", why)
     if weights == "native":  # under a quantised oracle its fp32 kernels are not timed yet (`pipeline._load_draft`)
-        from stagedspec.models.matmul_plan import plan_matmuls
-
         return _mark(plan_matmuls(draft), "native", "asked for")
     # auto on an unquantised oracle: int8 needs a bf16 CPU pass and a draft of its own layers
     if not device.startswith("cpu") or dtype != torch.bfloat16:
@@ -175,6 +174,7 @@ def _mark(draft: Transformer, fmt: str, reason: str) -> Transformer:
 
 
 def _default_measure(model: Transformer) -> dict[int, float]:
+    # deferred: the CLI's parser loads this module (DRAFT_WEIGHTS); profiling loads only to time a draft
     from stagedspec.profiling import forward_cost_curve
 
     return forward_cost_curve(model, sizes=MEASURED_ROWS, context=256, repeats=7, fixed_width=False)
@@ -185,6 +185,7 @@ def _cache_file() -> Path:
 
 
 def _cache_key(draft: Transformer) -> str:
+    # deferred: the CLI's parser loads this module (DRAFT_WEIGHTS); profiling loads only to time a draft
     from stagedspec.profiling import model_fingerprint
 
     return f"{model_fingerprint(draft)}|{hardware.fingerprint('cpu')}"

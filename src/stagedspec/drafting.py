@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from stagedspec.auto import STAGE_SIZES, AutoDrafter, lookup_horizon, staged_lookup_length, tree_depth_for
+from stagedspec.budget import AdaptiveBudget
+from stagedspec.constraints.processor import ConstrainedOracle, LogitsProcessor
 from stagedspec.drafters.base import Drafter
+from stagedspec.drafters.feature import FeatureDrafter, FeatureStage
 from stagedspec.drafters.lookup import LookupDrafter
+from stagedspec.drafters.merged import MergedDrafter
+from stagedspec.drafters.model import ModelDrafter
 from stagedspec.errors import StagedSpecError
 from stagedspec.generation import NoDrafter
 from stagedspec.methods import method_named
@@ -20,10 +26,10 @@ from stagedspec.models.feature_draft import is_feature_draft
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import ModelOracle, RequestPasses, draft_cache_len
 from stagedspec.speculation import SpeculationConfig
+from stagedspec.stages import StageDrafter
 
 if TYPE_CHECKING:
     from stagedspec.auto.policy import AutoPolicy
-    from stagedspec.constraints.processor import LogitsProcessor
     from stagedspec.drafters.ngram import NgramModel
     from stagedspec.oracle import Oracle
 
@@ -45,19 +51,13 @@ class DraftParts:
 def tree_drafter(model: Transformer, **kwargs: Any) -> Drafter:
     """The tree/chain drafter for `model`: a `FeatureDrafter` for a feature draft, else a `ModelDrafter`."""
     if is_feature_draft(model):
-        from stagedspec.drafters.feature import FeatureDrafter
-
         return FeatureDrafter(model, **kwargs)
-    from stagedspec.drafters.model import ModelDrafter
-
     return ModelDrafter(model, **kwargs)
 
 
 def stage_chain(parts: DraftParts, below: Drafter, chain_length: int) -> Drafter:
     """The draft models as stages, top one first, each decoding speculatively against the one below (each
     stage's rows biased and masked by the request's processor, as the oracle's are)."""
-    from stagedspec.stages import StageDrafter
-
     s, models = parts.speculation, parts.draft_models
     cache_len = draft_cache_len(parts.max_len, s.max_tree_budget)
     n = len(models)
@@ -66,15 +66,11 @@ def stage_chain(parts: DraftParts, below: Drafter, chain_length: int) -> Drafter
         if is_feature_draft(models[i]):
             if i != 0:  # only the oracle computes the features it reads
                 raise StagedSpecError("a feature draft can only be the top draft stage, right below the oracle")
-            from stagedspec.drafters.feature import FeatureStage
-
             stage: Oracle = FeatureStage(models[i], cache_len, parts.passes)
         else:
             # A draft stage's rounding need not match anything: it keeps the cheaper, filled-width attention.
             stage = ModelOracle(models[i], cache_len, fixed_width=False, passes=parts.passes)
         if parts.processor is not None:
-            from stagedspec.constraints.processor import ConstrainedOracle
-
             stage = ConstrainedOracle(stage, parts.processor)
         below = StageDrafter(stage, below, name=name, chain_length=chain_length, branching=s.stage_branching)
     return below
@@ -89,8 +85,6 @@ def fixed_drafter(parts: DraftParts) -> Drafter:
     if m.drafts == "one":
         adaptive = None
         if s.method == "tree" and s.adaptive_budget:
-            from stagedspec.budget import AdaptiveBudget
-
             assert parts.pass_seconds is not None, "an adaptive tree budget needs the oracle's pass prices"
             adaptive = AdaptiveBudget(parts.pass_seconds(s.tree_budget + 1))
         return tree_drafter(parts.draft_models[0], method=s.method, tree_budget=s.tree_budget,
@@ -102,8 +96,6 @@ def fixed_drafter(parts: DraftParts) -> Drafter:
         return below
     below = stage_chain(parts, below, s.stage_length)
     if s.oracle_lookup and s.context:
-        from stagedspec.drafters.merged import MergedDrafter
-
         below = MergedDrafter(below, LookupDrafter(None, True, chain_length=s.merged_lookup_length,
                                                    processor=processor))
     return below
@@ -112,8 +104,6 @@ def fixed_drafter(parts: DraftParts) -> Drafter:
 def measured_drafter(parts: DraftParts, policy: AutoPolicy) -> Drafter:
     """Every arm's drafter for `--method auto` or a measured method, sized per step by `policy` (see
     `stagedspec.auto`)."""
-    from stagedspec.auto import STAGE_SIZES, AutoDrafter, lookup_horizon, staged_lookup_length, tree_depth_for
-
     s, processor = parts.speculation, parts.processor
     has_lookup = parts.ngram is not None or s.context
     lookup = (LookupDrafter(parts.ngram, s.context, chain_length=lookup_horizon(policy.arms), processor=processor)
@@ -145,8 +135,6 @@ def measured_drafter(parts: DraftParts, policy: AutoPolicy) -> Drafter:
         staged: Drafter = top
         merged_lookup = None
         if s.context:
-            from stagedspec.drafters.merged import MergedDrafter
-
             merged_lookup = LookupDrafter(None, True, processor=processor,
                                           chain_length=max(staged_lookup_length(a) for a in stage_arms))
             staged = MergedDrafter(top, merged_lookup)

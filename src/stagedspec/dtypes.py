@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from stagedspec.errors import StagedSpecError
+from stagedspec.hardware import auto_dtype
+from stagedspec.kernels.native import native_kernels
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
@@ -29,12 +31,8 @@ def resolve_dtype(name: str, device: str, quant: str = "none") -> tuple[torch.dt
     if name != "auto":
         return parse_dtype(name), "as asked"
     if quant != "none":
-        from stagedspec.kernels.native import native_kernels
-
         if native_kernels() is None:
             return torch.bfloat16, f"--quant {quant} on PyTorch's kernels computes in bf16"
-    from stagedspec.hardware import auto_dtype
-
     chosen, why = auto_dtype(device)
     return DTYPES[chosen], why
 

@@ -18,6 +18,7 @@ import sys
 import torch
 from torch import nn
 
+from stagedspec.hardware import AMX_ISA_CAP, amx_rounds_by_rows
 from stagedspec.models.quant import row_exact
 
 
@@ -61,8 +62,6 @@ def greedy_note(model: nn.Module, bit_exact: bool) -> str | None:
 
 def warn_amx_bit_exact() -> None:
     """`bit_exact` cannot hold on AMX kernels: say so (the CLI caps the ISA at start-up instead)."""
-    from stagedspec.hardware import AMX_ISA_CAP, amx_rounds_by_rows
-
     if amx_rounds_by_rows():
         print(f"stagedspec: warning: bit_exact on an AMX CPU is not bit-identical unless the process starts "
               f"with ONEDNN_MAX_CPU_ISA={AMX_ISA_CAP} (the CLI's --bit-exact sets it)", file=sys.stderr)

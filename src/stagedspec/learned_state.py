@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stagedspec import costs
 from stagedspec.methods import METHODS
 from stagedspec.paths import learned_store, write_text_atomic
 
@@ -49,10 +50,8 @@ PASS_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 def auto_state_path(profile_key: str, method: str = "auto") -> Path:
     """Where `--method auto`'s learned state lives (or a measured method's: `METHOD-sizes`): beside the cost
     profile it was learned with."""
-    from stagedspec.costs import profile_path
-
     name = "auto" if METHODS[method].always_measured else f"{method}-sizes"
-    return profile_path(profile_key).with_name(f"{profile_key}.{name}.json")  # whatever the profile's version
+    return costs.profile_path(profile_key).with_name(f"{profile_key}.{name}.json")  # whatever the profile's version
 
 
 class LearnedState:
@@ -71,6 +70,7 @@ class LearnedState:
         rather than assumed."""
         cached = self._pass_seconds
         if cached is None or max(cached) < max_rows:
+            # deferred: profiling imports torch, which reading and writing the learned state does not need
             from stagedspec.profiling import forward_cost_curve
 
             sizes = sorted({r for r in PASS_ROWS if r < max_rows} | {max_rows})
@@ -85,6 +85,7 @@ class LearnedState:
         started from what an earlier process learned with that profile, if it saved anything."""
         policy = self._policies.get(method)
         if policy is None:
+            # deferred: auto imports torch, which reading and writing the learned state does not need
             from stagedspec.auto import AutoPolicy
 
             policy = AutoPolicy(arms, profile())

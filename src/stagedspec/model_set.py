@@ -13,10 +13,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from stagedspec.draft_weights import choose_draft_weights, split_weights_suffix
+from stagedspec.drafters.ngram_files import load_ngram
 from stagedspec.dtypes import resolve_dtype
 from stagedspec.errors import StagedSpecError
 from stagedspec.methods import method_named
+from stagedspec.models.draft import bundled_draft_for
 from stagedspec.models.draft_formats import DraftSource, draft_format, load_draft_spec
+from stagedspec.models.feature_draft import is_feature_draft
+from stagedspec.models.loading import load_model
+from stagedspec.models.named import paired_draft
+from stagedspec.models.quant import resolve_quant
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions, PassRuntime
 from stagedspec.tokenizer import tokenizer_fingerprint
@@ -44,10 +51,6 @@ class ModelSet:
 
         `quant` ("auto" as the CLI takes it, "int4", "int8", "mixed", "none") is resolved here once; `dtype`
         "auto" asks the hardware (`dtypes.resolve_dtype`); drafts run with the oracle's pass options."""
-        from stagedspec.models.feature_draft import is_feature_draft
-        from stagedspec.models.loading import load_model
-        from stagedspec.models.quant import resolve_quant
-
         device = check_device(device)
         quant = resolve_quant(quant, oracle, device)
         torch_dtype, dtype_reason = resolve_dtype(dtype, device, quant)
@@ -60,8 +63,6 @@ class ModelSet:
         m = method_named(method)
         loaded_ngram = None
         if m.bottom and ngram is not None:
-            from stagedspec.drafters.ngram_files import load_ngram
-
             loaded_ngram = load_ngram(ngram, tokenizer)
         m.check_bottom(loaded_ngram is not None, context)
         return cls(model, tokenizer, tuple(draft_models), loaded_ngram, device, torch_dtype, dtype_reason, quant)
@@ -120,8 +121,6 @@ def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: to
     `weights` (--draft-weights, or a `SPEC@FORMAT` suffix) picks the draft's weight format: "native" (the
     pipeline's dtype), "int8", or "auto": int8 for a quantised oracle, and on a bf16 CPU oracle whichever this
     machine runs faster, measured once and cached (`stagedspec.draft_weights`).  The output never depends on it."""
-    from stagedspec.draft_weights import choose_draft_weights, split_weights_suffix
-
     spec, own = split_weights_suffix(spec)
     weights = own or weights
     return choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights,
@@ -132,8 +131,6 @@ def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch
                   device: str) -> Callable[[], Transformer] | None:
     """A loader of the draft `spec` in its quantised GGUF's own formats (`--quant mixed`), or None where its
     source is not one (a distilled draft, `layers:N`, an HF folder, a float GGUF)."""
-    from stagedspec.models.quant import resolve_quant
-
     if draft_format(spec).name != "checkpoint":
         return None
     try:
@@ -163,9 +160,6 @@ def draft_specs(method: str, draft: str | Sequence[str] | None, oracle: str, tok
     if not m.uses_drafts:
         return []
     if m.drafts == "any" and not drafts:
-        from stagedspec.models.draft import bundled_draft_for
-        from stagedspec.models.named import paired_draft
-
         pair = paired_draft(oracle) if isinstance(oracle, str) else None
         bundled = bundled_draft_for(tokenizer_fingerprint(tokenizer), hidden_size) is not None
         drafts = ["default"] if bundled else [pair] if pair else []

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from stagedspec.auto import AutoPolicy, arms_for
 from stagedspec.auto.drafter import AutoDrafter
+from stagedspec.constraints.grammar import GrammarCompiler
 from stagedspec.drafting import DraftParts, fixed_drafter, measured_drafter
 from stagedspec.exactness import default_bit_exact, warn_amx_bit_exact
 from stagedspec.dtypes import DTYPES, dtype_name, parse_dtype, parse_weights, resolve_dtype  # noqa: F401 - re-exported
@@ -24,8 +26,10 @@ from stagedspec.model_set import (  # noqa: F401 - re-exported: the library's na
     load_draft_model,
     parse_stages,
 )
+from stagedspec.models.quant import describe_weights
 from stagedspec.models.transformer import Transformer
 from stagedspec.pass_options import PassOptions
+from stagedspec.profiling import load_or_measure
 from stagedspec.runner import RequestPasses
 from stagedspec.request_plan import plan_constraints, plan_request
 from stagedspec.request import context_budget, stage_report, start_request  # noqa: F401 - stage_report re-exported
@@ -39,10 +43,9 @@ from stagedspec.speculation import (  # noqa: F401 - re-exported: the library's 
     choose_sizing,
     sized_method,
 )
+from stagedspec.threads import ThreadGovernor, governor_for
 
 if TYPE_CHECKING:
-    from stagedspec.constraints.grammar import GrammarCompiler
-    from stagedspec.threads import ThreadGovernor
     from stagedspec.constraints.processor import LogitControls, LogitsProcessor
 
 class Pipeline:
@@ -100,8 +103,6 @@ class Pipeline:
     @property
     def weights_description(self) -> str:
         """The oracle's weight formats and the kernel running them (`--json` stats, `tune`)."""
-        from stagedspec.models.quant import describe_weights
-
         return describe_weights(self.model)
 
     @classmethod
@@ -148,8 +149,6 @@ class Pipeline:
 
     def cost_profile(self, remeasure: bool = False, quiet: bool = False):  # noqa: ANN201 - costs.CostProfile
         """This machine's pass costs for these models (cached on disk; measured at first use)."""
-        from stagedspec.profiling import load_or_measure
-
         return load_or_measure(self.model, self.draft_models, self.device, remeasure=remeasure, quiet=quiet)
 
     def auto_policy(self):  # noqa: ANN201 - auto.AutoPolicy
@@ -160,8 +159,6 @@ class Pipeline:
         """The policy that sizes a measured `method` (`SpeculationConfig.sizing`): `auto`'s, restricted to
         `ar` and that method's arms, with its own learned state; created at first use (`LearnedState.policy`),
         kept across requests."""
-        from stagedspec.auto import arms_for
-
         arms = arms_for(self.ngram is not None or self.speculation.context, bool(self.draft_models), self.device,
                         sized_method(method), has_context=self.speculation.context)
         return self.learned.policy(method, arms, self.cost_profile)
@@ -190,8 +187,6 @@ class Pipeline:
         # reproduces the output; otherwise the pipeline's policy, which learns across requests
         policy = self.sized_policy(self.speculation.method)
         if reproducible:
-            from stagedspec.auto import AutoPolicy
-
             kept = policy
             policy = AutoPolicy(policy.arms, policy.profile, learn_times=False)
             policy.step_observer = kept.step_observer
@@ -201,8 +196,6 @@ class Pipeline:
         """This pipeline's tokenizer as the grammar library sees it: built at the first grammar (about a
         second on a 49k vocabulary), then kept for every later request."""
         if self._grammar_compiler is None:
-            from stagedspec.constraints.grammar import GrammarCompiler
-
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
         return self._grammar_compiler
 
@@ -214,8 +207,6 @@ class Pipeline:
     def thread_governor(self) -> ThreadGovernor | None:
         """The thread count for a run (`stagedspec.threads.governor_for`): `threads` = N fixes it; "auto"
         follows the machine's load where the oracle's results cannot depend on it (kept across runs)."""
-        from stagedspec.threads import governor_for
-
         if self.threads != "auto" or self._governor is None:
             self._governor = governor_for(self.model, self.threads)
         return self._governor

@@ -20,10 +20,15 @@ import torch
 
 from stagedspec import costs, hardware
 from stagedspec.costs import CostProfile, VERIFY_ROWS, interpolate, monotone
+from stagedspec.drafters.model import ModelDrafter
+from stagedspec.models.ragged import Segment, forward_ragged
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import write_text_atomic
-from stagedspec.runner import StaticRunner, is_compiled, pass_mode, runner_capacity, wants_fixed_width
+from stagedspec.runner import ModelOracle, StaticRunner, is_compiled, pass_mode, runner_capacity, wants_fixed_width
+from stagedspec.sampling import SamplingParams
 from stagedspec.threads import SPARE_CPU
+from stagedspec.tree import TokenTree
+from stagedspec.verification import verify
 
 # Row counts measured on each kind of device (a GPU's curve stays flat much longer).  The larger ones are
 # the loads of the batched server's shared passes, where `auto` prices a request's rows by the curve's slope
@@ -121,8 +126,6 @@ def ragged_segment_cost(model: Transformer, context: int = 256, segments: int = 
     segment of all those rows (same rows, same cache length and key width), fastest of `repeats`, and
     returns the difference per extra segment (0 where ragged passes do not run: static passes, or an error).
     """
-    from stagedspec.models.ragged import Segment, forward_ragged
-
     if pass_mode(model) != "eager" or segments < 2:
         return 0.0
     device = model.embed.weight.device
@@ -199,6 +202,7 @@ class OthersLoad:
     """CPUs' worth of other processes' work since construction (0.0 where `/proc/stat` is not readable)."""
 
     def __init__(self) -> None:
+        # deferred: looked up at each call, so a test's stand-in for threads.allowed_cpus/read_busy_seconds is used
         from stagedspec.threads import allowed_cpus, read_busy_seconds
 
         self._cpus, self._read = allowed_cpus(), read_busy_seconds
@@ -250,11 +254,6 @@ def verify_step_overhead(oracle: Transformer, repeats: int = 5) -> dict[str, lis
     work at nothing
     (docs/measurements.md, "Verification host work as a step less the curve on an AVX2 EPYC").
     """
-    from stagedspec.runner import ModelOracle
-    from stagedspec.sampling import SamplingParams
-    from stagedspec.tree import TokenTree
-    from stagedspec.verification import verify
-
     g = torch.Generator().manual_seed(2)
     vocab = oracle.config.vocab_size
     steps = repeats + 1
@@ -294,9 +293,6 @@ def draft_pass_overhead(draft: Transformer, curve: Mapping[int, float], repeats:
     time, and subtracts the passes' cost from `curve`; the fastest of
     `repeats`.
     """
-    from stagedspec.drafters.model import ModelDrafter
-    from stagedspec.sampling import SamplingParams
-
     g = torch.Generator().manual_seed(1)
     vocab = draft.config.vocab_size
     out = {}

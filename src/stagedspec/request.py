@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from stagedspec.constraints.processor import ConstrainedOracle, LogitsProcessor
 from stagedspec.drafters.base import Drafter
 from stagedspec.generation import GenerationResult, GenerationStats, NoDrafter, iter_steps, speculative_generate
 from stagedspec.models.transformer import Transformer
@@ -28,7 +29,6 @@ from stagedspec.sampling import SamplingParams
 from stagedspec.stops import StopTextStream
 
 if TYPE_CHECKING:
-    from stagedspec.constraints.processor import LogitsProcessor
     from stagedspec.tokenizer import Tokenizer
 
 
@@ -112,8 +112,6 @@ def start_request(pipe: Models, plan: RequestPlan, max_len: int, *, processor: L
     built).  `passes`: where its passes go and the runners they lease; the caller releases them."""
     oracle: Oracle = ModelOracle(pipe.model, max_len, bit_exact=pipe.bit_exact, passes=passes)
     if processor is not None:  # rows biased and masked by their path, the drafts' as the oracle's
-        from stagedspec.constraints.processor import ConstrainedOracle
-
         oracle = ConstrainedOracle(oracle, processor, settles=True)
     drafter = pipe.drafter(max_len, reproducible=plan.seed is not None and not plan.sampling.greedy,
                            processor=processor, passes=passes)

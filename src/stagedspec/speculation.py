@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
+from stagedspec import hardware
+from stagedspec.drafters.model import GROWTHS
 from stagedspec.dtypes import resolve_dtype
 from stagedspec.errors import StagedSpecError
 from stagedspec.methods import METHODS, method_named
@@ -114,8 +116,6 @@ class SpeculationConfig:
                               1 if self.oracle_lookup_length is None else self.oracle_lookup_length)):
             if value < 1:
                 raise StagedSpecError(f"{label} must be >= 1, got {value}")
-        from stagedspec.drafters.model import GROWTHS
-
         if self.tree_growth not in GROWTHS:
             raise StagedSpecError(f"unknown --tree-growth {self.tree_growth!r}: use one of {', '.join(GROWTHS)}")
 
@@ -171,6 +171,7 @@ class SpeculationConfig:
     def max_tree_budget(self) -> int:
         """Most tree nodes the oracle may be asked to verify in one step."""
         if self.measured:  # the biggest arm the policy may run on any device
+            # deferred: the CLI's parser loads this module (its defaults); auto's arms load only for a measured method
             from stagedspec.auto import arms_for
 
             return max(arm.max_tree_budget for arm in arms_for(True, True, "cuda", sized_method(self.method)))
@@ -206,6 +207,4 @@ def _native_bf16_cpu(device: str, dtype: str | torch.dtype | None) -> bool:
         return False
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, "cpu")[0]
-    from stagedspec.hardware import cpu_has_native_bf16
-
-    return dtype == torch.bfloat16 and cpu_has_native_bf16()
+    return dtype == torch.bfloat16 and hardware.cpu_has_native_bf16()

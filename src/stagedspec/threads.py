@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from stagedspec.models.quant import kernel_name
+
 INTERVAL_SECONDS = 0.25  # how often the machine's load is read (each read is a few tens of microseconds)
 SPARE_CPU = 0.5  # a CPU counts as free when other processes use less than this share of it
 
@@ -138,8 +140,6 @@ def governor_for(model: torch.nn.Module, setting: str | int = "auto") -> ThreadG
     """The thread policy for a run of `model`: `setting` = N fixes N threads (None comes back); "auto" gives a
     `ThreadGovernor` capped at PyTorch's current count where the model's results cannot depend on the count
     (its layers on the native kernels), and leaves the count alone otherwise."""
-    from stagedspec.models.quant import kernel_name
-
     if setting != "auto":
         torch.set_num_threads(max(1, int(setting)))
         return None

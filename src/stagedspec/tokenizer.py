@@ -20,6 +20,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from stagedspec.errors import StagedSpecError, first_line
+from stagedspec.tokenizer_spm import build_spm_tokenizer
 
 IM_END = "<|im_end|>"
 END_OF_TURN = "<end_of_turn>"  # Gemma's end of a chat turn
@@ -147,8 +148,6 @@ class Tokenizer:
     @classmethod
     def _from_gguf_spm(cls, meta: "_GGUFMeta") -> "Tokenizer":
         """A SentencePiece-style GGUF vocabulary (tokens, scores, types; no merges)."""
-        from stagedspec.tokenizer_spm import build_spm_tokenizer
-
         tokens: list[str] = meta.require("tokenizer.ggml.tokens")
         backend = build_spm_tokenizer(
             tokens,

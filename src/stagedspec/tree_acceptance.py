@@ -22,6 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
+from stagedspec.drafters.model import ModelDrafter
+from stagedspec.models.feature_draft import is_feature_draft
 from stagedspec.models.transformer import Transformer
 from stagedspec.sampling import SamplingParams
 from stagedspec.tree import TokenTree
@@ -51,9 +53,6 @@ def tree_acceptance_everywhere(draft: Transformer, prompt_streams: Sequence[Sequ
     depth_reach[d - 1] is the share of trees whose accepted path reaches depth d; None for a
     feature draft, whose trees need the oracle's hidden states from a decoding run.
     """
-    from stagedspec.drafters.model import ModelDrafter
-    from stagedspec.models.feature_draft import is_feature_draft
-
     if is_feature_draft(draft):
         return None
     drafter = ModelDrafter(draft, tree_budget=tree_budget, max_depth=max_depth, branching=branching,

@@ -15,7 +15,11 @@ import torch
 
 from stagedspec.bench.prompts import chat_instruction, humaneval_prompts
 from stagedspec.errors import StagedSpecError
+from stagedspec.models.loading import load_model
+from stagedspec.models.specs import hf_folder_for
 from stagedspec.pass_options import PassOptions
+from stagedspec.pipeline import parse_weights
+from stagedspec.request import generate_ar
 
 
 def memory_copy_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -57,10 +61,6 @@ def run_engine_bench(
     with_transformers: bool = True,
     pass_options: PassOptions | None = None,
 ) -> dict:
-    from stagedspec.request import generate_ar
-    from stagedspec.models.loading import load_model
-    from stagedspec.pipeline import parse_weights
-
     prompts = [chat_instruction(p) for p in humaneval_prompts(n_prompts)]
     bandwidth = memory_copy_bandwidth()
     print(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
@@ -74,8 +74,6 @@ def run_engine_bench(
         ids_list = [tok.encode(tok.apply_chat_template(p)) for p in prompts]
         hf = None
         if with_transformers:
-            from stagedspec.models.specs import hf_folder_for
-
             hf = _transformers_generate(str(hf_folder_for(oracle)), dtype)  # unquantised bf16 for int4/int8
         ours, theirs = [], []
         generate_ar(model, ids_list[0], max_new_tokens=8)  # warm-up

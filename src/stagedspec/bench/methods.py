@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from stagedspec.draft_weights import split_weights_suffix
 from stagedspec.errors import StagedSpecError
 from stagedspec.methods import METHODS
 from stagedspec.models.transformer import Transformer
@@ -130,6 +131,7 @@ class BenchModels:
                  pass_options: PassOptions | None = None) -> None:
         """`pass_options`: how every model's passes run (the drafts run theirs as their oracle does; None: the
         environment's defaults)."""
+        # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
         from stagedspec.models.loading import load_model
         from stagedspec.pipeline import check_device, dtype_name, resolve_dtype
 
@@ -149,6 +151,7 @@ class BenchModels:
         self.bit_exact: bool | None = None  # our methods' `Pipeline.bit_exact` (`bench --bit-exact`; None: default)
 
     def same_oracle(self, spec: str) -> bool:
+        # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
         from stagedspec.models.specs import resolve_model_path
 
         return spec == self.oracle_spec or resolve_model_path(spec) == resolve_model_path(self.oracle_spec)
@@ -158,6 +161,7 @@ class BenchModels:
         if quant == "none":
             return self.oracle
         if quant not in self._quantised:
+            # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
             from stagedspec.models.loading import load_model
 
             mode, _, kernels = quant.partition("-")
@@ -181,12 +185,11 @@ class BenchModels:
     def draft(self, spec: str, quant: str = "none", weights: str | None = None) -> Transformer:
         """The draft `spec`; for a quantised oracle, on top of it.  Its weight format is `weights`, a
         `SPEC@FORMAT` suffix, or the run's `--draft-weights` (as `Pipeline` picks it)."""
-        from stagedspec.draft_weights import split_weights_suffix
-
         base, own = split_weights_suffix(spec)
         fmt = weights or own or self.draft_weights
         key = f"{base}|{fmt}|{quant}"
         if key not in self._drafts:
+            # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
             from stagedspec.pipeline import load_draft_model
 
             self._drafts[key] = load_draft_model(base, self.oracle_for(quant), self.tokenizer, self.dtype,
@@ -195,6 +198,7 @@ class BenchModels:
 
     def ngram(self, spec: str) -> Any:
         if spec not in self._ngrams:
+            # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
             from stagedspec.drafters.ngram_files import load_ngram
 
             self._ngrams[spec] = load_ngram(spec, self.tokenizer)
@@ -212,6 +216,7 @@ class BenchModels:
                 from transformers import AutoModelForCausalLM
             except ImportError:
                 raise MethodSkipped("transformers is not installed (pip install 'stagedspec[bench]')") from None
+            # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
             from stagedspec.models.specs import hf_folder_for
 
             transformers.logging.set_verbosity_error()
@@ -234,6 +239,7 @@ def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts
     """A `Pipeline` around already-loaded models, on the run's device and dtype: `Pipeline.drafter` and
     `Pipeline.generate` run unchanged, so the benchmark measures the same code path as `stagedspec generate`.
     """
+    # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
     from stagedspec.pipeline import Pipeline
 
     pipe = Pipeline(oracle, models.tokenizer, drafts, speculation, ngram, device=models.device, dtype=models.dtype)
@@ -244,6 +250,7 @@ def _pipeline(models: BenchModels, oracle: Transformer, speculation: Any, drafts
 
 def _measured_description(method: str, draft: str, context: bool, ngram_spec: str | None, device: str) -> str:
     """What a measured method (`SpeculationConfig.sizing`) runs on `device`: its arms, `ar` among them."""
+    # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
     from stagedspec.auto import STAGE_LONG_LOOKUP, STAGE_LOOKUP_EXTRA, arms_for
 
     sizes = "/".join(dict.fromkeys(str(a.size) for a in arms_for(True, True, device, method) if a.kind == method))
@@ -509,9 +516,11 @@ def hf_twin(draft: Transformer, oracle: Transformer, hf_oracle: nn.Module, spec:
 def gguf_for(oracle_spec: str) -> Path | None:
     """The GGUF llama.cpp should run for this oracle (the embedded default model's own GGUF), if any."""
     if oracle_spec == "default":
+        # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
         from stagedspec.models.default import default_gguf_path
 
         return default_gguf_path()
+    # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
     from stagedspec.models.named import PARTS_MODELS, parts_model_path
 
     if oracle_spec in PARTS_MODELS:
@@ -525,6 +534,7 @@ def gguf_weight_bytes(path: Path) -> int:
 
     The token embedding is counted only when it doubles as the output head
     (no separate `output.weight`), as for our own models."""
+    # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
     from stagedspec.models.gguf_file import read_tensor_table
 
     tensors = {t.name: t.n_bytes for t in read_tensor_table(path)}

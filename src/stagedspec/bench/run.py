@@ -46,7 +46,10 @@ from stagedspec.bench.methods import (
     split_quant,
     transformers_method,
 )
+from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_threads_arg, non_negative_int,
+                                 pass_options_from, positive_int)
 from stagedspec.errors import StagedSpecError
+from stagedspec.hardware import KERNEL_FLAGS, cpu_flags
 from stagedspec.methods import METHODS
 from stagedspec.pass_options import PassOptions
 from stagedspec.sampling import SamplingParams
@@ -152,8 +155,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _cpu_flags() -> str:
     """The vector-ISA flags of this CPU, as lscpu names them (every figure is named with them)."""
-    from stagedspec.hardware import KERNEL_FLAGS, cpu_flags
-
     return " ".join(f for f in KERNEL_FLAGS if f in cpu_flags()) or "none of " + " ".join(KERNEL_FLAGS)
 
 
@@ -183,6 +184,7 @@ def environment() -> dict[str, Any]:
 
 # ====================================================================== setup
 def encode_prompts(cfg: BenchConfig, models: BenchModels) -> tuple[list[str], list[list[int]], bool]:
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.bench.prompts import chat_instruction, load_prompts
 
     raw = load_prompts(cfg.prompts, cfg.n_prompts, cfg.prompt_offset)
@@ -235,6 +237,7 @@ def build_methods(
 
 def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, methods: list[Method],
                  skipped: list[dict], notes: list[str]) -> None:
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.pipeline import SpeculationConfig, parse_stages
 
     names = expand_methods(cfg.methods)
@@ -284,6 +287,7 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
             elif name in TRANSFORMERS:
                 methods.append(transformers_method(models, name, draft))
             else:
+                # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
                 from stagedspec.bench.llamacpp import llamacpp_method
 
                 methods.append(llamacpp_method(models, name, max_context, own if own is not None else cfg.draft))
@@ -311,6 +315,7 @@ def _add_methods(cfg: BenchConfig, models: BenchModels, max_context: int, method
 
 def lookup_costs(models: BenchModels, prompt_ids: Sequence[Sequence[int]], chain_length: int = 6) -> list[dict]:
     """Microseconds per proposed token of each n-gram drafter (and of prompt lookup) on the bench prompts."""
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.drafters.context import ContextDrafter
     from stagedspec.drafters.ngram import benchmark_lookup
 
@@ -358,6 +363,7 @@ def run_record(method: Method, outcome: Outcome, temperature: float, prompt_inde
 def measure(cfg: BenchConfig, methods: list[Method], prompt_ids: list[list[int]]) -> list[dict]:
     from tqdm import tqdm
 
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.heap import freeze_loaded
 
     warm_bar = tqdm(methods, desc="warm-up", unit="method", disable=not cfg.progress, leave=False)
@@ -508,6 +514,7 @@ def standard_notes(cfg: BenchConfig, methods: list[Method], models: BenchModels,
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the whole benchmark; writes results.json, report.md and the plots into `cfg.out`."""
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.bench import report
 
     if cfg.max_new_tokens < 1 or cfg.n_prompts < 1:
@@ -583,9 +590,6 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", default="default", type=_none_or, metavar="SPEC",
                    help="draft for chain/tree/staged/hf-assisted: 'default' (bundled distilled draft), a draft "
                         "folder, an HF folder, a .gguf, layers:N, or none")
-    from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_threads_arg, non_negative_int,
-                                     positive_int)
-
     add_model_args(p)  # --oracle, --dtype, --device, --cuda-graphs, --compile, --static-passes
     add_draft_weights_arg(p)
     add_threads_arg(p)
@@ -623,8 +627,6 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    from stagedspec.cli.args import pass_options_from
-
     common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, ngram=args.ngram,
                   prompts=args.prompts,
                   prompt_offset=args.prompt_offset, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,
@@ -641,6 +643,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    # deferred: the CLI's parser loads this module; the benchmark's stack loads when it runs
     from stagedspec.bench import report
 
     cfg = config_from_args(args)

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from stagedspec.bench.prompts import chat_instruction, load_prompts
 from stagedspec.errors import StagedSpecError
 
 
@@ -85,8 +86,6 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def read_prompts(files: list[str] | None) -> list[str]:
-    from stagedspec.bench.prompts import load_prompts
-
     prompts: list[str] = []
     for source in files or ["humaneval"]:
         prompts.extend(load_prompts(source, None))
@@ -96,8 +95,6 @@ def read_prompts(files: list[str] | None) -> list[str]:
 
 
 async def _one(client: Any, model: str, prompt: str, args: argparse.Namespace, method: str | None) -> RequestResult:
-    from stagedspec.bench.prompts import chat_instruction
-
     extra = {"speculation": {"method": method}} if method else {}
     t0 = time.perf_counter()
     first: float | None = None
@@ -244,6 +241,7 @@ async def _bench(args: argparse.Namespace) -> list[LevelResult] | SoakResult:
 
 def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, llama-server flags): plain decoding, and draft-model speculation with `--llamacpp-draft`."""
+    # deferred: imports torch, which the HTTP client runs without (only --llamacpp needs these)
     from stagedspec.bench.llamacpp import draft_model_flags
     from stagedspec.bench.methods import gguf_for
 
@@ -258,6 +256,7 @@ def _llamacpp_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 def _threads(args: argparse.Namespace) -> int:
     """llama-server's thread count: `--llamacpp-threads`, else the CPUs this process may use (its affinity)."""
+    # deferred: threads imports torch, which the HTTP client runs without
     from stagedspec.threads import allowed_cpus
 
     return args.llamacpp_threads or len(allowed_cpus())
@@ -269,6 +268,7 @@ async def _llamacpp_levels(args: argparse.Namespace, prompts: list[str], levels:
     import httpx
     import openai
 
+    # deferred: imports torch, which the HTTP client runs without (only --llamacpp needs these)
     from stagedspec.bench.llamacpp import LlamaServer, bin_dir
     from stagedspec.bench.methods import MethodSkipped, gguf_for
 

@@ -10,9 +10,13 @@ import argparse
 import dataclasses
 from typing import Callable
 
+from stagedspec.draft_weights import DRAFT_WEIGHTS
+from stagedspec.drafters.model import GROWTHS
 from stagedspec.methods import METHODS
 from stagedspec.models.quant import QUANT_CHOICES, resolve_quant
 from stagedspec.pass_options import PassOptions
+from stagedspec.speculation import (QUANTISED_DEFAULTS, RENAMED_SIZES, SIZINGS, SpeculationConfig, choose_sizing,
+                                    renamed_size_notice)
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:
@@ -105,8 +109,6 @@ def pass_options_from(args: argparse.Namespace) -> PassOptions:
 
 
 def add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
-    from stagedspec.draft_weights import DRAFT_WEIGHTS
-
     p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
                    help="draft model weights: native (the --dtype), int8 (CPU, bf16), mixed (a quantised GGUF "
                         "draft's own formats, CPU), or auto (default): with --quant, int8, or for a quantised GGUF "
@@ -116,11 +118,8 @@ def add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    from stagedspec.drafters.model import GROWTHS
-    from stagedspec.pipeline import QUANTISED_DEFAULTS as q
-    from stagedspec.pipeline import SIZINGS, SpeculationConfig
-
     d = SpeculationConfig()  # one source of defaults for the CLI, the bench and the library
+    q = QUANTISED_DEFAULTS
     p.add_argument("--draft", default=None, metavar="SPEC",
                    help="draft model: a distilled draft folder, an HF folder, a .gguf, or layers:N "
                         "(the oracle's first N layers)")
@@ -185,8 +184,6 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
 def add_renamed_size_flags(p: argparse.ArgumentParser) -> None:
     """The sizes' old flag names (`RENAMED_SIZES`), hidden; `take_renamed_size_flags` moves what they give to
     the new names."""
-    from stagedspec.speculation import RENAMED_SIZES
-
     for old in RENAMED_SIZES:
         p.add_argument("--" + old.replace("_", "-"), dest="renamed_" + old, type=positive_int, default=None,
                        help=argparse.SUPPRESS)
@@ -196,8 +193,6 @@ def take_renamed_size_flags(args: argparse.Namespace) -> None:
     """Each old size flag given: a one-line notice on stderr, and its value under the new name (the new flag
     wins when both are given)."""
     import sys
-
-    from stagedspec.speculation import RENAMED_SIZES, renamed_size_notice
 
     for old, new in RENAMED_SIZES.items():
         value = getattr(args, "renamed_" + old, None)
@@ -210,7 +205,8 @@ def take_renamed_size_flags(args: argparse.Namespace) -> None:
 def speculation_from(args: argparse.Namespace):  # noqa: ANN201
     """(oracle spec, draft specs, SpeculationConfig) from the shared speculation flags."""
     take_renamed_size_flags(args)
-    from stagedspec.pipeline import SpeculationConfig, choose_sizing, parse_stages
+    # deferred: model_set loads the model loaders and tokenizers; building the parser needs neither
+    from stagedspec.model_set import parse_stages
 
     oracle, drafts, ngram, context = args.oracle, [args.draft] if args.draft else [], args.ngram, not args.no_context
     if args.stages:

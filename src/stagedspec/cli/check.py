@@ -49,6 +49,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     budget = dataclasses.replace(QUICK if args.quick else FULL)
     if args.samples is not None:
         budget.samples = args.samples
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.models.draft import ORACLES_WITH_DRAFTS
 
     draft = args.draft if args.draft is not None else ("default" if args.oracle in ORACLES_WITH_DRAFTS else None)

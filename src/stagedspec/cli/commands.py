@@ -14,9 +14,18 @@ from typing import NoReturn, Sequence
 from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_quant_arg, add_speculation_args,
                                  add_threads_arg, non_negative_int, pass_options_from, positive_int,
                                  speculation_from)
+from stagedspec.cli.check import add_check_command
+from stagedspec.cli.constraints import add_constraint_args, controls_from
+from stagedspec.cli.distill import add_commands as add_distill_commands
+from stagedspec.cli.export import add_commands as add_export_commands
+from stagedspec.cli.serve import add_commands as add_serve_commands
+from stagedspec.draft_weights import forget_measured_choices
 from stagedspec.errors import StagedSpecError
+from stagedspec.hardware import AMX_ISA_CAP, cap_isa_for_bit_exact
 from stagedspec.methods import METHODS
+from stagedspec.models.matmul_plan import describe, forget_measured_plans
 from stagedspec.models.quant import resolve_quant
+from stagedspec.sampling import SamplingParams
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -51,8 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--show-stages", action="store_true",
                      help="after generating, show the text coloured by the stage that proposed each token")
-    from stagedspec.cli.constraints import add_constraint_args
-
     add_constraint_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -97,11 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "auto's learned state, matmul plans, draft weight formats), then measure again")
     tune.set_defaults(func=cmd_tune)
 
+    # deferred: a cycle through stagedspec.cli's __init__ (bench.run imports cli.args at its top)
     from stagedspec.bench.run import add_bench_command
-    from stagedspec.cli.check import add_check_command
-    from stagedspec.cli.distill import add_commands as add_distill_commands
-    from stagedspec.cli.export import add_commands as add_export_commands
-    from stagedspec.cli.serve import add_commands as add_serve_commands
 
     add_bench_command(sub)
     add_check_command(sub)
@@ -129,7 +133,9 @@ def show_stages(tokenizer, token_ids: list[int], origins: list[str]) -> str:  # 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from stagedspec.pipeline import Pipeline
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
+    from stagedspec.exactness import greedy_note
+    from stagedspec.pipeline import Pipeline, dtype_name
     from stagedspec.request_plan import check_options
 
     # the request's checks that need no prompt, before the model loads (the library and server run them too)
@@ -144,14 +150,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         pipe.bit_exact = args.bit_exact
     pipe.threads = args.threads
     if METHODS[method].speculates and sampling.greedy:
-        from stagedspec.exactness import greedy_note
-
         note = greedy_note(pipe.model, pipe.bit_exact)
         if note:
             print(note, file=sys.stderr)
     if args.dtype == "auto":
-        from stagedspec.pipeline import dtype_name
-
         print(f"stagedspec: dtype {dtype_name(pipe.dtype)} ({pipe.dtype_reason}); weights: {pipe.weights_description}",
               file=sys.stderr)
 
@@ -160,8 +162,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     quiet = args.json or args.show_stages
-    from stagedspec.cli.constraints import controls_from
-
     result = pipe.generate(prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            seed=args.seed, stop_strings=args.stop, on_text=None if quiet else stream,
                            controls=controls_from(args))
@@ -185,6 +185,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_ngram_build(args: argparse.Namespace) -> int:
     import time
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.drafters.ngram_files import build_ngram, stdlib_source_files, token_streams_from_files
     from stagedspec.models.loading import load_model
 
@@ -209,13 +210,14 @@ def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: flo
     """
     from tqdm import tqdm
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.request import generate_ar
     from stagedspec.pipeline import load_draft_model
-    from stagedspec.sampling import SamplingParams
 
     model = oracle if spec == "oracle" else load_draft_model(spec, oracle, tokenizer, oracle.embed.weight.dtype,
                                                              str(oracle.embed.weight.device))
     try:
+        # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
         from stagedspec.training.distill import stdlib_prompts
 
         prompts = stdlib_prompts(256, seed=0)
@@ -236,27 +238,21 @@ def sample_streams(spec: str, oracle, tokenizer, n_tokens: int, temperature: flo
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.costs import profile_path
+    from stagedspec.learned_state import forget_everything, learned_store
+    from stagedspec.models.draft import ORACLES_WITH_DRAFTS
+    from stagedspec.models.named import paired_draft
     from stagedspec.profiling import print_cost_curve
     from stagedspec.pipeline import Pipeline, SpeculationConfig, dtype_name
 
     drafts = [] if args.draft in ("none", "") else args.draft.split(",")
-    from stagedspec.models.draft import ORACLES_WITH_DRAFTS
-
     if args.oracle not in ORACLES_WITH_DRAFTS and args.draft == "default":
-        from stagedspec.models.named import paired_draft
-
         pair = paired_draft(args.oracle)  # drafts ship for the named oracles only; a named pair is installed
         drafts = [pair] if pair else []
     if args.reset:
-        from stagedspec.learned_state import forget_everything, learned_store
-
         print(f"forgot {len(forget_everything())} learned files in {learned_store()}")
     # `auto` keeps the drafts it is given (`ar` would drop them); nothing is generated here.
-    from stagedspec.draft_weights import forget_measured_choices
-
-    from stagedspec.models.matmul_plan import forget_measured_plans
-
     forget_measured_choices()  # re-time the drafts' weight formats too
     forget_measured_plans()  # and the fp32 matmul kernels
     args.quant = resolve_quant(args.quant, args.oracle, args.device)
@@ -289,8 +285,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def _print_kernel_plan(model) -> None:  # noqa: ANN001 - a Transformer
     """fp32 on the CPU: the kernel and padded row count each weight shape runs per row count (`models.matmul_plan`)."""
-    from stagedspec.models.matmul_plan import describe
-
     lines = describe(model)
     if lines:
         print("fp32 matmul kernels per row count, as timed here (W: (W x^T)^T, L: x W^T; n:K8: padded to 8 rows):")
@@ -299,12 +293,14 @@ def _print_kernel_plan(model) -> None:  # noqa: ANN001 - a Transformer
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.bench.engine import run_engine_bench
 
     run_engine_bench(oracle=args.oracle, dtypes=args.dtypes.split(","), device=args.device,
                      n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
                      with_transformers=not args.no_transformers, pass_options=pass_options_from(args))
     if args.tree_cost:
+        # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
         from stagedspec.bench.tree_cost import forward_cost_curve, print_cost_curve
         from stagedspec.models.loading import load_model
         from stagedspec.pipeline import parse_weights
@@ -324,8 +320,6 @@ def _cap_isa_for_bit_exact(args: argparse.Namespace) -> None:
     The one process-wide setting a flag makes; how passes run is given to the models a command loads
     (`cli.args.pass_options_from`)."""
     if getattr(args, "bit_exact", False) and getattr(args, "device", "cpu") == "cpu":
-        from stagedspec.hardware import AMX_ISA_CAP, cap_isa_for_bit_exact
-
         if cap_isa_for_bit_exact():
             print(f"stagedspec: --bit-exact on an AMX CPU: oneDNN capped at {AMX_ISA_CAP} for this run "
                   "(AMX kernels round a row differently by the pass's row count)", file=sys.stderr)

@@ -36,8 +36,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from stagedspec.cli.args import add_renamed_size_flags, int_at_least, pass_options_from, take_renamed_size_flags
+from stagedspec.cli.args import (add_draft_weights_arg, add_renamed_size_flags, add_static_passes_arg, int_at_least,
+                                 pass_options_from, take_renamed_size_flags)
+from stagedspec.drafters.model import GROWTHS
 from stagedspec.errors import StagedSpecError
+from stagedspec.sampling import SamplingParams
 
 # Targets for a default draft, on 20 HumanEval prompts (greedy): top-1 and top-4 agreement, the
 # draft's cost per token against the oracle's, and the mean accepted length of a budget-16 tree (in decoding and
@@ -197,22 +200,16 @@ def add_commands(subparsers: Any) -> None:
     e.add_argument("--tree-depth", type=int_at_least(1), default=6, metavar="D")
     e.add_argument("--tree-branching", type=int_at_least(1), default=None, metavar="B", help="(default 4)")
     add_renamed_size_flags(e)
-    from stagedspec.drafters.model import GROWTHS
-
     e.add_argument("--tree-growth", choices=GROWTHS, default="auto",
                    help="how the draft grows its trees, as in decoding: best-first on the host, or level by level "
                         "(EAGLE-2's, one draft pass per level; needs static passes: CUDA, or --static-passes); "
                         "auto (default): what `tree` decodes with on this device (levels on CUDA)")
-    from stagedspec.cli.args import add_static_passes_arg
-
     add_static_passes_arg(e)  # needed for --tree-growth levels on a CPU
     e.add_argument("--every-position", action=argparse.BooleanOptionalAction, default=True,
                    help="also grow the draft's tree after every prefix of the oracle's replies and report its "
                         "mean accepted length there: the same positions for every draft, far more trees "
                         "(default: on)")
     e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
-    from stagedspec.cli.args import add_draft_weights_arg
-
     add_draft_weights_arg(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
     e.add_argument("--threads", type=int_at_least(1), default=None, metavar="N")
     e.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda (default: cpu)")
@@ -253,6 +250,7 @@ def documented_functions(source: str) -> list[tuple[str, str]]:
 
 
 def chat_instruction(code: str) -> str:
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.bench.prompts import chat_instruction as bench_instruction
 
     return bench_instruction(code)
@@ -296,6 +294,7 @@ def cached_oracle_samples(oracle: Any, tokenizer: Any, requests: Sequence[str], 
     older whole-list cache (`legacy`, by default `oracle_samples.json` beside
     `cache`) is imported when it was made for exactly these requests.
     """
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.training.distill import oracle_samples
     from stagedspec.training.reply_cache import ReplyCache, legacy_streams
 
@@ -342,6 +341,7 @@ def request_files(paths: Sequence[str]) -> list[Path]:
     beyond the stdlib's few thousand; their order is fixed so a seed picks
     the same requests on every machine with the same packages.
     """
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.training.distill import check_no_human_eval
 
     out: list[Path] = []
@@ -375,6 +375,7 @@ def _check_files(paths: Sequence[str]) -> list[Path]:
 def cmd_distill(args: argparse.Namespace) -> int:
     import torch
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.training.chat_requests import general_requests
     from stagedspec.training.distill import (
         DistillConfig,
@@ -512,6 +513,7 @@ def draft_specs(values: Sequence[str]) -> list[str]:
 def cmd_eval_draft(args: argparse.Namespace) -> int:
     import torch
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.bench.prompts import load_prompts
     from stagedspec.training.distill import decode_step_seconds, oracle_greedy_continuations
     from stagedspec.pipeline import Pipeline, SpeculationConfig, check_device, load_draft_model
@@ -570,14 +572,15 @@ def _eval_one_draft(args: argparse.Namespace, pipe: Any, model: Any, streams: li
     """One draft's report: agreement (overall and by reply position), accepted lengths per depth, speed, cost."""
     import torch
 
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.training.distill import depth_reach, eval_draft
     from stagedspec.pipeline import SpeculationConfig
-    from stagedspec.sampling import SamplingParams
 
     with torch.inference_mode():
         report: dict[str, Any] = eval_draft(pipe.model, model, streams, args.tokens, timing_dtype=torch.bfloat16,
                                             continuations=continuations, oracle_seconds=oracle_s)
     if args.every_position:
+        # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
         from stagedspec.tree_acceptance import tree_acceptance_everywhere
 
         everywhere = tree_acceptance_everywhere(model, streams, continuations, tree_budget=args.tree_budget,
@@ -720,6 +723,7 @@ def _saved_layers(init_from: str | None) -> int | None:
     distillation's own checks then name the problem)."""
     if not init_from:
         return None
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.models.draft import default_draft_dir, read_draft_config
 
     try:

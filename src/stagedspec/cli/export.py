@@ -39,12 +39,14 @@ def add_commands(subparsers: Any) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.export.common import load_for_export, prepare_out, require_kind
 
     oracle, _, draft = load_for_export(args.draft, args.oracle)
     feature = args.fmt != "hf"
     require_kind(draft, args.fmt, feature)
     if feature:
+        # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
         from stagedspec.export.eagle import check_exportable, export_feature
 
         check_exportable(draft, args.fmt, args.approximate)  # refuse before creating the folder
@@ -52,6 +54,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         files = export_feature(draft, args.fmt, args.oracle, out, args.dtype, approximate=args.approximate,
                                verifier=args.verifier, speculative_tokens=args.speculative_tokens)
     else:
+        # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
         from stagedspec.export.hf import export_hf
 
         out = prepare_out(args.out)

@@ -13,14 +13,12 @@ import socket
 import sys
 from typing import Any
 
-from stagedspec.cli.args import add_quant_arg, add_threads_arg
+from stagedspec.cli.args import (add_model_args, add_quant_arg, add_speculation_args, add_threads_arg,
+                                 pass_options_from, positive_int, speculation_from)
 from stagedspec.errors import StagedSpecError
 
 
 def add_commands(sub: Any) -> None:
-    from stagedspec.cli.args import add_model_args, add_speculation_args
-    from stagedspec.cli.args import positive_int
-
     def _positive_float(text: str) -> float:
         try:
             value = float(text)
@@ -110,12 +108,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        # deferred: optional dependency (the server needs fastapi and uvicorn), loaded only when serve runs
         from stagedspec.server.app import create_app
         from stagedspec.server.guard import startup_warning
     except ImportError as e:
         raise StagedSpecError(f"stagedspec serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'stagedspec[serve]'") from None
-    from stagedspec.cli.args import pass_options_from, speculation_from
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.heap import freeze_loaded
     from stagedspec.server.engine import Engine, parse_size
 
@@ -163,6 +162,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise StagedSpecError(f"stagedspec bench-serve needs the openai client and httpx ({e.name} is missing): "
                               "pip install -e '.[bench]'") from None
+    # deferred: cli.commands builds every subcommand's parser; each command loads only its own stack
     from stagedspec.bench.serve import run_bench_serve
 
     return run_bench_serve(args)

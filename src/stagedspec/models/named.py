@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagedspec.errors import StagedSpecError, first_line
+from stagedspec.models.default import CONVERTER_VERSION, ensure_hf_folder
 from stagedspec.paths import cache_root
 
 
@@ -153,8 +154,6 @@ def parts_model_path(name: str) -> Path:
 def named_model_dir(name: str) -> Path:
     """The cached HF-format folder of a named model, assembling and converting its GGUF on first use
     (a parts model: its joined GGUF, see `PartsModel`)."""
-    from stagedspec.models.default import ensure_hf_folder
-
     if name in PARTS_MODELS:
         return parts_model_path(name)
     spec = NAMED_MODELS[name]
@@ -182,8 +181,6 @@ def _mkdir(folder: Path) -> Path:
 
 def _is_converted(folder: Path, spec: NamedModel) -> bool:
     """Whether `folder` holds a finished conversion of this model (the marker is written last)."""
-    from stagedspec.models.default import CONVERTER_VERSION
-
     try:
         stamp = json.loads((folder / "stagedspec.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -14,8 +14,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from stagedspec.auto import StepCosts
 from stagedspec.constraints import GrammarCompiler
 from stagedspec.errors import StagedSpecError
+from stagedspec.exactness import default_bit_exact
 from stagedspec.request import TREE_SLACK, context_budget
 from stagedspec.learned_state import LearnedState
 from stagedspec.models.transformer import Transformer
@@ -130,8 +132,6 @@ class Engine:
 
     def __post_init__(self) -> None:
         if self.bit_exact is None:
-            from stagedspec.exactness import default_bit_exact
-
             self.bit_exact = self.model is not None and default_bit_exact(self.model)
 
     @classmethod
@@ -210,8 +210,6 @@ class Engine:
             # at the margin of the round each step shares (`auto.SharedLoad`, set by the scheduler).
             policy = pipe.sized_policy(spec.method)
             if policy.learn_times:
-                from stagedspec.auto import StepCosts
-
                 policy.learn_times, policy.costs = False, StepCosts()
         return pipe
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
+from stagedspec.auto import SharedLoad
 from stagedspec.auto.drafter import AutoDrafter
 from stagedspec.constraints.processor import LogitsProcessor
 from stagedspec.errors import StagedSpecError, first_line
@@ -223,8 +224,6 @@ class LoadTracker:
 
     def view(self, lane: Any, lanes: list[Any]) -> Any:
         """`lane`'s `auto.SharedLoad` for the next round of `lanes` (None: nothing measured yet)."""
-        from stagedspec.auto import SharedLoad
-
         others = [x for x in lanes if x is not lane]
         if not others:
             return SharedLoad()

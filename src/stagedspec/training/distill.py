@@ -41,10 +41,14 @@ import torch
 from torch import Tensor
 
 from stagedspec.errors import StagedSpecError
-from stagedspec.models.draft import DraftModel, save_draft
+from stagedspec.models.draft import CONFIG_NAME, DraftModel, default_draft_dir, grow_draft, save_draft
+from stagedspec.models.draft_loading import load_draft
+from stagedspec.models.feature_draft import FeatureDraftModel, feature_draft_from, is_feature_draft
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import write_text_atomic
 from stagedspec.sampling import SamplingParams, probs_from_logits, sample
+from stagedspec.tokenizer import tokenizer_fingerprint
+from stagedspec.training.feature import feature_heldout_metrics, feature_loss_backward, shift_features
 from stagedspec.training.losses import LOSS_CHUNK_ELEMENTS, autocast_bf16, bucket_kl, head_kl_backward
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -279,8 +283,6 @@ def _heldout_metrics(student: DraftModel, windows: Tensor, t_logp: Tensor, t_ids
     A feature draft (`t_hidden`: the oracle's features of the windows) is fed the oracle's features,
     i.e. measured as the root of a tree; `feature_metrics` adds its deeper levels."""
     if t_hidden is not None:
-        from stagedspec.training.feature import feature_heldout_metrics
-
         return feature_heldout_metrics(student, windows, t_logp, t_ids, t_cols, t_hidden)
     was_training = student.training
     student.eval()
@@ -341,7 +343,7 @@ def distill(
     else:
         head_tokens = top_tokens(data.train, vocab, cfg.vocab_top, always=eos) if 0 < cfg.vocab_top < vocab else None
         if feature:
-            from stagedspec.models.feature_draft import FeatureDraftModel as cls
+            cls = FeatureDraftModel
         else:
             cls = DraftModel
         student = cls(oracle, cfg.init_layers or cfg.layers, head_tokens, dtype=torch.float32,
@@ -382,8 +384,6 @@ def distill(
                 group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
             opt.zero_grad(set_to_none=True)
             if feature:
-                from stagedspec.training.feature import feature_loss_backward
-
                 loss = feature_loss_backward(student, tokens.to(device), t_hidden[0], t_logp.flatten(0, 1),
                                              cols_dev[t_ids].flatten(0, 1), cfg, autocast=use_autocast)
             else:
@@ -481,9 +481,6 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
     a larger `--layers`, the saved draft grows new layers that start as
     no-ops (`grow_draft`), so the extra capacity costs nothing it had learned.
     """
-    from stagedspec.models.draft import CONFIG_NAME, default_draft_dir, grow_draft
-    from stagedspec.models.draft_loading import load_draft
-
     folder = default_draft_dir() if cfg.init_from == "default" else Path(cfg.init_from).expanduser()
     if not (folder / CONFIG_NAME).is_file():
         raise StagedSpecError(f"--init-from {cfg.init_from}: not a draft folder (no {CONFIG_NAME} in {folder})")
@@ -498,8 +495,6 @@ def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str)
     if student.config.n_layers < cfg.layers:  # grown with zeroed output projections: the same function at step 0
         student = grow_draft(student, oracle, cfg.layers)
     if kind != cfg.kind:  # an independent draft as a feature draft that ignores the features at step 0
-        from stagedspec.models.feature_draft import feature_draft_from
-
         student = feature_draft_from(student, oracle)
     student.make_own_weights_trainable()
     return student.train(), student.head_tokens
@@ -541,8 +536,6 @@ def _default_fingerprint(tokenizer: Any) -> str:
     """The fingerprint the draft loader will compare against (shared with the pipeline)."""
     if tokenizer is None:
         return "none"
-    from stagedspec.tokenizer import tokenizer_fingerprint
-
     return tokenizer_fingerprint(tokenizer)
 
 
@@ -604,7 +597,7 @@ def draft_from_checkpoint(path: str | Path, oracle: Transformer, fingerprint: st
     cfg = {**DistillConfig.ADDED_DEFAULTS, **state["config"]}
     run = DistillConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(DistillConfig) if f.name in cfg})
     if cfg["kind"] == "feature":
-        from stagedspec.models.feature_draft import FeatureDraftModel as cls
+        cls = FeatureDraftModel
     else:
         cls = DraftModel
     keys = state["model"]
@@ -957,8 +950,6 @@ def eval_draft(
     if continuations is None:
         continuations = oracle_greedy_continuations(oracle, prompt_streams, n_tokens)
     bucket_of = torch.tensor(starts)
-    from stagedspec.models.feature_draft import is_feature_draft
-
     for prompt, cont in zip(prompt_streams, continuations):
         prompt, cont = list(prompt), list(cont)
         if not cont:
@@ -999,8 +990,6 @@ def eval_draft(
 def _oracle_input_features(oracle: Transformer, seq: Sequence[int], device: torch.device) -> Tensor:
     """A feature draft's inputs for `seq` [1, T, H]: the oracle's final hidden state at the previous position
     (what verification hands it on the accepted path), zeros at position 0."""
-    from stagedspec.training.feature import shift_features
-
     odev = oracle.embed.weight.device
     _, hidden = oracle(torch.tensor([list(seq)], device=odev), torch.arange(len(seq), device=odev),
                        oracle.new_cache(len(seq)), logits_rows=slice(-1, None), return_hidden="all")
