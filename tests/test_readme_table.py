@@ -27,9 +27,9 @@ def test_readme_headline_table_has_at_most_8_rows_one_per_machine_kind_and_model
     assert len(set(keys)) == len(keys), keys
 
 
-def test_benchmarks_table_of_every_headline_run_matches_the_measured_files() -> None:
+def test_benchmarks_history_table_of_every_headline_run_matches_the_measured_files() -> None:
     script = _script()
-    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    text = (ROOT / "docs" / "benchmarks-history.md").read_text()
     assert script.replace_block(text, script.table()) == text, \
         "run: python scripts/readme_table.py --write"
 

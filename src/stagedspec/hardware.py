@@ -56,7 +56,7 @@ def cpu_has_native_bf16() -> bool:
     """AVX-512 BF16 or AMX: bf16 matmuls run natively, so bf16 passes beat fp32 ones at any row count.
 
     Without them oneDNN emulates bf16 through fp32 conversions, and a pass over
-    several rows costs far more than a one-row pass (the AVX2 figures in docs/benchmarks.md).
+    several rows costs far more than a one-row pass (the AVX2 figures in docs/benchmarks-history.md).
     """
     flags = cpu_flags()
     if any(f in flags for f in NATIVE_BF16_FLAGS):

@@ -506,7 +506,7 @@ class ModelOracle:
         `bit_exact` (with the fixed width): greedy steps drop what was accepted off the tree's
         first-child chain (`keep_slot_aligned`), and a pass's rows do not change one another's bits:
         on the eager path attention runs one token at a time (it costs about 10-20% of `ar`'s speed
-        and most of what speculation gains on a CPU, docs/benchmarks.md); on the static path (CUDA)
+        and most of what speculation gains on a CPU, docs/benchmarks-history.md); on the static path (CUDA)
         every pass runs `BUCKETS[-1]` rows, so the BLAS and the attention kernel run one kernel for
         every pass and a row's result depends on that row alone, at little cost on a GPU
         (docs/measurements.md, "`--bit-exact` at 64 rows a pass on an H200").
