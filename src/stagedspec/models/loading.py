@@ -26,7 +26,8 @@ from stagedspec.models.gguf_checkpoint import GGUFCheckpoint
 from stagedspec.models.gguf_codes import RawTensor
 from stagedspec.models.gguf_read import read_gguf
 from stagedspec.models.hf_layout import GPT2_CONV1D, req_int, rope_params
-from stagedspec.models.quant import check_quant, quantize_model
+from stagedspec.models.matmul_plan import plan_matmuls
+from stagedspec.models.quant import check_quant, quantize_model, resolve_quant
 from stagedspec.models.sources import DictSource, SafetensorsSource, TensorSource
 from stagedspec.models.specs import resolve_model_path
 from stagedspec.models.transformer import Transformer, rope_tables
@@ -60,8 +61,6 @@ def load_model(
     `pass_options`: how its passes run (`stagedspec.runner`; None: the
     environment's defaults, `PassOptions.from_environment`).
     """
-    from stagedspec.models.quant import resolve_quant
-
     quant = resolve_quant(quant, spec, device)  # "auto": "mixed" for a quantised source on a CPU, else "none"
     check_quant(quant, dtype, device)
     path = resolve_model_path(spec)
@@ -74,8 +73,6 @@ def load_model(
     if quant != "none":
         quantize_model(model, quant, dtype, kernels, sources)
     elif plan_kernels:
-        from stagedspec.models.matmul_plan import plan_matmuls
-
         plan_matmuls(model)  # fp32 on the CPU: each layer's faster kernel per row count, timed here once
     if pass_options is not None:
         model.runtime.passes = PassRuntime(pass_options)

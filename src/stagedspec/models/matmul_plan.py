@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stagedspec import measured_cache
+from stagedspec import hardware, measured_cache
 from stagedspec.paths import learned_store
 
 PLAN_ROWS = (*range(1, 17), 20, 24, 32, 48, 64)  # a decoding pass, a tree, a lookup chain; above: as is
@@ -201,8 +201,6 @@ def plan_matmuls(model: nn.Module, *, measure: Measure | None = None, cache_file
     `runtime.matmul_plan_signature` (part of its cost-profile key: its passes' costs depend on the plan).
     A model `planned` rules out is returned untouched.
     """
-    from stagedspec import hardware
-
     if not planned(model):
         return model
     path = cache_file or _cache_file()

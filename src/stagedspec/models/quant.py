@@ -34,6 +34,7 @@ model that results.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Callable
 
 import torch
@@ -43,6 +44,9 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.kernels import grid, packing
 from stagedspec.kernels.native import NativeKernels, native_kernels
 from stagedspec.models.gguf_codes import KEPT_TYPES, RawTensor, q4k_codes, q5_0_codes, q6k_codes
+from stagedspec.models.gguf_file import read_tensor_table
+from stagedspec.models.specs import resolve_model_path
+from stagedspec.models.transformer import Attention, RMSNorm, Transformer
 
 # "mixed": each layer in its source's own format where a GGUF's blocks are at hand (see above); otherwise int4
 # where most of its groups are 4-bit in the source (a Q4_0/Q4_1/Q4_K tensor), int8 elsewhere (Q5_0, Q6_K,
@@ -488,11 +492,6 @@ def resolve_quant(choice: str, spec: object, device: str) -> str:
 
 def source_is_quantised(spec: object) -> bool:
     """Whether a model spec's weights come from a quantised GGUF (read from the header's tensor table only)."""
-    import json
-
-    from stagedspec.models.gguf_file import read_tensor_table
-    from stagedspec.models.specs import resolve_model_path
-
     path = resolve_model_path(str(spec))
     if path.is_dir():
         try:
@@ -541,8 +540,6 @@ def run_rest_natively(model: nn.Module, kernels: NativeKernels) -> None:
     """Norms and attention on the native kernels (each row computed alone), and eligible blocks as one native
     call each (`NativeDecoderLayer`), all of them as one call where every block is eligible (`NativeLayerStack`),
     for a model whose linear layers already run on them.  In place."""
-    from stagedspec.models.transformer import Attention, RMSNorm
-
     swap_layers(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernels))
     for m in model.modules():
         if isinstance(m, Attention):
@@ -558,8 +555,6 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     Drafts copy oracle layers as their starting point and own float weights
     (they are trained and saved as such), whatever the oracle runs on.
     """
-    from stagedspec.models.transformer import Attention, RMSNorm, Transformer
-
     if isinstance(module, NativeRMSNorm):
         return _as_rms_norm(copy.deepcopy(module), RMSNorm)
     module = copy.deepcopy(module)
