@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from stagedspec.models import ModelConfig, Transformer
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import init_random
 from stagedspec.tree import TokenTree
 
@@ -41,7 +42,7 @@ def test_tree_forward_matches_sequential_paths(arch: str) -> None:
         model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache)
         cache.commit()
         logits = model(torch.tensor([TREE.tokens]), TREE.positions(cache.length), cache,
-                       tree_mask=TREE.attention_mask())[0]
+                       PassSpec(tree_mask=TREE.attention_mask()))[0]
         for node in range(len(TREE)):
             path = [0, *TREE.path_to(node)]
             ref = sequential_logits(model, PREFIX + [TREE.tokens[i] for i in path])
@@ -57,7 +58,7 @@ def test_commit_keeps_only_the_accepted_path(arch: str, keep: list[int]) -> None
         cache = model.new_cache(64)
         model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache)
         cache.commit()
-        model(torch.tensor([TREE.tokens]), TREE.positions(cache.length), cache, tree_mask=TREE.attention_mask())
+        model(torch.tensor([TREE.tokens]), TREE.positions(cache.length), cache, PassSpec(tree_mask=TREE.attention_mask()))
         cache.commit(keep)
         assert cache.length == len(PREFIX) + len(keep)
         out = model(torch.tensor([[nxt]]), torch.tensor([cache.length]), cache)[0, -1]

@@ -37,6 +37,7 @@ from stagedspec.models import ModelConfig, Transformer
 from stagedspec.models.draft import CONFIG_NAME, WEIGHTS_NAME, save_draft
 from stagedspec.models.draft_loading import load_draft
 from stagedspec.models.feature_draft import FeatureDraftModel, is_feature_draft
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import init_random
 from stagedspec.runner import set_pass_mode
 from stagedspec.sampling import SamplingParams
@@ -144,7 +145,7 @@ def test_root_predictions_read_the_oracle_features_of_the_committed_context() ->
     with torch.no_grad():
         for context, logits in seen:
             seq = torch.tensor([context])
-            _, f = oracle(seq, torch.arange(len(context)), oracle.new_cache(len(context)), return_hidden=True)
+            _, f = oracle(seq, torch.arange(len(context)), oracle.new_cache(len(context)), PassSpec(hidden="rows"))
             ref = draft.expand_logits(draft.support_logits(draft.hidden_train(seq, shift_features(f))))[0, -1]
             assert torch.allclose(logits, ref, atol=1e-4), context
 
@@ -156,19 +157,19 @@ def test_unrolled_training_steps_equal_tree_nodes_at_inference() -> None:
     T, steps = 12, 4
     tokens = torch.randint(0, 24, (1, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        _, f = oracle(tokens, torch.arange(T), oracle.new_cache(T), return_hidden=True)
+        _, f = oracle(tokens, torch.arange(T), oracle.new_cache(T), PassSpec(hidden="rows"))
         outs = draft.unrolled_hidden(tokens, shift_features(f), steps)
         for root in (2, 6):
             cache = draft.new_cache(T)
             feats = shift_features(f)[:, : root + 1]
-            _, h = draft(tokens[:, : root + 1], torch.arange(root + 1), cache, return_hidden=True, features=feats)
+            _, h = draft(tokens[:, : root + 1], torch.arange(root + 1), cache, PassSpec(hidden="rows", features=feats))
             cache.commit()
             assert torch.allclose(h[0, -1], outs[0][0, root], atol=1e-5)
             parent = h[0, -1]
             for j in range(1, steps):
                 t = root + j
-                _, h = draft(tokens[:, t:t + 1], torch.tensor([t]), cache, return_hidden=True,
-                             features=parent[None, None])
+                _, h = draft(tokens[:, t:t + 1], torch.tensor([t]), cache,
+                             PassSpec(hidden="rows", features=parent[None, None]))
                 cache.commit()  # a chain: each node sees the context and its ancestors
                 assert torch.allclose(h[0, 0], outs[j][0, t], atol=1e-5), (root, j)
                 parent = h[0, 0]
@@ -255,8 +256,8 @@ def test_save_load_round_trip_and_one_line_errors(tmp_path: Path) -> None:
     assert is_feature_draft(loaded) and loaded.embed.weight.data_ptr() == oracle.embed.weight.data_ptr()
     tokens, feats = torch.tensor([[1, 2, 3]]), torch.randn(1, 3, 32)
     with torch.no_grad():
-        a = draft(tokens, torch.arange(3), draft.new_cache(4), features=feats)
-        b = loaded(tokens, torch.arange(3), loaded.new_cache(4), features=feats)
+        a = draft(tokens, torch.arange(3), draft.new_cache(4), PassSpec(features=feats))
+        b = loaded(tokens, torch.arange(3), loaded.new_cache(4), PassSpec(features=feats))
     assert torch.equal(a, b)
 
     cfg["kind"] = "mystery"
@@ -367,7 +368,7 @@ def test_feature_draft_from_an_independent_draft_starts_as_it_and_learns_the_fea
         assert torch.equal(levels[0], plain)  # fc = [0 | I]: the features are read and ignored
         ref, out = start.new_cache(32), converted.new_cache(32)  # the cached decoding pass agrees too
         pos = torch.arange(24)
-        assert torch.equal(converted(tokens[:1], pos, out, features=feats[:1]), start(tokens[:1], pos, ref))
+        assert torch.equal(converted(tokens[:1], pos, out, PassSpec(features=feats[:1])), start(tokens[:1], pos, ref))
     with pytest.raises(StagedSpecError, match="only from an independent draft"):
         feature_draft_from(converted, oracle)
 

@@ -20,6 +20,7 @@ from test_cache_tree_forward import TREE, sequential_logits
 from stagedspec.errors import StagedSpecError
 from stagedspec.models import ModelConfig, Transformer
 from stagedspec.models.loading import config_from_hf, load_model, load_model_from_state
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import init_random
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
@@ -117,10 +118,10 @@ def test_tree_forward_matches_sequential_paths(mode: str) -> None:
         kw["row_independent"] = True
     with torch.inference_mode():
         cache = model.new_cache(64)
-        model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache, **kw)
+        model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache, PassSpec(**kw))
         cache.commit()
         logits = model(torch.tensor([TREE.tokens]), TREE.positions(cache.length), cache,
-                       tree_mask=TREE.attention_mask(), **kw)[0]
+                       PassSpec(tree_mask=TREE.attention_mask(), **kw))[0]
         for node in range(len(TREE)):
             path = [0, *TREE.path_to(node)]
             ref = sequential_logits(model, PREFIX + [TREE.tokens[i] for i in path])
@@ -136,7 +137,7 @@ def test_commit_keeps_only_the_accepted_path(keep: list[int]) -> None:
         cache = model.new_cache(64)
         model(torch.tensor([PREFIX]), torch.arange(len(PREFIX)), cache)
         cache.commit()
-        model(torch.tensor([TREE.tokens]), TREE.positions(cache.length), cache, tree_mask=TREE.attention_mask())
+        model(torch.tensor([TREE.tokens]), TREE.positions(cache.length), cache, PassSpec(tree_mask=TREE.attention_mask()))
         cache.commit(keep)
         ids = PREFIX + [TREE.tokens[i] for i in keep]
         for nxt in (17, 18, 19):
@@ -157,7 +158,7 @@ def test_batched_left_padded_positions() -> None:
     mask[1, :, :, :pad] = False
     mask[1, 0, torch.arange(pad), torch.arange(pad)] = True  # pad rows see themselves (no NaN rows)
     with torch.inference_mode():
-        out = model(tokens, positions, model.new_cache(32, batch=2), tree_mask=mask)
+        out = model(tokens, positions, model.new_cache(32, batch=2), PassSpec(tree_mask=mask))
     torch.testing.assert_close(out[0, -1], sequential_logits(model, a), atol=ATOL, rtol=0)
     torch.testing.assert_close(out[1, -1], sequential_logits(model, b), atol=ATOL, rtol=0)
 

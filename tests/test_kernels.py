@@ -21,6 +21,7 @@ import torch
 
 from _exactness import assert_bit_identical
 from stagedspec.kernels import grid, native, packing
+from stagedspec.models.pass_spec import PassSpec
 
 
 def _layers(n: int = 40, k: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -391,12 +392,12 @@ def test_a_quantised_model_on_native_kernels_is_bit_identical_per_row(dtype: tor
         # a tree over the last three tokens: root ids[4], children ids[5] and 99, grandchild ids[6] under ids[5]
         tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
         tree_logits = model(torch.tensor([[ids[4], ids[5], 99, ids[6]]]), torch.tensor([4, 5, 5, 6]), cache,
-                            tree_mask=tree)[0]
+                            PassSpec(tree_mask=tree))[0]
         one_row = {}
         for width in (None, 64):
             model(torch.tensor([ids[4:6]]), torch.arange(4, 6), cache)
             cache.commit()
-            one_row[width] = model(torch.tensor([ids[6:]]), torch.tensor([6]), cache, key_width=width)[0]
+            one_row[width] = model(torch.tensor([ids[6:]]), torch.tensor([6]), cache, PassSpec(key_width=width))[0]
             cache.truncate(4)
     where = f"{isa_kernels.name} {dtype}"
     assert_bit_identical(split, whole[4:], f"{where}: a prompt in two passes against one pass")
@@ -417,7 +418,7 @@ def test_a_quantised_model_gives_the_portable_paths_logits_on_every_path(dtype: 
             prompt = model(torch.tensor([[5, 9, 33, 2, 200, 17]]), torch.arange(6), cache)
             cache.commit()
             tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-            nodes = model(torch.tensor([[7, 8, 9]]), torch.tensor([6, 7, 7]), cache, tree_mask=tree)
+            nodes = model(torch.tensor([[7, 8, 9]]), torch.tensor([6, 7, 7]), cache, PassSpec(tree_mask=tree))
         return [prompt, nodes]
 
     for what, got, want in zip(("prompt", "tree"), passes(isa_kernels), passes(isa_kernels.with_isa(0))):
@@ -460,7 +461,7 @@ def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: t
             prompt = model(torch.tensor([[5, 9, 33, 2, 200]]), torch.arange(5), cache)
             cache.commit()
             tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-            nodes = model(torch.tensor([[7, 8, 9]]), torch.tensor([5, 6, 6]), cache, tree_mask=tree)
+            nodes = model(torch.tensor([[7, 8, 9]]), torch.tensor([5, 6, 6]), cache, PassSpec(tree_mask=tree))
             batch_cache = model.new_cache(16, batch=2)
             batch = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.arange(3), batch_cache)
         return [prompt, nodes, batch]

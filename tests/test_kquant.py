@@ -22,6 +22,7 @@ from _exactness import assert_bit_identical
 from _native import ISA_KEY, ISA_PARAMS
 from stagedspec.kernels import native, packing
 from stagedspec.models.gguf_codes import RawTensor, dequantized, q4k_codes, q5_0_codes, q6k_codes
+from stagedspec.models.pass_spec import PassSpec
 
 
 
@@ -202,7 +203,7 @@ def test_a_k_quant_model_is_bit_identical_per_row_and_speculation_reproduces_ar(
         cache.commit()
         tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
         tree_logits = model(torch.tensor([[ids[4], ids[5], 99, ids[6]]]), torch.tensor([4, 5, 5, 6]), cache,
-                            tree_mask=tree)[0]
+                            PassSpec(tree_mask=tree))[0]
     assert torch.equal(tree_logits[[0, 1, 3]], whole[4:])
     prompt = [5, 9, 33, 2, 5, 9, 33, 2, 5, 9]
     ar = Pipeline(model, tok, speculation=SpeculationConfig(method="ar")).generate(prompt, max_new_tokens=24)

@@ -15,6 +15,7 @@ import torch
 
 from _exactness import assert_bit_identical
 from stagedspec.models.config import ModelConfig
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.ragged import Segment, forward_ragged, padded_rows
 from stagedspec.models.transformer import Transformer, init_random
 
@@ -77,16 +78,16 @@ def run(model: Transformer, ragged: bool, row_independent: bool, seed: int, pad:
     caches = [model.new_cache(64) for _ in seqs]
     # prompts: solo passes (the same for both sides)
     for cache, (prompt, _, plen, _) in zip(caches, seqs):
-        model(prompt, torch.arange(plen), cache, logits_rows=slice(-1, None))
+        model(prompt, torch.arange(plen), cache, PassSpec(logits_rows=slice(-1, None)))
         cache.commit()
-    segs = [Segment(toks, torch.arange(plen, plen + toks.shape[1]), cache, kw.get("tree_mask"), None,
-                    kw.get("key_width"), row_independent)
+    segs = [Segment(toks, torch.arange(plen, plen + toks.shape[1]), cache,
+                    PassSpec(tree_mask=kw.get("tree_mask"), key_width=kw.get("key_width"),
+                             row_independent=row_independent))
             for cache, (_, toks, plen, kw) in zip(caches, seqs)]
     if ragged:
         outs = forward_ragged(model, segs, pad=pad)
     else:
-        outs = [model(s.tokens, s.positions, s.cache, tree_mask=s.tree_mask, key_width=s.key_width,
-                      row_independent=row_independent) for s in segs]
+        outs = [model(s.tokens, s.positions, s.cache, s.spec) for s in segs]
     for c in caches:
         c.commit()
     return outs, caches
@@ -140,7 +141,7 @@ def test_padded_ragged_pass_leaves_real_rows_unchanged(arch, row_independent):
 
 
 def test_padded_pass_returns_hidden_states_and_takes_features_per_segment():
-    """`return_hidden` (picked rows and "all") and a feature draft's input features under padding."""
+    """`PassSpec.hidden` ("rows" and "all") and a feature draft's input features under padding."""
     from stagedspec.models.feature_draft import FeatureDraftModel
 
     oracle = init_random(Transformer(CONFIGS["llama"]), seed=4).eval()
@@ -152,8 +153,9 @@ def test_padded_pass_returns_hidden_states_and_takes_features_per_segment():
         for i, T in enumerate((3, 1, 2)):
             toks = torch.randint(0, 80, (1, T), generator=g)
             feats = torch.randn(1, T, H, generator=g) if features and i != 1 else None
-            out.append(Segment(toks, torch.arange(T), model.new_cache(16), logits_rows=slice(-1, None),
-                               return_hidden="all" if i == 0 else True, features=feats))
+            out.append(Segment(toks, torch.arange(T), model.new_cache(16),
+                               PassSpec(logits_rows=slice(-1, None), hidden="all" if i == 0 else "rows",
+                                        features=feats)))
         return out
 
     for model in (oracle, init_random(FeatureDraftModel(oracle), seed=6).eval()):
@@ -187,11 +189,12 @@ def test_one_segment_is_bit_identical_to_forward(arch):
                     cache.commit()
                     pos = torch.arange(plen, plen + toks.shape[1])
                     if ragged:
-                        seg = Segment(toks, pos, cache, kw.get("tree_mask"), slice(1, None), kw.get("key_width"))
+                        seg = Segment(toks, pos, cache, PassSpec(tree_mask=kw.get("tree_mask"), logits_rows=slice(1, None),
+                                                             key_width=kw.get("key_width")))
                         outs.append(forward_ragged(model, [seg])[0])
                     else:
-                        outs.append(model(toks, pos, cache, tree_mask=kw.get("tree_mask"), logits_rows=slice(1, None),
-                                          key_width=kw.get("key_width")))
+                        outs.append(model(toks, pos, cache, PassSpec(tree_mask=kw.get("tree_mask"), logits_rows=slice(1, None),
+                                                                 key_width=kw.get("key_width"))))
                 assert torch.equal(outs[0], outs[1])
 
 
@@ -226,7 +229,7 @@ def test_feature_draft_segments_and_hidden_states_match_solo_passes():
     draft = FeatureDraftModel(oracle, 1, list(range(0, 80, 2))).eval()
     g = torch.Generator().manual_seed(5)
     H = oracle.config.hidden_size
-    specs = [(4, 3, True, True), (7, 1, True, "all"), (2, 4, False, False), (5, 2, True, True)]
+    specs = [(4, 3, True, "rows"), (7, 1, True, "all"), (2, 4, False, "none"), (5, 2, True, "rows")]
     for model in (draft, oracle):
         solo, ragged_segs = [], []
         for plen, T, with_features, hidden in specs:
@@ -235,16 +238,16 @@ def test_feature_draft_segments_and_hidden_states_match_solo_passes():
             caches = []
             for _ in range(2):
                 cache = model.new_cache(32)
-                model(toks[:, :plen], torch.arange(plen), cache, features=None if feats is None else feats[:, :plen])
+                model(toks[:, :plen], torch.arange(plen), cache,
+                      PassSpec(features=None if feats is None else feats[:, :plen]))
                 cache.commit()
                 caches.append(cache)
-            kw = dict(tree_mask=tree_mask(T), logits_rows=slice(-1, None) if T > 2 else None,
-                      return_hidden=hidden, features=None if feats is None else feats[:, plen:])
+            spec = PassSpec(tree_mask=tree_mask(T), logits_rows=slice(-1, None) if T > 2 else None,
+                            hidden=hidden, features=None if feats is None else feats[:, plen:])
             pos = torch.arange(plen, plen + T)
             with torch.inference_mode():
-                solo.append(model(toks[:, plen:], pos, caches[0], **kw))
-            ragged_segs.append(Segment(toks[:, plen:], pos, caches[1], kw["tree_mask"], kw["logits_rows"],
-                                       return_hidden=hidden, features=kw["features"]))
+                solo.append(model(toks[:, plen:], pos, caches[0], spec))
+            ragged_segs.append(Segment(toks[:, plen:], pos, caches[1], spec))
         with torch.inference_mode():
             ragged = forward_ragged(model, ragged_segs)
         for a, b in zip(solo, ragged):

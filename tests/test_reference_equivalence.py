@@ -21,6 +21,7 @@ import torch
 
 from _tiny_models import KINDS, VOCAB, make_hf_model, save_tiny_gguf, save_tiny_hf
 from stagedspec.models.loading import load_model
+from stagedspec.models.pass_spec import PassSpec
 
 FP32_TINY = dict(atol=1e-4, rtol=1e-4)
 FP32_REAL = dict(atol=5e-4, rtol=1e-4)
@@ -247,7 +248,7 @@ def _greedy(model, prompt_ids: list[int], max_new_tokens: int, stop: list[int]) 
     cache = model.new_cache(len(prompt_ids) + max_new_tokens)
     out: list[int] = []
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids]), torch.arange(len(prompt_ids)), cache, logits_rows=slice(-1, None))
+        logits = model(torch.tensor([prompt_ids]), torch.arange(len(prompt_ids)), cache, PassSpec(logits_rows=slice(-1, None)))
         cache.commit()
         while len(out) < max_new_tokens:
             nxt = int(logits[0, -1].argmax())

@@ -25,6 +25,7 @@ from stagedspec.generation import GenerationResult, NoDrafter, speculative_gener
 from stagedspec.request import generate_ar
 from stagedspec.runner import ModelOracle
 from stagedspec.models.config import ModelConfig
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import Transformer, init_random
 from stagedspec.pass_options import PassOptions
 from stagedspec.runner import (PassRouter, RequestPasses, StaticRunner, acquire_runner, pass_mode, runner_capacity,
@@ -78,13 +79,13 @@ def test_static_pass_computes_what_the_eager_forward_computes(rows: int) -> None
                 tree[i] |= tree[p]
                 depth[i] = depth[p] + 1
         pos = torch.tensor(depth) + 12
-        a = m(torch.tensor([toks]), pos, eager_cache, tree_mask=tree)[0]
+        a = m(torch.tensor([toks]), pos, eager_cache, PassSpec(tree_mask=tree))[0]
         b = runner.run(toks, pos, tree)
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
         full = torch.cat([torch.ones(rows, 12, dtype=torch.bool), tree], dim=1)
         full[:, 3] = False  # hide one prefix token: the complete-mask form
         eager_cache.discard()
-        a = m(torch.tensor([toks]), pos, eager_cache, tree_mask=full)[0]
+        a = m(torch.tensor([toks]), pos, eager_cache, PassSpec(tree_mask=full))[0]
         first = min(1, rows - 1)
         b = runner.run(toks, pos, full, logits_rows=slice(first, None))
         torch.testing.assert_close(b, a[first:], rtol=1e-4, atol=1e-5)
@@ -251,9 +252,9 @@ def test_a_request_s_eager_passes_go_through_its_router() -> None:
     seen: list[Transformer] = []
 
     class Recorder(PassRouter):
-        def __call__(self, model, tokens, positions, cache, **kwargs):  # noqa: ANN001, ANN003, ANN204
+        def __call__(self, model, tokens, positions, cache, spec):  # noqa: ANN001, ANN204
             seen.append(model)
-            return model(tokens, positions, cache, **kwargs)
+            return model(tokens, positions, cache, spec)
 
     prompt = list(range(3, 12))
     request = RequestPasses(router=Recorder())

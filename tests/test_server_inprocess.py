@@ -339,7 +339,7 @@ def test_feature_draft_passes_join_the_ragged_passes(feature_engine, method, mon
 
     def counting(model, segments, pad=False):  # noqa: ANN001, ANN202
         if model is draft:
-            assert all(s.features is not None and s.return_hidden for s in segments)
+            assert all(s.spec.features is not None and s.spec.wants_hidden for s in segments)
         seen["draft" if model is draft else "oracle"].append(len(segments))
         return real(model, segments, pad=pad)
 

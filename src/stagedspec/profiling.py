@@ -21,6 +21,7 @@ import torch
 from stagedspec import costs, hardware
 from stagedspec.costs import CostProfile, VERIFY_ROWS, interpolate, monotone
 from stagedspec.drafters.model import ModelDrafter
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.ragged import Segment, forward_ragged
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import write_text_atomic
@@ -88,7 +89,7 @@ def forward_cost_curve(
         if runner is not None:
             runner.run(prompt[0].tolist(), torch.arange(context), None, logits_rows=slice(-1, None))
         else:
-            model(prompt, torch.arange(context, device=device), cache, logits_rows=slice(-1, None))
+            model(prompt, torch.arange(context, device=device), cache, PassSpec(logits_rows=slice(-1, None)))
         cache.commit()
         for n in sizes:
             rows = max(n, 2) if fixed and runner is None else n
@@ -104,8 +105,8 @@ def forward_cost_curve(
                 if runner is not None:
                     runner.run(toks[0].tolist(), pos.cpu(), mask, logits_rows=slice(0, n))
                 else:
-                    model(toks, pos, cache, tree_mask=mask.to(device) if rows > 1 else None, logits_rows=slice(0, n),
-                          key_width=cache.max_len if fixed else None)
+                    model(toks, pos, cache, PassSpec(tree_mask=mask.to(device) if rows > 1 else None,
+                                                     logits_rows=slice(0, n), key_width=cache.max_len if fixed else None))
                 sync()
                 if r:
                     times.append(time.perf_counter() - t)
@@ -143,13 +144,13 @@ def ragged_segment_cost(model: Transformer, context: int = 256, segments: int = 
     def seg(n: int) -> Segment:
         toks = torch.randint(0, vocab, (1, n), generator=g).to(device)
         mask, depth = _tree_mask(n)
-        return Segment(toks, torch.tensor(depth, device=device) + context, cache, mask.to(device), None,
-                       cache.max_len if fixed else None)
+        return Segment(toks, torch.tensor(depth, device=device) + context, cache,
+                       PassSpec(tree_mask=mask.to(device), key_width=cache.max_len if fixed else None))
 
     try:
         with torch.inference_mode():
             prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
-            model(prompt, torch.arange(context, device=device), cache, logits_rows=slice(-1, None))
+            model(prompt, torch.arange(context, device=device), cache, PassSpec(logits_rows=slice(-1, None)))
             cache.commit()
             best = {"one": math.inf, "many": math.inf}
             shapes = {"one": [seg(total)], "many": [seg(rows) for _ in range(segments)]}

@@ -45,6 +45,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from stagedspec.cache import KVCache
+from stagedspec.models.feature_draft import is_feature_draft
+from stagedspec.models.pass_spec import PLAIN, PassSpec
 from stagedspec.models.quant import row_exact
 from stagedspec.models.transformer import Transformer, decoding_mode
 from stagedspec.tree import TokenTree
@@ -133,9 +136,10 @@ class StaticRunner:
         # A feature draft's passes also read one input feature per row (`models.feature_draft`): a device
         # buffer like the others, so that a captured graph reads each pass's features from it.
         self.features: Tensor | None = None
-        if getattr(model, "kind", None) == "feature":
+        if is_feature_draft(model):
             self.features = torch.zeros(1, rows, model.config.hidden_size, dtype=model.embed.weight.dtype,
                                         device=self.device)
+        self._specs: dict[int, PassSpec] = {}  # per bucket (`_spec`)
         self._pool = None
         self._copied: torch.cuda.Event | None = None  # marks the last host-to-device copies (pinned buffers)
         self.lease: RunnerLease | None = None  # who holds this runner, when pooled (`acquire_runner`)
@@ -300,11 +304,17 @@ class StaticRunner:
                 logits, hidden = self._outputs[rows]
                 return logits, hidden, True
         logits, hidden = self._forward(self.index[0:1, :rows], self.index[1, :rows], self.index[2, :rows],
-                                       self.mask[:rows], self.cache, None, True, self._features(rows))
+                                       self.mask[:rows], self.cache, self._spec(rows))
         return logits, hidden, False
 
-    def _features(self, rows: int) -> Tensor | None:
-        return None if self.features is None else self.features[:, :rows]
+    def _spec(self, rows: int) -> PassSpec:
+        """A bucket's pass: logits and hidden states of every row, reading the features buffer's first `rows`
+        (one record per bucket, so that a compiled pass sees the same input every time)."""
+        spec = self._specs.get(rows)
+        if spec is None:
+            features = None if self.features is None else self.features[:, :rows]
+            spec = self._specs[rows] = PassSpec(hidden="rows", features=features)
+        return spec
 
     def _forward(self, *args) -> tuple[Tensor, Tensor]:  # noqa: ANN002
         """The static pass, compiled under `--compile`; a failed compile falls back to the plain one."""
@@ -323,7 +333,7 @@ class StaticRunner:
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph | None:
         """Record bucket's pass as a CUDA graph (its inputs are already in place); None if capture fails."""
         args = (self.index[0:1, :bucket], self.index[1, :bucket], self.index[2, :bucket], self.mask[:bucket],
-                self.cache, None, True, self._features(bucket))
+                self.cache, self._spec(bucket))
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -348,7 +358,8 @@ class StaticRunner:
 class PassRouter:
     """Where a request's eager model passes go instead of straight to the model (`RequestPasses.router`)."""
 
-    def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache, **kwargs) -> Tensor:  # noqa: ANN001
+    def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache,
+                 spec: PassSpec = PLAIN) -> Tensor | tuple[Tensor, Tensor]:
         raise NotImplementedError
 
 
@@ -448,11 +459,47 @@ class RequestPasses:
         self.router = router
         self.leases: list[RunnerLease] = []
 
-    def run(self, model: Transformer, tokens: Tensor, positions: Tensor, cache, **kwargs) -> Tensor:  # noqa: ANN001
-        """`model(tokens, positions, cache, **kwargs)`, or through this request's router when it has one."""
+    def run(self, model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache,
+            spec: PassSpec = PLAIN) -> Tensor | tuple[Tensor, Tensor]:
+        """An eager pass: `model(tokens, positions, cache, spec)`, or through this request's router when it has
+        one.  Tensors on the model's device, with the batch dimension (`Transformer.forward`)."""
         if self.router is None:
-            return model(tokens, positions, cache, **kwargs)
-        return self.router(model, tokens, positions, cache, **kwargs)
+            return model(tokens, positions, cache, spec)
+        return self.router(model, tokens, positions, cache, spec)
+
+    def run_pass(self, model: Transformer, runner: StaticRunner | None, cache: KVCache, tokens: Sequence[int],
+                 positions: Tensor, spec: PassSpec = PLAIN) -> tuple[Tensor, Tensor | None]:
+        """One pass of a part of this request (the oracle, a drafter, a draft stage): the one place that
+        chooses a pass's path.
+
+        - A part that leased a static runner (pass mode "static" or "graphs", `pass_mode`) runs the runner's
+          fixed-shape buckets, replayed as CUDA graphs on a GPU.  They attend over the runner's whole cache,
+          so `spec.key_width` is the runner's own, and rows stay independent by the bucket every pass runs
+          (`ModelOracle`'s `bit_exact`).
+        - Else the pass is eager: through this request's router when it has one (the batched server's lane,
+          which runs it in one ragged pass with other requests', `models.ragged`), or straight to
+          `Transformer.forward`, which runs the model's one native call per pass where it has one and its
+          layers in PyTorch otherwise.
+
+        `tokens` [T] and `positions` [T] on the host; `spec.tree_mask` as `Transformer.forward` takes it;
+        `spec.features` [1, T, H].  Returns logits [T', V] of `spec.logits_rows`, and hidden states when
+        `spec.hidden` asks ("rows": [T', H] of those rows; "all": [T, H] of every row), else None.
+        """
+        if runner is not None:
+            features = None if spec.features is None else spec.features[0]
+            rows = spec.logits_rows
+            logits = runner.run(tokens, positions, spec.tree_mask, logits_rows=rows, features=features)
+            hidden = runner.hidden if spec.wants_hidden else None
+            if hidden is not None and spec.hidden == "rows" and rows is not None:
+                hidden = hidden[rows]
+            return logits, hidden
+        device = model.embed.weight.device
+        toks = torch.tensor([list(tokens)], device=device)
+        mask = None if spec.tree_mask is None else spec.tree_mask.to(device)
+        out = self.run(model, toks, positions.to(device), cache, spec.but(tree_mask=mask))
+        if not spec.wants_hidden:
+            return out[0], None
+        return out[0][0], out[1][0]
 
     def acquire(self, model: Transformer, max_len: int, owner: object, *, min_rows: int = 1) -> StaticRunner:
         """`acquire_runner`, the lease recorded here so that `release` gives it back."""
@@ -607,13 +654,7 @@ class ModelOracle:
         else:
             mask = torch.ones(P + N, P + N, dtype=torch.bool).tril_()
             mask[P:, P:] = tree.attention_mask()
-        if self.runner is not None:
-            self.forward_passes += 1
-            self._tree = tree
-            logits = self.runner.run(tokens, pos, mask, logits_rows=slice(P, P + N))
-            self._hidden = self.runner.hidden
-            return logits
-        if self.key_width is not None and P + N == 1:
+        if self.runner is None and self.key_width is not None and P + N == 1:
             # CPU matmul kernels for a single row can round differently from those for
             # several rows (seen for bf16 with K=1536); a throwaway second row (after the
             # real one, so invisible to it, and never committed) keeps every pass multi-row.
@@ -622,15 +663,11 @@ class ModelOracle:
             mask = torch.ones(2, 2, dtype=torch.bool).tril_()
         self.forward_passes += 1
         self._tree = tree
-        toks = torch.tensor([tokens], device=self.device)
-        mask = None if mask is None else mask.to(self.device)
-        out = self.passes.run(self.model, toks, pos.to(self.device), self.cache, tree_mask=mask,
-                              logits_rows=slice(P, P + N), key_width=self.key_width, row_independent=self.bit_exact,
-                              return_hidden="all" if self.features is not None else False)
-        if self.features is None:
-            return out[0]
-        self._hidden = out[1][0, : P + N]
-        return out[0][0]
+        spec = PassSpec(tree_mask=mask, logits_rows=slice(P, P + N), key_width=self.key_width,
+                        row_independent=self.bit_exact, hidden="all" if self.features is not None else "none")
+        logits, hidden = self.passes.run_pass(self.model, self.runner, self.cache, tokens, pos, spec)
+        self._hidden = None if hidden is None else hidden[: P + N]
+        return logits
 
     def _run_catch_up(self) -> None:
         """Run the uncached context in a pass of its own, before the first tree.
@@ -642,17 +679,11 @@ class ModelOracle:
         """
         lead = self._catch_up
         start = self.cache.length
-        if self.runner is not None:
-            self.runner.run(lead, torch.arange(start, start + len(lead)), None, logits_rows=slice(-1, None))
-            self._hidden = self.runner.hidden
-        else:
-            toks = torch.tensor([lead], device=self.device)
-            pos = torch.arange(start, start + len(lead), device=self.device)
-            out = self.passes.run(self.model, toks, pos, self.cache,
-                                  tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
-                                  logits_rows=slice(-1, None), key_width=self.key_width,
-                                  return_hidden="all" if self.features is not None else False)
-            self._hidden = out[1][0] if self.features is not None else None
+        spec = PassSpec(tree_mask=torch.ones(len(lead), len(lead), dtype=torch.bool).tril_(),
+                        logits_rows=slice(-1, None), key_width=self.key_width,
+                        hidden="all" if self.features is not None else "none")
+        _, self._hidden = self.passes.run_pass(self.model, self.runner, self.cache, lead,
+                                               torch.arange(start, start + len(lead)), spec)
         self.forward_passes += 1  # counted: the bench's passes per token and memory traffic include it
         self.cache.commit()
         self._keep_features(start, slice(0, len(lead)))

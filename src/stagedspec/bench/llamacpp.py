@@ -47,7 +47,7 @@ def draft_model_flags(draft_gguf: Path, threads: int) -> list[str]:
     """llama.cpp's flags for draft-model speculation with `draft_gguf` (`llamacpp-spec`, `bench-serve`).
 
     `--spec-type draft-simple` is needed: this llama.cpp's `--spec-type` defaults to none, and `-md` alone
-    loads the draft and never drafts with it (the bench's figures before 2026-11-26 were plain decoding)."""
+    loads the draft and never drafts with it (docs/benchmarks-history.md marks the runs measured that way)."""
     return ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
             "-td", str(threads)]
 

@@ -31,6 +31,7 @@ from torch import Tensor
 from stagedspec.drafters.model import ModelDrafter
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.feature_draft import is_feature_draft
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import Transformer
 from stagedspec.cache import KVCache
 from stagedspec.runner import RequestPasses, StaticRunner, pass_mode
@@ -89,18 +90,12 @@ class FeatureInputs:
     def run(self, tokens: list[int], features: Tensor, positions: Tensor, mask: Tensor | None,
             rows: slice | None) -> tuple[Tensor, Tensor]:
         """One draft pass, its entries committed at once: logits [n', V] and output features [n', H] of `rows`."""
-        if self.runner is not None:
-            logits = self.runner.run(tokens, positions, mask, logits_rows=rows, features=features)
-            hidden = self.runner.hidden
-            assert hidden is not None
-            self.cache.commit()
-            return logits, hidden if rows is None else hidden[rows]
-        toks = torch.tensor([tokens], device=self.device)
+        spec = PassSpec(tree_mask=mask, logits_rows=rows, hidden="rows", features=features[None])
         # through the request's passes, so that the batched server runs it in one ragged pass with other requests'
-        logits, hidden = self.passes.run(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
-                                         logits_rows=rows, return_hidden=True, features=features[None])
+        logits, hidden = self.passes.run_pass(self.model, self.runner, self.cache, tokens, positions, spec)
+        assert hidden is not None
         self.cache.commit()
-        return logits[0], hidden[0]
+        return logits, hidden
 
     def catch_up(self, context: Sequence[int]) -> tuple[Tensor, Tensor]:
         """Run what the cache lacks of `context` (its last token, the root, always): the root's logits and

@@ -21,6 +21,7 @@ from stagedspec.budget import AdaptiveBudget
 from stagedspec.constraints.processor import LogitsProcessor
 from stagedspec.drafters.base import Drafter, check_size
 from stagedspec.errors import StagedSpecError
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import RequestPasses, draft_cache_len, pass_mode
 from stagedspec.sampling import SamplingParams
@@ -131,12 +132,8 @@ class ModelDrafter(Drafter):
     def _run(self, tokens: list[int], positions: Tensor, mask: Tensor | None, rows: slice | None) -> Tensor:
         """One draft pass (`positions` on the host), its entries committed at once."""
         self.forward_passes += 1
-        if self.runner is not None:
-            logits = self.runner.run(tokens, positions, mask, logits_rows=rows)
-        else:
-            toks = torch.tensor([tokens], device=self.device)
-            logits = self.passes.run(self.model, toks, positions.to(self.device), self.cache, tree_mask=mask,
-                                     logits_rows=rows)[0]
+        logits, _ = self.passes.run_pass(self.model, self.runner, self.cache, tokens, positions,
+                                         PassSpec(tree_mask=mask, logits_rows=rows))
         self.cache.commit()
         return logits
 

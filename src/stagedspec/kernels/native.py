@@ -57,8 +57,8 @@ ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI", 3: "AVX-512 VNNI, 
 ISA_KEYS = {"portable": 0, "avx2": 1, "avx512-vnni": 2, "avx512-vnni-512": 3}
 # A CPU with AVX-512 VNNI runs the tiles in 256-bit registers (2) or two at a time in 512-bit ones (3, the same
 # bits).  The 512-bit form is chosen where this core's 512-bit `vpdpbusd` retires more multiply-adds than its
-# 256-bit one: Zen 5 twice as many (AMD EPYC, 2026-11-28: 1,015 against 510 G a second on 2 threads); Zen 4
-# splits 512-bit operations in two halves, so there it would only add work.  Measured at load (`wide_vnni_pays`).
+# 256-bit one: Zen 5 about twice as many (docs/kernels.md, "512-bit pairs of tiles on Zen 5"); Zen 4 splits
+# 512-bit operations in two halves, so there it would only add work.  Measured at load (`wide_vnni_pays`).
 WIDE_VNNI_GAIN = 1.4  # the least gain in multiply-adds a second that selects the 512-bit form
 ENV_SWITCH = "STAGEDSPEC_QKERNELS"
 OFF_VALUES = ("torch", "0", "off", "none")

@@ -151,6 +151,8 @@ class DraftModel(Transformer):
     it, it uses the oracle's head (frozen, shared).
     """
 
+    kind = INDEPENDENT  # reads tokens only (a `FeatureDraftModel` reads the oracle's features too)
+
     def __init__(
         self,
         oracle: Transformer,
@@ -254,38 +256,6 @@ class DraftModel(Transformer):
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy(-1, self.head_tokens, logits)
-
-    # ------------------------------------------------------------------ inference
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        cache: KVCache,
-        tree_mask: Tensor | None = None,
-        logits_rows: Tensor | slice | None = None,
-        return_hidden: bool | str = False,
-        key_width: int | None = None,
-        row_independent: bool = False,
-        features: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Same contract as `Transformer.forward`; logits always cover the full vocabulary."""
-        out = super().forward(tokens, positions, cache, tree_mask, logits_rows, return_hidden, key_width,
-                              row_independent, features)
-        if self.head_tokens is None:
-            return out
-        if return_hidden:
-            logits, h = out
-            return self.expand_logits(logits), h
-        return self.expand_logits(out)
-
-    def forward_static(self, *args, **kwargs) -> Tensor | tuple[Tensor, Tensor]:  # noqa: ANN002, ANN003
-        """Same contract as `Transformer.forward_static`; logits always cover the full vocabulary."""
-        out = super().forward_static(*args, **kwargs)
-        if self.head_tokens is None:
-            return out
-        if isinstance(out, tuple):
-            return self.expand_logits(out[0]), out[1]
-        return self.expand_logits(out)
 
     # ------------------------------------------------------------------ training
     def hidden_train(self, tokens: Tensor) -> Tensor:
@@ -527,7 +497,7 @@ def save_draft(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = _saved_tensors(model, dtype)
-    kind = getattr(model, "kind", INDEPENDENT)
+    kind = model.kind
     config = {
         "format": FORMAT,
         # A feature draft needs a reader that knows the kind: older ones (version 1) would misread it.

@@ -201,4 +201,4 @@ def _unrolled_attention(attn: Attention, q: Tensor, kv: list[tuple[Tensor, Tenso
 
 def is_feature_draft(model: object) -> bool:
     """Whether `model` needs the oracle's hidden states as input (a `FeatureDraftModel`)."""
-    return getattr(model, "kind", None) == KIND
+    return isinstance(model, FeatureDraftModel)

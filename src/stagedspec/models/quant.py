@@ -46,7 +46,7 @@ from stagedspec.kernels.native import NativeKernels, native_kernels
 from stagedspec.models.gguf_codes import KEPT_TYPES, RawTensor, q4k_codes, q5_0_codes, q6k_codes
 from stagedspec.models.gguf_file import read_tensor_table
 from stagedspec.models.specs import resolve_model_path
-from stagedspec.models.transformer import Attention, RMSNorm, Transformer
+from stagedspec.models.transformer import Attention, Block, RMSNorm, Transformer
 
 # "mixed": each layer in its source's own format where a GGUF's blocks are at hand (see above); otherwise int4
 # where most of its groups are 4-bit in the source (a Q4_0/Q4_1/Q4_K tensor), int8 elsewhere (Q5_0, Q6_K,
@@ -85,10 +85,10 @@ def weight_format(layer: nn.Module) -> str | None:
     return None
 
 
-def describe_weights(model: nn.Module) -> str:
+def describe_weights(model: Transformer) -> str:
     """E.g. "int4 x 196, int8 x 29 layers + int8 head, on stagedspec-native (AVX2)", or "unquantised"."""
     counts: dict[str, int] = {}
-    head_q = getattr(model, "head_q", None)
+    head_q = model.head_q
     for m in model.modules():
         kind = weight_format(m)
         if kind is not None and m is not head_q:
@@ -101,7 +101,7 @@ def describe_weights(model: nn.Module) -> str:
     return f"{layers} layers{head}, on {kernel_name(model)}"
 
 
-def row_exact(model: nn.Module) -> bool:
+def row_exact(model: Transformer) -> bool:
     """Whether every matrix product of `model`'s passes gives a row the same bits whatever else shares the pass.
 
     True when all its linear layers and its vocabulary head run on the native kernels, which compute each row
@@ -110,7 +110,7 @@ def row_exact(model: nn.Module) -> bool:
     row by the pass's shape, so batching it with other requests' rows can move its last bits.
     """
     native = (Int4Linear, Int8Linear, SegmentLinear)
-    if getattr(model, "head_q", None) is None:
+    if model.head_q is None:
         return False
     replaced = {id(getattr(model, name)) for name in ("head", "lm_head") if getattr(model, name, None) is not None}
     for m in model.modules():
@@ -293,7 +293,7 @@ class NativeLayerStack:
     @classmethod
     def of(cls, blocks: list[nn.Module]) -> NativeLayerStack | None:
         """The stack of `blocks` where every one runs as a `NativeDecoderLayer` with the same shared settings."""
-        layers = [getattr(b, "native_layer", None) for b in blocks]
+        layers = [b.native_layer for b in blocks]
         if not layers or not all(isinstance(layer, NativeDecoderLayer) for layer in layers):
             return None
         shared = {(layer.eps, layer.scale, layer.n_heads, layer.n_kv_heads, layer.kernels.isa) for layer in layers}
@@ -565,7 +565,7 @@ def dequantized_copy(module: nn.Module) -> nn.Module:
     for m in module.modules():
         if isinstance(m, Attention):
             m.native_attention = None
-        if getattr(m, "native_layer", None) is not None:
+        if isinstance(m, Block) and m.native_layer is not None:
             m.native_layer = None  # it would still run the quantised copies
         if isinstance(m, Transformer):  # a whole model: its stack would run the quantised blocks
             m.runtime.native_stack = None

@@ -15,9 +15,9 @@ So a segment differs from its solo pass only in how many rows share the
 row-wise matmuls; attention (the only op that mixes rows) is the solo call.
 
 A segment may also ask for what the feature-draft passes need: its final
-normalised hidden states (`return_hidden`, as `forward` takes it: those of
-its logits rows, or "all" of its rows; the oracle records them for a feature
-draft) and per-row input `features` (a `FeatureDraftModel` fuses them with
+normalised hidden states (`PassSpec.hidden`: "rows", those of its logits
+rows, or "all" of its rows; the oracle records them for a feature draft) and
+per-row input `features` (a `FeatureDraftModel` fuses them with
 the token embedding, a row-wise op like the others).
 `tests/test_ragged.py` checks a one-segment pass is bit-identical to
 `Transformer.forward`, and several segments agree with their solo passes.
@@ -49,6 +49,7 @@ from torch import Tensor
 
 from stagedspec.cache import KVCache
 from stagedspec.pass_options import env_flag
+from stagedspec.models.pass_spec import PLAIN, PassSpec
 from stagedspec.models.transformer import Transformer, apply_rope, attend_row_by_row, decoding_mode
 
 
@@ -70,17 +71,12 @@ def padded_rows(n: int) -> int:
 
 @dataclass
 class Segment:
-    """One sequence's pass, with `Transformer.forward`'s arguments (batch 1)."""
+    """One sequence's pass: what `Transformer.forward` takes (batch 1)."""
 
     tokens: Tensor  # [1, T]
     positions: Tensor  # [T]
     cache: KVCache
-    tree_mask: Tensor | None = None
-    logits_rows: slice | None = None
-    key_width: int | None = None
-    row_independent: bool = False
-    return_hidden: bool | str = False
-    features: Tensor | None = None  # [1, T, H]: a feature draft's input features (zeros when None)
+    spec: PassSpec = PLAIN  # its `features`, if any, [1, T, H] (zeros for a feature draft's segment without)
 
 
 @dataclass
@@ -95,7 +91,7 @@ class _Prepared:
 
 def forward_ragged(model: Transformer, segments: list[Segment],
                    pad: bool = False) -> list[Tensor | tuple[Tensor, Tensor]]:
-    """Run every segment's pass in one go; returns each segment's logits [1, T', V] (with `return_hidden`:
+    """Run every segment's pass in one go; returns each segment's logits [1, T', V] (with `spec.hidden`:
     logits and hidden states [1, T' or T, H]), as `forward` would.  `pad`: run the row-wise ops over
     `padded_rows` rows, and the head over `padded_rows` of the picked rows (see the module docstring)."""
     if not segments:
@@ -139,41 +135,37 @@ def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> l
     picked = []
     for s, p in zip(segments, prepared):
         rows = range(p.rows.start, p.rows.stop)
-        picked.append(rows[s.logits_rows] if s.logits_rows is not None else rows)
+        picked.append(rows[s.spec.logits_rows] if s.spec.logits_rows is not None else rows)
     index_rows = [r for rows in picked for r in rows]
     if pad and index_rows:  # the head's rows padded too (repeats of the last; their logits are not read)
         index_rows += [index_rows[-1]] * (padded_rows(len(index_rows)) - len(index_rows))
     index = torch.tensor(index_rows, dtype=torch.long, device=x.device)
     hidden = None
-    if any(s.return_hidden for s in segments):  # the norm over every row (row-wise), the head over the picked
+    if any(s.spec.wants_hidden for s in segments):  # the norm over every row (row-wise), the head over the picked
         logits, hidden = model.head_logits(x, index, "all")
     else:
-        logits = model.head_logits(x[:, index], None, False)
-    if getattr(model, "head_tokens", None) is not None:
-        # A distilled draft's own head covers its top-V tokens only; its `forward` scatters them into the
-        # full vocabulary (-inf elsewhere), and so must this pass, or token ids would be read as columns.
-        logits = model.expand_logits(logits)
+        logits = model.head_logits(x[:, index], None)  # a draft's restricted head comes back scattered
     out: list[Tensor | tuple[Tensor, Tensor]] = []
     at = 0
     for s, p, rows in zip(segments, prepared, picked):
         seg_logits = logits[:, at:at + len(rows)]
         at += len(rows)
-        if not s.return_hidden:
+        if not s.spec.wants_hidden:
             out.append(seg_logits)
         else:
             assert hidden is not None
-            own = p.rows if s.return_hidden == "all" else slice(rows.start, rows.stop, rows.step)
+            own = p.rows if s.spec.hidden == "all" else slice(rows.start, rows.stop, rows.step)
             out.append((seg_logits, hidden[:, own]))
     return out
 
 
 def _features(model: Transformer, segments: list[Segment]) -> Tensor | None:
     """The segments' input features, one row per token (zeros where a segment has none), or None if none has."""
-    if all(s.features is None for s in segments):
+    if all(s.spec.features is None for s in segments):
         return None
     H = model.config.hidden_size
     p = model.embed.weight
-    return torch.cat([s.features if s.features is not None else p.new_zeros(1, s.tokens.shape[1], H)
+    return torch.cat([s.spec.features if s.spec.features is not None else p.new_zeros(1, s.tokens.shape[1], H)
                       for s in segments], dim=1)
 
 
@@ -186,10 +178,10 @@ def _prepare(model: Transformer, s: Segment, offset: int) -> _Prepared:
     start = cache.reserve(T)
     if cache.positions is not None:
         cache.positions[:, start:start + T] = positions
-    bool_mask = model.build_mask(T, start, s.tree_mask, device)
-    if s.key_width is not None:
-        bool_mask = model.widen_mask(bool_mask, T, start, s.key_width, device)
-    groups = 1 if s.row_independent else model.config.n_heads // model.config.n_kv_heads
+    bool_mask = model.build_mask(T, start, s.spec.tree_mask, device)
+    if s.spec.key_width is not None:
+        bool_mask = model.widen_mask(bool_mask, T, start, s.spec.key_width, device)
+    groups = 1 if s.spec.row_independent else model.config.n_heads // model.config.n_kv_heads
     mask = None if bool_mask is None else model.mask_to_bias(bool_mask, dtype, groups)
     local_mask = mask
     if any(model.local):
@@ -226,7 +218,7 @@ def _attention(attn, x: Tensor, rope, segments: list[Segment], prepared: list[_P
         qs = q[:, :, p.rows]
         if attn.native_attention is not None:  # every row alone: the segment's solo numbers, bit for bit
             o = attn.native_attention.attention(qs, keys, values, mask, attn.scale or D ** -0.5)
-        elif s.row_independent and mask is not None:
+        elif s.spec.row_independent and mask is not None:
             o = attend_row_by_row(qs, keys, values, mask, G, attn.scale)
         else:
             o = F.scaled_dot_product_attention(qs.reshape(1, Hkv, G * n, D), keys, values, attn_mask=mask,

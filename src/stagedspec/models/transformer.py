@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from stagedspec.cache import KVCache
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.matmul_plan import planned_linear
+from stagedspec.models.pass_spec import PLAIN, Hidden, PassSpec
 from stagedspec.models.runtime import ModelRuntime
 
 
@@ -376,22 +377,12 @@ class Transformer(nn.Module):
             batch=batch, dtype=p.dtype, device=p.device, track_positions=any(self.local), spare=spare,
         )
 
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        cache: KVCache,
-        tree_mask: Tensor | None = None,
-        logits_rows: Tensor | slice | None = None,
-        return_hidden: bool | str = False,
-        key_width: int | None = None,
-        row_independent: bool = False,
-        features: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Run `tokens` [B, T] at `positions` [T] (or [B, T]) on top of the committed cache.
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache,
+                spec: PassSpec = PLAIN) -> Tensor | tuple[Tensor, Tensor]:
+        """Run `tokens` [B, T] at `positions` [T] (or [B, T]) on top of the committed cache, as `spec` says.
 
         - Attention: every new token sees the whole committed prefix; among the
-          new tokens it sees those allowed by `tree_mask` [T, T] (bool,
+          new tokens it sees those allowed by `spec.tree_mask` [T, T] (bool,
           True = may attend; must include the diagonal), or the causal
           pattern when `tree_mask` is None.  A `tree_mask` of shape
           [T, cached + T] is used as the complete mask (a drafter growing a
@@ -400,40 +391,40 @@ class Transformer(nn.Module):
           (batched generation of left-padded prompts).
         - The new keys/values become the cache's pending entries; the caller
           must `cache.commit(...)` the ones to keep.
-        - Returns logits [B, T', V] for the rows selected by `logits_rows`
+        - Returns logits [B, T', V] for the rows selected by `spec.logits_rows`
           (all rows by default; a prefill passes `slice(-1, None)` to skip
-          the vocabulary head for the prompt).  With `return_hidden`, also
-          the final normalised hidden states of those rows; `return_hidden="all"`
+          the vocabulary head for the prompt).  With `spec.hidden="rows"`, also
+          the final normalised hidden states of those rows; `"all"`
           returns them for every row (the logits still only for `logits_rows`):
           a feature draft needs the oracle's hidden state at every committed
           position, the prompt's included (`stagedspec.models.feature_draft`).
-        - `features` [B, T, H]: extra per-row inputs, for models whose `embed_rows`
+        - `spec.features` [B, T, H]: extra per-row inputs, for models whose `embed_rows`
           fuses them with the token embedding (a feature draft); plain
           models take none.
-        - `key_width`: attend over exactly this many cache slots (the ones
+        - `spec.key_width`: attend over exactly this many cache slots (the ones
           past the new tokens masked out) instead of the filled ones.  CPU
           attention kernels round differently for different key counts (and
           for different query counts), so a fixed width removes one way a
           row's result depends on the pass it is in (`ModelOracle` uses the
           cache size; `row_independent` removes the other).
-        - `row_independent`: run attention one query token at a time
+        - `spec.row_independent`: run attention one query token at a time
           (`attend_row_by_row`), so a row's numbers do not depend on how many
           rows share the pass either; `ModelOracle(bit_exact=True)` uses it.
         """
         with decoding_mode(self):
-            return self._forward(tokens, positions, cache, tree_mask, logits_rows, return_hidden, key_width,
-                                 row_independent, features)
+            return self._forward(tokens, positions, cache, spec)
 
-    def _forward(self, tokens, positions, cache, tree_mask, logits_rows, return_hidden, key_width,  # noqa: ANN001
-                 row_independent, features):  # noqa: ANN001, ANN202 - `forward`'s arguments, documented there
+    def _forward(self, tokens: Tensor, positions: Tensor, cache: KVCache,
+                 spec: PassSpec) -> Tensor | tuple[Tensor, Tensor]:
         B, T = tokens.shape
         start = cache.reserve(T)
-        x, rope, local_rope = self.embed_rows(tokens, positions, features)
+        x, rope, local_rope = self.embed_rows(tokens, positions, spec.features)
         if cache.positions is not None:
             cache.positions[:, start:start + T] = positions
-        bool_mask = self.build_mask(T, start, tree_mask, x.device)
-        if key_width is not None:
-            bool_mask = self.widen_mask(bool_mask, T, start, key_width, x.device)
+        bool_mask = self.build_mask(T, start, spec.tree_mask, x.device)
+        if spec.key_width is not None:
+            bool_mask = self.widen_mask(bool_mask, T, start, spec.key_width, x.device)
+        row_independent = spec.row_independent
         groups = 1 if row_independent else self.config.n_heads // self.config.n_kv_heads
         mask = None if bool_mask is None else self.mask_to_bias(bool_mask, x.dtype, groups)
         local_mask = mask
@@ -443,25 +434,16 @@ class Transformer(nn.Module):
                 local_mask = self.mask_to_bias(local, x.dtype, groups)
         stack = self.runtime.native_stack
         if stack is not None and not isinstance(start, Tensor) and cache.k.dim() == 5:
-            return self.head_logits(stack(x, rope, cache.k, cache.v, start, mask), logits_rows, return_hidden)
+            return self.head_logits(stack(x, rope, cache.k, cache.v, start, mask), spec.logits_rows, spec.hidden)
         for i, layer in enumerate(self.layers):
             if self.local and self.local[i]:
                 x = layer(x, local_rope, cache.k[i], cache.v[i], start, local_mask, row_independent)
             else:
                 x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
-        return self.head_logits(x, logits_rows, return_hidden)
+        return self.head_logits(x, spec.logits_rows, spec.hidden)
 
-    def forward_static(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        mask: Tensor,
-        cache: KVCache,
-        logits_rows: slice | None = None,
-        return_hidden: bool | str = False,
-        features: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache,
+                       spec: PassSpec = PLAIN) -> Tensor | tuple[Tensor, Tensor]:
         """One static-shape pass: `tokens` [1, T] at `positions` [T], written to cache `slots` [T].
 
         `mask` [T, cache.slots] (bool) says which cache slots each row sees, the
@@ -469,14 +451,17 @@ class Transformer(nn.Module):
         on T alone and no value is read back to the host: the pass can be
         captured as a CUDA graph and replayed at any position
         (`stagedspec.runner`).  The cache's length bookkeeping is the caller's.
+        `spec`: its `logits_rows`, `hidden` and `features` (the mask is `mask`; every slot is a key).
         """
+        if spec.tree_mask is not None:
+            raise ValueError("a static pass takes its mask over the cache's slots as `mask`, not `spec.tree_mask`")
         with decoding_mode(self):
-            return self._forward_static(tokens, positions, slots, mask, cache, logits_rows, return_hidden, features)
+            return self._forward_static(tokens, positions, slots, mask, cache, spec)
 
-    def _forward_static(self, tokens, positions, slots, mask, cache, logits_rows, return_hidden,  # noqa: ANN001
-                        features):  # noqa: ANN001, ANN202 - `forward_static`'s arguments, documented there
+    def _forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache,
+                        spec: PassSpec) -> Tensor | tuple[Tensor, Tensor]:
         B, T = tokens.shape
-        x, rope, local_rope = self.embed_rows(tokens, positions, features)
+        x, rope, local_rope = self.embed_rows(tokens, positions, spec.features)
         groups = self.config.n_heads // self.config.n_kv_heads
         bias = self.mask_to_bias(mask, x.dtype, groups)
         local_bias = bias
@@ -488,7 +473,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             local = bool(self.local) and self.local[i]
             x = layer(x, local_rope if local else rope, cache.k[i], cache.v[i], slots, local_bias if local else bias)
-        return self.head_logits(x, logits_rows, return_hidden)
+        return self.head_logits(x, spec.logits_rows, spec.hidden)
 
     def embed_rows(self, tokens: Tensor, positions: Tensor,
                features: Tensor | None = None) -> tuple[Tensor, tuple | None, tuple | None]:
@@ -510,11 +495,12 @@ class Transformer(nn.Module):
         return x, rope, local_rope
 
     def head_logits(self, x: Tensor, logits_rows: Tensor | slice | None,
-              return_hidden: bool | str) -> Tensor | tuple[Tensor, Tensor]:
+                    hidden: Hidden = "none") -> Tensor | tuple[Tensor, Tensor]:
         """Final norm and vocabulary head over the selected rows (Gemma's logit soft-cap included).
 
-        `return_hidden="all"`: the normalised hidden states of every row come back, not just the selected ones."""
-        if return_hidden == "all":
+        `hidden` as `PassSpec.hidden`: "rows" returns the selected rows' normalised hidden states too, "all"
+        every row's."""
+        if hidden == "all":
             h_all = self.norm(x)
             h = h_all if logits_rows is None else h_all[:, logits_rows]
         else:
@@ -528,9 +514,16 @@ class Transformer(nn.Module):
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        if return_hidden == "all":
+        logits = self.expand_logits(logits)
+        if hidden == "all":
             return logits, h_all
-        return (logits, h) if return_hidden else logits
+        return (logits, h) if hidden == "rows" else logits
+
+    def expand_logits(self, logits: Tensor) -> Tensor:
+        """Logits [..., V'] of this model's head as full-vocabulary logits [..., V].  A head over the whole
+        vocabulary returns them as they are; a draft whose head covers a subset of it scatters them
+        (`models.draft.DraftModel`), so every pass path returns token ids as columns."""
+        return logits
 
     def local_attention_mask(self, mask: Tensor | None, positions: Tensor, cache: KVCache, filled: int) -> Tensor | None:
         """The attention mask of the sliding-window layers, or None when no key can fall outside the window.

@@ -42,7 +42,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from stagedspec.cache import KVCache
 from stagedspec.errors import StagedSpecError
+from stagedspec.models.pass_spec import PLAIN, PassSpec
 from stagedspec.models.ragged import PAD_BY_DEFAULT, Segment, forward_ragged
 from stagedspec.models.transformer import Transformer
 from stagedspec.runner import PassRouter
@@ -245,17 +247,12 @@ class Lane(PassRouter):
             finally:
                 self._batcher.finished(self)
 
-    def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache,  # noqa: ANN001
-                 tree_mask: Tensor | None = None, logits_rows: slice | None = None,
-                 return_hidden: bool | str = False, key_width: int | None = None, row_independent: bool = False,
-                 features: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def __call__(self, model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache,
+                 spec: PassSpec = PLAIN) -> Tensor | tuple[Tensor, Tensor]:
         # Not a lane pass (a batch, or a pass run off this lane's thread, where no step waits for it): run it here.
         if tokens.shape[0] != 1 or positions.dim() != 1 or threading.current_thread() is not self._thread:
-            return model(tokens, positions, cache, tree_mask=tree_mask, logits_rows=logits_rows,
-                         return_hidden=return_hidden, key_width=key_width, row_independent=row_independent,
-                         features=features)
-        call = _Call(self, model, Segment(tokens, positions, cache, tree_mask, logits_rows, key_width,
-                                          row_independent, return_hidden, features))
+            return model(tokens, positions, cache, spec)
+        call = _Call(self, model, Segment(tokens, positions, cache, spec))
         self._batcher.submit(call)
         if call.error is not None:
             raise call.error

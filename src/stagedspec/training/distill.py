@@ -44,6 +44,7 @@ from stagedspec.errors import StagedSpecError
 from stagedspec.models.draft import CONFIG_NAME, DraftModel, default_draft_dir, grow_draft, save_draft
 from stagedspec.models.draft_loading import load_draft
 from stagedspec.models.feature_draft import FeatureDraftModel, feature_draft_from, is_feature_draft
+from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import write_text_atomic
 from stagedspec.sampling import SamplingParams, probs_from_logits, sample
@@ -235,7 +236,7 @@ def teacher_topk(oracle: Transformer, tokens: Tensor, k: int,
         for r in range(0, B, rows):
             chunk = tokens[r : r + rows].to(device)
             cache = oracle.new_cache(T, batch=chunk.shape[0])
-            out = oracle(chunk, torch.arange(T, device=device), cache, return_hidden=with_hidden)
+            out = oracle(chunk, torch.arange(T, device=device), cache, PassSpec(hidden="rows" if with_hidden else "none"))
             logits = out[0] if with_hidden else out
             if with_hidden:
                 hidden.append(out[1].float().to(out_device))
@@ -858,7 +859,7 @@ def _greedy_batch(oracle: Transformer, prompts: Sequence[Sequence[int]], n_token
     mask = (causal[None] & valid[:, None, :L]) | torch.eye(L, dtype=torch.bool, device=device)[None]
     positions = (torch.arange(L, device=device)[None] - pad[:, None]).clamp_(min=0)
     cache = oracle.new_cache(L + n_tokens, batch=B)
-    logits = oracle(tokens, positions, cache, tree_mask=mask[:, None], logits_rows=slice(-1, None))
+    logits = oracle(tokens, positions, cache, PassSpec(tree_mask=mask[:, None], logits_rows=slice(-1, None)))
     cache.commit()
     next_pos = positions[:, -1] + 1
     replies: list[list[int]] = [[] for _ in prompts]
@@ -872,7 +873,7 @@ def _greedy_batch(oracle: Transformer, prompts: Sequence[Sequence[int]], n_token
         if all(done) or step == n_tokens - 1:
             break
         mask = valid[:, None, None, : L + step + 1]
-        logits = oracle(nxt[:, None], next_pos[:, None], cache, tree_mask=mask)
+        logits = oracle(nxt[:, None], next_pos[:, None], cache, PassSpec(tree_mask=mask))
         cache.commit()
         next_pos = next_pos + 1
     return replies
@@ -897,7 +898,8 @@ def oracle_continuation(
     tokens, pos, out = list(prompt_ids), 0, []
     while len(out) < n_tokens:
         toks = torch.tensor([tokens], device=device)
-        logits = oracle(toks, torch.arange(pos, pos + len(tokens), device=device), cache, logits_rows=slice(-1, None))
+        logits = oracle(toks, torch.arange(pos, pos + len(tokens), device=device), cache,
+                        PassSpec(logits_rows=slice(-1, None)))
         cache.commit()
         pos += len(tokens)
         nxt = sample(probs_from_logits(logits[0, -1], sampling), generator)
@@ -957,8 +959,8 @@ def eval_draft(
         seq = prompt + cont[:-1]
         features = _oracle_input_features(oracle, seq, device) if is_feature_draft(draft) else None
         logits = draft(torch.tensor([seq], device=device), torch.arange(len(seq), device=device),
-                       draft.new_cache(len(seq)), logits_rows=slice(len(prompt) - 1, None),
-                       **({"features": features} if features is not None else {}))[0].float()
+                       draft.new_cache(len(seq)),
+                       PassSpec(logits_rows=slice(len(prompt) - 1, None), features=features))[0].float()
         target = torch.tensor(cont, device=device)
         top = logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices
         # bucket index of each reply position
@@ -992,7 +994,7 @@ def _oracle_input_features(oracle: Transformer, seq: Sequence[int], device: torc
     (what verification hands it on the accepted path), zeros at position 0."""
     odev = oracle.embed.weight.device
     _, hidden = oracle(torch.tensor([list(seq)], device=odev), torch.arange(len(seq), device=odev),
-                       oracle.new_cache(len(seq)), logits_rows=slice(-1, None), return_hidden="all")
+                       oracle.new_cache(len(seq)), PassSpec(logits_rows=slice(-1, None), hidden="all"))
     return shift_features(hidden).to(device)
 
 
@@ -1023,7 +1025,7 @@ def decode_step_seconds(model: Transformer, context: Sequence[int], dtype: torch
     device = model.embed.weight.device
     cache = model.new_cache(len(context) + 1)
     model(torch.tensor([list(context)], device=device), torch.arange(len(context), device=device), cache,
-          logits_rows=slice(-1, None))
+          PassSpec(logits_rows=slice(-1, None)))
     cache.commit()
     tok = torch.tensor([[int(context[-1])]], device=device)
     pos = torch.tensor([len(context)], device=device)
