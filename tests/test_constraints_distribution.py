@@ -78,6 +78,7 @@ def path(tree: TokenTree, node: int) -> list[int]:
 
 class ToyOracle:
     forward_passes = 0
+    bit_exact = False
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         self.history = list(prompt_ids[:-1])

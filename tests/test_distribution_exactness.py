@@ -130,6 +130,7 @@ class ToyOracle:
     """The loop's oracle over a `TableLM`: rows are looked up by context + path."""
 
     forward_passes = 0
+    bit_exact = False
 
     def __init__(self, lm: TableLM) -> None:
         self.lm = lm

@@ -217,6 +217,8 @@ def power_against(p: Tensor, biased: Tensor, n: int) -> float:
 class _ReusedOracle:
     """A `ModelOracle` at one fixed context whose tree scores are computed once per distinct tree."""
 
+    bit_exact = False  # its scores are memoised per tree, not kept slot-aligned
+
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.memo: dict[tuple, Tensor] = {}
@@ -436,7 +438,7 @@ def run_check(cfg: CheckConfig, out: Callable[[str], None] = print) -> Report:
         from stagedspec.drafters.ngram_files import load_ngram
 
         fp32.ngram = load_ngram(cfg.ngram, tok)
-    chat = bool(getattr(tok, "chat_template", None))
+    chat = bool(tok.chat_template)
     texts = [chat_instruction(p) if chat else p for p in humaneval_prompts(budget.prompts)]
     prompts = [tok.encode(tok.apply_chat_template(t) if chat else t) for t in texts]
     room = fp32.model.config.max_position - max(budget.new_tokens, budget.candidates) - 80  # 80: tree slack

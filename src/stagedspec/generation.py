@@ -125,7 +125,7 @@ def iter_steps(
         t_verify = time.perf_counter()
         stats.draft_seconds += t_verify - t_draft
         result = verifier(tree, oracle.score(tree), sampling, generator)
-        if sampling.greedy and getattr(oracle, "bit_exact", False):
+        if sampling.greedy and oracle.bit_exact:
             result = keep_slot_aligned(tree, result)
         oracle.commit(result.accepted)
         drafter.verified(time.perf_counter() - t_verify)  # a drafter that prices its proposals learns the cost
@@ -195,6 +195,6 @@ def speculative_generate(
     stats.seconds = time.perf_counter() - t0
     stats.new_tokens = len(out)
     stats.tokens_per_second = len(out) / stats.seconds if stats.seconds > 0 else 0.0
-    stats.oracle_forward_passes = getattr(oracle, "forward_passes", 0)
+    stats.oracle_forward_passes = oracle.forward_passes
     stats.draft_forward_passes = drafter.forward_passes
     return GenerationResult(out, stats)

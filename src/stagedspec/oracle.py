@@ -17,8 +17,9 @@ from stagedspec.tree import TokenTree
 class Oracle(Protocol):
     """The model whose output must be reproduced exactly.
 
-    `bit_exact` (optional, False when absent): greedy steps keep only what was
-    verified on slot-aligned rows (`keep_slot_aligned`); `ModelOracle` sets it.
+    `bit_exact`: greedy steps keep only what was verified on slot-aligned rows
+    (`keep_slot_aligned`); True only for a `ModelOracle` asked for it, False for
+    every other oracle.  `forward_passes`: the passes it ran (the stats report them).
     """
 
     forward_passes: int

@@ -495,8 +495,9 @@ class RequestPasses:
             return logits, hidden
         device = model.embed.weight.device
         toks = torch.tensor([list(tokens)], device=device)
-        mask = None if spec.tree_mask is None else spec.tree_mask.to(device)
-        out = self.run(model, toks, positions.to(device), cache, spec.but(tree_mask=mask))
+        if spec.tree_mask is not None and spec.tree_mask.device != device:
+            spec = spec.but(tree_mask=spec.tree_mask.to(device))
+        out = self.run(model, toks, positions.to(device), cache, spec)
         if not spec.wants_hidden:
             return out[0], None
         return out[0][0], out[1][0]

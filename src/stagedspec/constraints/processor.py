@@ -151,6 +151,10 @@ class ConstrainedOracle:
     def forward_passes(self) -> int:
         return self.inner.forward_passes
 
+    @property
+    def bit_exact(self) -> bool:
+        return self.inner.bit_exact
+
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         self.inner.prefill(prompt_ids)
         self._before_root = list(prompt_ids[:-1])

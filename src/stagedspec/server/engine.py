@@ -48,10 +48,7 @@ def format_size(n: float) -> str:
 
 
 def model_bytes(model: Transformer) -> int:
-    nb = getattr(model, "num_bytes", None)
-    if callable(nb):
-        return int(nb())
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(model.num_bytes())
 
 
 def kv_bytes_per_token(model: Transformer) -> int:
