@@ -27,8 +27,9 @@ EXPLORE_EVERY = 8  # every this many priced steps, run the arm with the highest 
 EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the priced step after an exploration
 # ... that arm's calibration raised (`stagedspec.auto.pricing.EXPLORE_WIDTH`), twice in a row (the first step
 # may catch its draft up, and its drafting time is then not learned)
-# Each draft family (`Arm.family`: tree, staged, staged with a long lookup chain) is run early in every request
-# whatever its price, and again every `FAMILY_REVISIT` priced steps: a price is a model, and a model that is
+# Each draft family (`Arm.family`: tree, staged, staged with a long lookup chain) is run early in a request
+# whatever its price (in every request while its explorations beat `ar`, in fewer once they lose:
+# `auto.policy.FAMILY_MAX_GAP`), and again every `FAMILY_REVISIT` priced steps: a price is a model, and a model that is
 # wrong about an arm never lets it run to show otherwise: `auto` had run `ar` on every step of a prompt where a
 # fixed chain of the draft was faster (docs/measurements.md, "A draft family its price never chose on an AMX Xeon").
 # Such an exploration runs the family's best-priced arm twice (its second step warm, timed), a
@@ -96,6 +97,7 @@ class _Step:
     lookup_lengths: Mapping[str, int] = field(default_factory=dict)  # the chains it was priced with
     priced_tokens: float = 1.0  # what it was chosen for: tokens (calibrated) and whole seconds, catch-up included
     priced_seconds: float = 0.0
+    family_trial: str | None = None  # the family whose exploration's second, warm step this was (it is judged)
 
 
 def spine(tree: TokenTree) -> list[int]:
@@ -149,6 +151,7 @@ class AutoDrafter(Drafter):
         self._explore_gap = EXPLORE_EVERY  # priced steps between explorations (doubled while they fail)
         self._explored = False  # an exploration ran since the last priced step
         self._exploring: Arm | None = None  # the arm an exploration runs again next step
+        self._exploring_family: str | None = None  # ... when a family's exploration chose it (`_family_exploration`)
         self._contenders: frozenset[Arm] | None = None  # draft arms priced between full pricings (None: price all)
         self._until_full = 0  # priced steps until the next full pricing
         self._families_due: list[str] = []  # draft families not yet explored in this round (`FAMILY_REVISIT`)
@@ -189,10 +192,12 @@ class AutoDrafter(Drafter):
         if self.lookup is not None and self.lookup not in self._drafters:
             self.lookup.begin(prompt_ids)
         self._last, self._pending, self._first_step = None, [], True
-        self._exploring, self._last_drafter = None, None
+        self._exploring, self._exploring_family, self._last_drafter = None, None, None
         self._plain_streak, self._probe_gap, self._until_probe, self._quiet_steps = 0, LOOKUP_PROBE_EVERY, 0, 0
         self._contenders, self._until_full = None, 0
-        self._families_due, self._until_family = self._draft_families(), FAMILY_EXPLORE_AFTER
+        # the families this request explores: those whose turn it is (`AutoPolicy.family_turn`)
+        self._families_due = [f for f in self._draft_families() if self.policy.family_turn(f)]
+        self._until_family = FAMILY_EXPLORE_AFTER
         self._families_ran = set()
         self._catch_up_spent = 0.0
         self._synced = {}
@@ -227,12 +232,16 @@ class AutoDrafter(Drafter):
             with self.policy.lock:
                 probe = self.policy.stats_for(sampling).arm_steps.get(Arm("ar"), 0) < AR_PROBE_MIN_STEPS
         again, self._exploring = self._exploring, None
+        trial, self._exploring_family = self._exploring_family, None
+        family_trial = None  # set when this step is the second of a family's exploration
         family_arm = None if again is not None or not due else self._family_exploration(context, sampling, lengths,
                                                                                          max_tokens)
         if again is not None and (self.tree_budget_cap is None or again.max_tree_budget <= self.tree_budget_cap):
             arm = self.policy.choose_again(again)  # an exploration's second step: its time is measured warm
+            family_trial = trial
         elif family_arm is not None:
             arm = self._exploring = family_arm  # run twice: this step may catch its draft up
+            self._exploring_family = family_arm.family
         elif not due:
             # Deep in a run of `ar` steps, between lookup probes: nothing new to weigh (no chains looked at,
             # no draft ran, so no statistic but `ar`'s own time moved), so `ar` again without pricing every
@@ -290,7 +299,8 @@ class AutoDrafter(Drafter):
         self._last = _Step(len(context), arm, tree, predicted, len(tree), ended - t0,
                            sampled=not sampling.greedy, warm=drafter is self._last_drafter, ended=ended,
                            alone=self.shared_load is None, started=t0, lookup_lengths=lengths,
-                           priced_tokens=priced_tokens, priced_seconds=priced_seconds)
+                           priced_tokens=priced_tokens, priced_seconds=priced_seconds,
+                           family_trial=family_trial)
         self._last_drafter = drafter
         return tree
 
@@ -473,3 +483,6 @@ class AutoDrafter(Drafter):
                                solo_step_seconds(last.arm, self.policy.profile, costs, last.lookup_lengths,
                                                  last.sampled, whole=False), last.sampled)
             self._realized.observe(last.arm.kind, len(emitted), wall, last.priced_tokens, last.priced_seconds)
+            if last.family_trial is not None:  # a family's exploration, warm: did it beat plain decoding?
+                plain = solo_step_seconds(Arm("ar"), self.policy.profile, costs, {}, last.sampled)
+                self.policy.family_result(last.family_trial, len(emitted) * plain >= wall)

@@ -18,6 +18,12 @@ AR_PROBE_EVERY = 32  # a step runs `ar` when its time was last measured this man
 AR_PROBE_BELOW = 1.5  # ... and the best arm promises less than this many times `ar`'s rate, or `ar` ran ...
 AR_PROBE_MIN_STEPS = 8  # ... fewer steps than this (its price is then too little measured to trust)
 STATE_CAP = 200.0  # observations per series kept when the learned state is saved for the next process
+# A draft family whose exploration (`auto.drafter`, `FAMILY_EXPLORE_AFTER`) ran slower than `ar` is explored
+# again only every 2nd request, then every 4th, ... up to every `FAMILY_MAX_GAP`-th; one that beat `ar` is
+# explored in every request.  Explored in every request whatever they taught, the families cost SmolLM2's
+# `auto` about 9% of `ar`'s speed on prose and chat, where no draft pays (docs/measurements.md, "Family
+# explorations in every request on a Zen 5 EPYC").
+FAMILY_MAX_GAP = 8
 
 
 class AutoPolicy:
@@ -44,6 +50,10 @@ class AutoPolicy:
         # The server's batched scheduler runs requests' steps on threads of their own, all learning into
         # one policy: reads and updates of the statistics take this lock (uncontended: ~0.1 us).
         self.lock = threading.RLock()
+        # Per draft family: requests between its explorations (doubled after each that lost to `ar`), and
+        # requests still to skip before the next (`family_turn`, `family_result`).
+        self.family_gaps: dict[str, int] = {}
+        self.family_wait: dict[str, int] = {}
         # Called with each timed step's `auto.drafter.StepTrace` before the step teaches anything (a
         # diagnostic's hook, `scripts/auto/trace_steps.py`; None: not traced).
         self.step_observer: Callable[[Any], None] | None = None
@@ -61,7 +71,8 @@ class AutoPolicy:
             return {"version": 1, "greedy": part(self.greedy_stats), "sampled": part(self.sampled_stats),
                     "draft_seconds": {a.name: v for a, v in self.costs.draft_seconds.items()},
                     "verify_scale": self.costs.verify_scale, "verify_scales": dict(self.costs.verify_scales),
-                    "draft_scale": dict(self.costs.draft_scale), "step_scales": dict(self.costs.step_scales)}
+                    "draft_scale": dict(self.costs.draft_scale), "step_scales": dict(self.costs.step_scales),
+                    "family_gaps": dict(self.family_gaps), "family_wait": dict(self.family_wait)}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Start from what an earlier process learned on this machine (see `state`); unknown arms are ignored."""
@@ -86,6 +97,26 @@ class AutoPolicy:
         self.costs.verify_counts = {k: 10 for k in self.costs.verify_scales}  # restored: a moving average
         self.costs.draft_scale = {str(k): float(v) for k, v in state.get("draft_scale", {}).items()}
         self.costs.step_scales = {str(k): float(v) for k, v in state.get("step_scales", {}).items()}
+        self.family_gaps = {str(k): max(1, min(FAMILY_MAX_GAP, int(v))) for k, v in state.get("family_gaps", {}).items()}
+        self.family_wait = {str(k): max(0, min(FAMILY_MAX_GAP, int(v))) for k, v in state.get("family_wait", {}).items()}
+
+    def family_turn(self, family: str) -> bool:
+        """Whether a request starting now explores `family`: a family that lost its last exploration waits out
+        its gap (`FAMILY_MAX_GAP`).  Each call is one request's turn."""
+        with self.lock:
+            wait = self.family_wait.get(family, 0)
+            if wait > 0:
+                self.family_wait[family] = wait - 1
+                return False
+            return True
+
+    def family_result(self, family: str, paid: bool) -> None:
+        """An exploration of `family` ran: beside `ar` it `paid` (every request explores it again) or lost
+        (the gap between requests that explore it doubles, up to `FAMILY_MAX_GAP`)."""
+        with self.lock:
+            gap = 1 if paid else min(FAMILY_MAX_GAP, 2 * self.family_gaps.get(family, 1))
+            self.family_gaps[family] = gap
+            self.family_wait[family] = gap - 1
 
     def stats_for(self, sampling: SamplingParams) -> AcceptanceStats:
         return self.greedy_stats if sampling.greedy else self.sampled_stats
