@@ -84,7 +84,7 @@ def fixed_drafter(parts: DraftParts) -> Drafter:
         return NoDrafter()
     if m.drafts == "one":
         adaptive = None
-        if s.method == "tree" and s.adaptive_budget:
+        if "adaptive_budget" in m.size_fields and s.adaptive_budget:
             assert parts.pass_seconds is not None, "an adaptive tree budget needs the oracle's pass prices"
             adaptive = AdaptiveBudget(parts.pass_seconds(s.tree_budget + 1))
         return tree_drafter(parts.draft_models[0], method=s.method, tree_budget=s.tree_budget,
@@ -144,6 +144,6 @@ def measured_drafter(parts: DraftParts, policy: AutoPolicy) -> Drafter:
                 resizes.append(partial(merged_lookup.resize, chain_length=staged_lookup_length(arm)))
             arms[arm] = (staged, resizes)
     drafter = AutoDrafter(policy, {a: arms[a] for a in policy.arms}, lookup=lookup)
-    if s.method != "auto":
+    if not method_named(s.method).always_measured:
         drafter.name = f"{s.method} (measured)"  # its row in the stats' stages
     return drafter

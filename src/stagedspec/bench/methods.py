@@ -319,7 +319,7 @@ def ours(
                   + (f"; prompt lookup of {s.merged_lookup_length} tokens also merged into the oracle's tree)"
                      if s.oracle_lookup and s.context else ")"),
     }[s.method]
-    if s.measured and s.method != "auto":
+    if s.measured and not METHODS[s.method].always_measured:
         desc = _measured_description(s.method, first, s.context, ngram_spec, str(pipe.device))
     if quant != "none":
         desc += f", oracle on {quant} weights"
