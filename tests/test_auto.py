@@ -58,6 +58,19 @@ def trained_stats(draft: float, context: float = 0.5, ngram: float = 0.3, steps:
     return stats
 
 
+def arm_names_run(drafter: Drafter, context: list[int], steps: int, max_tokens: int) -> list[str]:
+    """The arm each of `steps` steps of an `AutoDrafter` ran ("ar" for a quiet step), one token emitted a step,
+    each step's verification reported as 10 ms."""
+    drafter.begin(context)
+    out = []
+    for _ in range(steps):
+        drafter.propose(context, SamplingParams(), None, max_tokens)
+        drafter.verified(0.01)
+        out.append(drafter._last.arm.name if drafter._last is not None else "ar")
+        context = context + [4]
+    return out
+
+
 class OneNodeDrafter(Drafter):
     """Proposes a one-node chain every step: a model drafter in miniature."""
 
@@ -1025,17 +1038,9 @@ def test_every_draft_family_is_explored_early_in_a_request_even_when_its_price_s
     plain, tree, staged = Arm("ar"), Arm("tree", 2), Arm("staged", 1)
 
     def kinds_run(policy: AutoPolicy, prompt_len: int = 3, max_tokens: int = 64, steps: int = 14) -> list[str]:
-        d = OneNodeDrafter()
-        drafter = AutoDrafter(policy, {plain: (d, []), tree: (OneNodeDrafter(), []), staged: (OneNodeDrafter(), [])})
-        context = list(range(1, prompt_len + 1))
-        drafter.begin(context)
-        out = []
-        for _ in range(steps):
-            drafter.propose(context, SamplingParams(), None, max_tokens)
-            drafter.verified(0.01)
-            out.append(drafter._last.arm.name if drafter._last is not None else "ar")
-            context = context + [4]
-        return out
+        drafter = AutoDrafter(policy, {plain: (OneNodeDrafter(), []), tree: (OneNodeDrafter(), []),
+                                       staged: (OneNodeDrafter(), [])})
+        return arm_names_run(drafter, list(range(1, prompt_len + 1)), steps, max_tokens)
 
     runs = kinds_run(AutoPolicy([plain, tree, staged], STEEP))  # priced, the draft arms always lose
     assert runs.count("tree:2") == 2 and runs.count("staged:1") == 2, runs
@@ -1081,12 +1086,5 @@ def test_a_family_whose_explorations_lose_is_explored_in_fewer_requests() -> Non
     policy.family_result("tree", paid=False)  # wait one request
     drafter = AutoDrafter(policy, {plain: (OneNodeDrafter(), []), tree: (OneNodeDrafter(), []),
                                    staged: (OneNodeDrafter(), [])})
-    context = [1, 2, 3]
-    drafter.begin(context)
-    runs = []
-    for _ in range(14):
-        drafter.propose(context, SamplingParams(), None, 64)
-        drafter.verified(0.01)
-        runs.append(drafter._last.arm.name if drafter._last is not None else "ar")
-        context = context + [4]
+    runs = arm_names_run(drafter, [1, 2, 3], steps=14, max_tokens=64)
     assert "tree:2" not in runs and runs.count("staged:1") == 2, runs
