@@ -70,13 +70,14 @@ def test_every_row_count_and_position_is_bit_identical_to_the_row_alone(kind: st
     kernels = isa_kernels
     p4, _, p8, _ = _layers(n=24, k=64)
     run = (lambda x: kernels.q4_linear(x, p4, 24)) if kind == "q4" else (lambda x: kernels.q8_linear(x, p8, 24))
-    x = (torch.randn(64, 64) * torch.rand(64, 1) * 3).to(dtype)
-    alone = torch.cat([run(x[i:i + 1]) for i in range(64)])
+    # past one chunk of 64 rows, into a part-filled block of 8 (the activations' blocks, `quantize_rows`)
+    x = (torch.randn(77, 64) * torch.rand(77, 1) * 3).to(dtype)
+    alone = torch.cat([run(x[i:i + 1]) for i in range(77)])
     where = f"{isa_kernels.name} {kind} {dtype}"
-    for rows in range(1, 65):
+    for rows in range(1, 78):
         assert_bit_identical(run(x[:rows]), alone[:rows], f"{where}: {rows} rows in one pass against each alone")
-    perm = torch.randperm(64)
-    assert_bit_identical(run(x[perm]), alone[perm], f"{where}: 64 rows shuffled")
+    perm = torch.randperm(77)
+    assert_bit_identical(run(x[perm]), alone[perm], f"{where}: 77 rows shuffled")
     assert_bit_identical(run(x[17:50]), alone[17:50], f"{where}: rows 17-49")
 
 

@@ -101,13 +101,25 @@ int64_t tile_bytes(int64_t format, int64_t K) {
 // ---------------------------------------------------------------------------------------------------------
 // Activations: int8 per row and group of 32, with the group's scale d and d * sum(codes).
 
+// Rows are kept in blocks of kBlockRows, and within a block group by group: group g of the block's rows is 8 x 32
+// contiguous codes (and 8 contiguous scales), so a tile reaches every row of its block at a constant offset from
+// one pointer per group.  Kept row-major (rows at stride K), the tiles recomputed eight row
+// addresses each group and the compiler parked them in vector or mask registers (docs/kernels.md, "Activations in
+// blocks of rows").
+constexpr int64_t kBlockRows = 8;
+static_assert(kBlockRows == kMaxRowBlock && kRowChunk % kBlockRows == 0 && kBlockRows % kRowBlock == 0,
+              "a tile's rows must lie in one block");
+
+// Index of row r's group g in the blocked order (for codes, times kGroup).
+inline int64_t blocked(int64_t r, int64_t g, int64_t G) { return ((r / kBlockRows) * G + g) * kBlockRows + r % kBlockRows; }
+
 struct QuantizedRows {
-  int64_t rows = 0, K = 0, G = 0;
-  std::vector<int8_t> q;  // [rows, K]
-  std::vector<float> d;   // [rows, G]
-  std::vector<float> s;   // [rows, G] = d * sum(q over the group)
-  std::vector<int32_t> h;  // [rows, 2G] sum(q) over each half group of 16 (Q6_K's sub-blocks)
-  std::vector<int32_t> hn;  // [rows, G] the same negated, as two int16 (low: inputs 0..15) for vpmaddwd
+  int64_t rows = 0, K = 0, G = 0;  // the arrays hold rows padded to whole blocks (zeros, never read)
+  std::vector<int8_t> q;  // [blocks, G, kBlockRows, 32]
+  std::vector<float> d;   // [blocks, G, kBlockRows]
+  std::vector<float> s;   // the same, d * sum(q over the group)
+  std::vector<int32_t> h;  // [blocks, G, kBlockRows, 2] sum(q) over each half group of 16 (Q6_K's sub-blocks)
+  std::vector<int32_t> hn;  // [blocks, G, kBlockRows] the same negated, as two int16 (low: inputs 0..15) for vpmaddwd
 };
 
 inline float group_amax_scalar(const float* x) {
@@ -183,30 +195,34 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
   out.rows = rows;
   out.K = K;
   out.G = K / kGroup;
-  out.q.resize(rows * K);
-  out.d.resize(rows * out.G);
-  out.s.resize(rows * out.G);
-  out.h.resize(rows * out.G * 2);
-  if (packed_halves) out.hn.resize(rows * out.G);
-  const int64_t G = out.G;
-  at::parallel_for(0, rows * G, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / G, g = i % G;
-      const float* src = x + r * K + g * kGroup;
-      int8_t* q = out.q.data() + r * K + g * kGroup;
+  const int64_t G = out.G, B = kBlockRows, padded = (rows + B - 1) / B * B;
+  out.q.assign(padded * K, 0);
+  out.d.assign(padded * G, 0.f);
+  out.s.assign(padded * G, 0.f);
+  out.h.assign(padded * G * 2, 0);
+  if (packed_halves) out.hn.assign(padded * G, 0);
+  // Threads take whole (block, group) units in the blocked order, so two of them share a cache line only at the
+  // ends of their shares; about 256 groups each, so that one or a few rows stay on the calling thread.
+  const int64_t per_unit = std::min(rows, B);
+  at::parallel_for(0, padded / B * G, std::max<int64_t>(1, 256 / per_unit), [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t first = u / G * B, g = u % G, n = std::min(B, rows - first);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t b = u * B + i;  // = blocked(first + i, g, G)
+        const float* src = x + (first + i) * K + g * kGroup;
+        int8_t* q = out.q.data() + b * kGroup;
 #ifdef STAGEDSPEC_X86
-      if (isa != kScalar) {
-        quantize_group_avx2(src, q, &out.d[i], &out.s[i], &out.h[2 * i]);
-        continue;
-      }
+        if (isa != kScalar)
+          quantize_group_avx2(src, q, &out.d[b], &out.s[b], &out.h[2 * b]);
+        else
 #endif
-      quantize_group_scalar(src, q, &out.d[i], &out.s[i], &out.h[2 * i]);
+          quantize_group_scalar(src, q, &out.d[b], &out.s[b], &out.h[2 * b]);
+        // |sum| <= 16 * 127 = 2032, so the negated sums fit 16 bits each
+        if (packed_halves)
+          out.hn[b] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(-out.h[2 * b])) |
+                                           (static_cast<uint32_t>(static_cast<uint16_t>(-out.h[2 * b + 1])) << 16));
+      }
     }
-    // |sum| <= 16 * 127 = 2032, so the negated sums fit 16 bits each
-    if (!packed_halves) return;
-    for (int64_t i = begin; i < end; ++i)
-      out.hn[i] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(-out.h[2 * i])) |
-                                       (static_cast<uint32_t>(static_cast<uint16_t>(-out.h[2 * i + 1])) << 16));
   });
   return out;
 }
@@ -214,13 +230,22 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
 // ---------------------------------------------------------------------------------------------------------
 // One tile (8 outputs) against a block of RB rows.  `out` receives RB x 8 floats.
 
+// Rows of one block, from one of its rows on: row r of the view is r rows further in the block.
 struct RowsView {
-  const int8_t* q;   // first row's codes; rows at stride K
-  const float* d;    // first row's group scales; rows at stride G
+  const int8_t* q;   // the view's first row, group 0
+  const float* d;
   const float* s;
-  const int32_t* h;  // first row's half-group sums; rows at stride 2G
-  const int32_t* hn;  // first row's packed negated half-group sums; rows at stride G
-  int64_t K, G;
+  const int32_t* h;
+  const int32_t* hn;  // null where not filled
+  int64_t G;
+
+  // Row r's group g, counted in groups from the view's first.
+  static int64_t at(int64_t r, int64_t g) { return g * kBlockRows + r; }
+  const int8_t* x(int64_t r, int64_t g) const { return q + at(r, g) * kGroup; }
+  float scale(int64_t r, int64_t g) const { return d[at(r, g)]; }
+  float sum(int64_t r, int64_t g) const { return s[at(r, g)]; }
+  const int32_t* halves(int64_t r, int64_t g) const { return h + 2 * at(r, g); }
+  int32_t neg_halves(int64_t r, int64_t g) const { return hn[at(r, g)]; }
 };
 
 inline float half_to_float(const uint8_t* p) {
@@ -234,8 +259,8 @@ void q4_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
   float acc[RB][kTile] = {};
   for (int64_t g = 0; g < a.G; ++g, w += kQ4Bytes) {
     for (int r = 0; r < RB; ++r) {
-      const int8_t* x = a.q + r * a.K + g * kGroup;
-      const float da = a.d[r * a.G + g], sa = a.s[r * a.G + g];
+      const int8_t* x = a.x(r, g);
+      const float da = a.scale(r, g), sa = a.sum(r, g);
       for (int o = 0; o < kTile; ++o) {
         int32_t isum = 0;
         for (int v = 0; v < 4; ++v)
@@ -259,8 +284,8 @@ void q8_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
   float acc[RB][kTile] = {};
   for (int64_t g = 0; g < a.G; ++g, w += kQ8Bytes) {
     for (int r = 0; r < RB; ++r) {
-      const int8_t* x = a.q + r * a.K + g * kGroup;
-      const float da = a.d[r * a.G + g];
+      const int8_t* x = a.x(r, g);
+      const float da = a.scale(r, g);
       for (int o = 0; o < kTile; ++o) {
         int32_t isum = 0;
         for (int v = 0; v < 8; ++v)
@@ -297,10 +322,10 @@ void q4k_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
       const float dw = half_to_float(head + 2 * o) * static_cast<float>(grp[128 + o]);
       const float mw = -(half_to_float(head + 2 * kTile + 2 * o) * static_cast<float>(grp[136 + o]));
       for (int r = 0; r < RB; ++r) {
-        const int32_t isum = q4_group_isum_scalar(grp, a.q + r * a.K + g * kGroup, o);
-        const float scale = dw * a.d[r * a.G + g];
+        const int32_t isum = q4_group_isum_scalar(grp, a.x(r, g), o);
+        const float scale = dw * a.scale(r, g);
         acc[r][o] = std::fma(static_cast<float>(isum), scale, acc[r][o]);
-        acc[r][o] = std::fma(mw, a.s[r * a.G + g], acc[r][o]);
+        acc[r][o] = std::fma(mw, a.sum(r, g), acc[r][o]);
       }
     }
   }
@@ -338,8 +363,8 @@ void q6k_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
     for (int o = 0; o < kTile; ++o) {
       const float dw = half_to_float(head + 2 * o);
       for (int r = 0; r < RB; ++r) {
-        const int32_t isum = q6k_group_isum_scalar(grp, a.q + r * a.K + g * kGroup, a.h + r * 2 * a.G + 2 * g, o);
-        acc[r][o] = std::fma(static_cast<float>(isum), dw * a.d[r * a.G + g], acc[r][o]);
+        const int32_t isum = q6k_group_isum_scalar(grp, a.x(r, g), a.halves(r, g), o);
+        acc[r][o] = std::fma(static_cast<float>(isum), dw * a.scale(r, g), acc[r][o]);
       }
     }
   }
@@ -363,12 +388,12 @@ void q5_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
       const float dw = half_to_float(w + 160 + 2 * o);
       const float mw = -16.f * dw;
       for (int r = 0; r < RB; ++r) {
-        const int8_t* x = a.q + r * a.K + g * kGroup;
+        const int8_t* x = a.x(r, g);
         int32_t isum = 0;
         for (int v = 0; v < 8; ++v)
           for (int i = 0; i < 4; ++i) isum += q5_code(w, v, o, i) * x[4 * v + i];
-        acc[r][o] = std::fma(static_cast<float>(isum), dw * a.d[r * a.G + g], acc[r][o]);
-        acc[r][o] = std::fma(mw, a.s[r * a.G + g], acc[r][o]);
+        acc[r][o] = std::fma(static_cast<float>(isum), dw * a.scale(r, g), acc[r][o]);
+        acc[r][o] = std::fma(mw, a.sum(r, g), acc[r][o]);
       }
     }
   }
@@ -406,8 +431,8 @@ __attribute__((target("avx2,fma,f16c"))) void q4_tile_avx2(const uint8_t* w, con
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* x0 = a.q;
-  for (int64_t g = 0; g < a.G; ++g, w += kQ4Bytes, x0 += kGroup) {
+  for (int64_t g = 0; g < a.G; ++g, w += kQ4Bytes) {
+    const int8_t* x0 = a.x(0, g);
     prefetch_group(w, kQ4Bytes);
     __m256i isum[RB];
 #pragma GCC unroll 4
@@ -417,7 +442,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_tile_avx2(const uint8_t* w, con
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
-        const int8_t* x = x0 + r * a.K;
+        const int8_t* x = x0 + r * kGroup;
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x + 4 * v)),
                                            _mm256_maddubs_epi16(hi, broadcast4(x + 16 + 4 * v)));
         isum[r] = v == 0 ? p : _mm256_add_epi16(isum[r], p);
@@ -429,9 +454,9 @@ __attribute__((target("avx2,fma,f16c"))) void q4_tile_avx2(const uint8_t* w, con
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones));
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g)));
       acc[r] = _mm256_fmadd_ps(sum, scale, acc[r]);
-      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sum(r, g)), acc[r]);
     }
   }
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
@@ -452,14 +477,14 @@ __attribute__((target("avx2,fma,f16c"))) void q8_tile_avx2(const uint8_t* w, con
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
       const __m256i aw = _mm256_abs_epi8(wv);
       for (int r = 0; r < RB; ++r) {
-        const __m256i x = _mm256_sign_epi8(broadcast4(a.q + r * a.K + g * kGroup + 4 * v), wv);
+        const __m256i x = _mm256_sign_epi8(broadcast4(a.x(r, g) + 4 * v), wv);
         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
       }
       pin<RB>(isum);
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 256)));
     for (int r = 0; r < RB; ++r) {
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
     }
   }
@@ -483,7 +508,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
       const __m256i lo = _mm256_and_si256(wv, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
       for (int r = 0; r < RB; ++r) {
-        const int8_t* x = a.q + r * a.K + g * kGroup;
+        const int8_t* x = a.x(r, g);
         isum[r] = _mm256_dpbusd_epi32(isum[r], lo, broadcast4(x + 4 * v));
         isum2[r] = _mm256_dpbusd_epi32(isum2[r], hi, broadcast4(x + 16 + 4 * v));
       }
@@ -493,9 +518,9 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 128)));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 144)));
     for (int r = 0; r < RB; ++r) {
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[r], isum2[r])), scale, acc[r]);
-      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sum(r, g)), acc[r]);
     }
   }
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
@@ -521,7 +546,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     for (int v = 0; v < 8; ++v) {
       const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v)), bias);
       for (int r = 0; r < RB; ++r) {
-        const __m256i x = broadcast4(a.q + r * a.K + g * kGroup + 4 * v);
+        const __m256i x = broadcast4(a.x(r, g) + 4 * v);
         if (kTwo && (v & 1))
           isum2[r] = _mm256_dpbusd_epi32(isum2[r], wu, x);
         else
@@ -532,10 +557,10 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 256)));
     for (int r = 0; r < RB; ++r) {
-      const int32_t* h = a.h + 2 * (r * a.G + g);
+      const int32_t* h = a.halves(r, g);
       const __m256i sum = kTwo ? _mm256_add_epi32(isum[r], isum2[r]) : isum[r];
       const __m256i exact = _mm256_sub_epi32(sum, _mm256_set1_epi32((h[0] + h[1]) * 128));
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]);
     }
   }
@@ -566,7 +591,7 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
       const __m256i lo = _mm256_and_si256(wv, low); \
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low); \
       for (int r = 0; r < RB; ++r) { \
-        const int8_t* x = a.q + r * a.K + g * kGroup; \
+        const int8_t* x = a.x(r, g); \
         if constexpr (Vnni) { \
           isum[r] = _mm256_dpbusd_epi32(isum[r], lo, broadcast4(x + 4 * v)); \
           isum2[r] = _mm256_dpbusd_epi32(isum2[r], hi, broadcast4(x + 16 + 4 * v)); \
@@ -584,9 +609,9 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
     const __m256 mw = _mm256_xor_ps(_mm256_mul_ps(dmin, m), _mm256_set1_ps(-0.f)); \
     for (int r = 0; r < RB; ++r) { \
       const __m256i exact = Vnni ? _mm256_add_epi32(isum[r], isum2[r]) : _mm256_madd_epi16(isum[r], ones); \
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])); \
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g))); \
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]); \
-      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]); \
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sum(r, g)), acc[r]); \
     } \
     } \
   } \
@@ -643,7 +668,7 @@ __attribute__((target("avx2,fma,f16c"))) void q6k_tile_avx2(const uint8_t* w, co
     prefetch_group(grp, kQ6KGroupBytes);
     const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 192)));
     const __m256i sc2 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 200)));
-    const int8_t* x0 = a.q + g * kGroup;
+    const int8_t* x0 = a.x(0, g);
     __m256i isum[RB];
 #pragma GCC unroll 4
     for (int quarter = 0; quarter < 4; ++quarter) {
@@ -662,7 +687,7 @@ __attribute__((target("avx2,fma,f16c"))) void q6k_tile_avx2(const uint8_t* w, co
       const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc, lo16), _mm256_slli_epi32(sc, 16));
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
-        const int8_t* x = x0 + r * a.K + 16 * sub + 8 * pair;
+        const int8_t* x = x0 + r * kGroup + 16 * sub + 8 * pair;
         const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(x)),
                                            _mm256_maddubs_epi16(c1, broadcast4(x + 4)));
         const __m256i t = _mm256_madd_epi16(s, sc16);
@@ -673,9 +698,9 @@ __attribute__((target("avx2,fma,f16c"))) void q6k_tile_avx2(const uint8_t* w, co
     const __m256i sc32 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(sc1, 5), lo16), _mm256_slli_epi32(sc2, 21));
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const __m256i hn = _mm256_set1_epi32(a.hn[r * a.G + g]);
+      const __m256i hn = _mm256_set1_epi32(a.neg_halves(r, g));
       const __m256i exact = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sc32, hn));
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]);
     }
   }
@@ -703,15 +728,15 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const __m256i sc2 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 200)));
     const __m256i sc32 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(sc1, 5), lo16), _mm256_slli_epi32(sc2, 21));
     for (int r = 0; r < RB; ++r) {
-      const int8_t* x = a.q + r * a.K + g * kGroup;
+      const int8_t* x = a.x(r, g);
       __m256i u1 = _mm256_setzero_si256(), u2 = _mm256_setzero_si256();
       for (int v = 0; v < 4; ++v) {
         u1 = _mm256_dpbusd_epi32(u1, code[v], broadcast4(x + 4 * v));
         u2 = _mm256_dpbusd_epi32(u2, code[v + 4], broadcast4(x + 16 + 4 * v));
       }
       const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(u1, sc1), _mm256_mullo_epi32(u2, sc2));
-      const __m256i exact = _mm256_add_epi32(t, _mm256_madd_epi16(sc32, _mm256_set1_epi32(a.hn[r * a.G + g])));
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
+      const __m256i exact = _mm256_add_epi32(t, _mm256_madd_epi16(sc32, _mm256_set1_epi32(a.neg_halves(r, g))));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]);
     }
   }
@@ -759,7 +784,7 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 160))); \
     const __m256 mw = _mm256_mul_ps(dw, _mm256_set1_ps(-16.f)); \
     for (int r = 0; r < RB; ++r) { \
-      const int8_t* x = a.q + r * a.K + g * kGroup; \
+      const int8_t* x = a.x(r, g); \
       __m256i exact; \
       if constexpr (Vnni) { \
         __m256i e0 = _mm256_setzero_si256(), e1 = _mm256_setzero_si256(); \
@@ -776,9 +801,9 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
         } \
         exact = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones)); \
       } \
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])); \
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g))); \
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]); \
-      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]); \
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sum(r, g)), acc[r]); \
     } \
   } \
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]); \
@@ -798,8 +823,8 @@ __attribute__((target("avx2,fma,f16c"))) void q5_tile_avx2(const uint8_t* w, con
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* x0 = a.q;
-  for (int64_t g = 0; g < a.G; ++g, w += kQ5Bytes, x0 += kGroup) {
+  for (int64_t g = 0; g < a.G; ++g, w += kQ5Bytes) {
+    const int8_t* x0 = a.x(0, g);
     prefetch_group(w, kQ5Bytes);
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128));
     __m256i isum[RB];
@@ -815,7 +840,7 @@ __attribute__((target("avx2,fma,f16c"))) void q5_tile_avx2(const uint8_t* w, con
                                          half ? q5_high<7>(h) : q5_high<5>(h));
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
-        const int8_t* x = x0 + r * a.K + 8 * half;
+        const int8_t* x = x0 + r * kGroup + 8 * half;
         const __m256i s = _mm256_add_epi16(
             _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(x)), _mm256_maddubs_epi16(c1, broadcast4(x + 4))),
             _mm256_add_epi16(_mm256_maddubs_epi16(c4, broadcast4(x + 16)), _mm256_maddubs_epi16(c5, broadcast4(x + 20))));
@@ -828,9 +853,9 @@ __attribute__((target("avx2,fma,f16c"))) void q5_tile_avx2(const uint8_t* w, con
     const __m256 mw = _mm256_mul_ps(dw, _mm256_set1_ps(-16.f));
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g]));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.scale(r, g)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[r * a.G + g]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sum(r, g)), acc[r]);
     }
   }
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
@@ -909,7 +934,7 @@ __attribute__((target(STAGEDSPEC_W512))) inline void nibble_sums512(const uint8_
     const __m512i lo = _mm512_and_si512(wv, low);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
     for (int r = 0; r < RB; ++r) {
-      const int8_t* x = a.q + r * a.K + g * kGroup;
+      const int8_t* x = a.x(r, g);
       isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4_512(x + 4 * v));
       isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, broadcast4_512(x + 16 + 4 * v));
     }
@@ -932,9 +957,9 @@ __attribute__((target(STAGEDSPEC_W512))) void q4_pair_vnni512(const uint8_t* w0,
     const __m512 dw = pair_halves(w0 + 128, w1 + 128);
     const __m512 mw = pair_halves(w0 + 144, w1 + 144);
     for (int r = 0; r < RB; ++r) {
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.scale(r, g)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(isum[r], isum2[r])), scale, acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[r * a.G + g]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sum(r, g)), acc[r]);
     }
   }
   store_pair<RB>(acc, out);
@@ -957,7 +982,7 @@ __attribute__((target(STAGEDSPEC_W512))) void q8_pair_vnni512(const uint8_t* w0,
     for (int v = 0; v < 8; ++v) {
       const __m512i wu = _mm512_xor_si512(pair_load(w0 + 32 * v, w1 + 32 * v), bias);
       for (int r = 0; r < RB; ++r) {
-        const __m512i x = broadcast4_512(a.q + r * a.K + g * kGroup + 4 * v);
+        const __m512i x = broadcast4_512(a.x(r, g) + 4 * v);
         if (kTwo && (v & 1))
           isum2[r] = _mm512_dpbusd_epi32(isum2[r], wu, x);
         else
@@ -968,10 +993,10 @@ __attribute__((target(STAGEDSPEC_W512))) void q8_pair_vnni512(const uint8_t* w0,
     }
     const __m512 dw = pair_halves(w0 + 256, w1 + 256);
     for (int r = 0; r < RB; ++r) {
-      const int32_t* h = a.h + 2 * (r * a.G + g);
+      const int32_t* h = a.halves(r, g);
       const __m512i sum = kTwo ? _mm512_add_epi32(isum[r], isum2[r]) : isum[r];
       const __m512i exact = _mm512_sub_epi32(sum, _mm512_set1_epi32((h[0] + h[1]) * 128));
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.scale(r, g)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
     }
   }
@@ -1003,9 +1028,9 @@ __attribute__((target(STAGEDSPEC_W512))) void q4k_pair_vnni512(const uint8_t* w0
       const __m512 mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, m)), sign));
       for (int r = 0; r < RB; ++r) {
         const __m512i exact = _mm512_add_epi32(isum[r], isum2[r]);
-        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.scale(r, g)));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
-        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[r * a.G + g]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sum(r, g)), acc[r]);
       }
     }
   }
@@ -1058,16 +1083,17 @@ __attribute__((target(STAGEDSPEC_W512))) void q6k_pair_vnni512(const uint8_t* w0
     const __m512i sc1 = pair_bytes<true>(grp0 + 192, grp1 + 192);
     const __m512i sc2 = pair_bytes<true>(grp0 + 200, grp1 + 200);
     const __m512i sc32 = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(sc1, 5), lo16), _mm512_slli_epi32(sc2, 21));
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const int8_t* x = a.q + r * a.K + g * kGroup;
+      const int8_t* x = a.x(r, g);
       __m512i u1 = _mm512_setzero_si512(), u2 = _mm512_setzero_si512();
       for (int v = 0; v < 4; ++v) {
         u1 = _mm512_dpbusd_epi32(u1, code[v], broadcast4_512(x + 4 * v));
         u2 = _mm512_dpbusd_epi32(u2, code[v + 4], broadcast4_512(x + 16 + 4 * v));
       }
       const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(u1, sc1), _mm512_mullo_epi32(u2, sc2));
-      const __m512i exact = _mm512_add_epi32(t, _mm512_madd_epi16(sc32, _mm512_set1_epi32(a.hn[r * a.G + g])));
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+      const __m512i exact = _mm512_add_epi32(t, _mm512_madd_epi16(sc32, _mm512_set1_epi32(a.neg_halves(r, g))));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.scale(r, g)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
     }
   }
@@ -1107,15 +1133,15 @@ __attribute__((target(STAGEDSPEC_W512))) void q5_pair_vnni512(const uint8_t* w0,
     const __m512 dw = pair_halves(w0 + 160, w1 + 160);
     const __m512 mw = _mm512_mul_ps(dw, minus16);
     for (int r = 0; r < RB; ++r) {
-      const int8_t* x = a.q + r * a.K + g * kGroup;
+      const int8_t* x = a.x(r, g);
       __m512i e0 = _mm512_setzero_si512(), e1 = _mm512_setzero_si512();
       for (int v = 0; v < 4; ++v) {
         e0 = _mm512_dpbusd_epi32(e0, code[v], broadcast4_512(x + 4 * v));
         e1 = _mm512_dpbusd_epi32(e1, code[v + 4], broadcast4_512(x + 16 + 4 * v));
       }
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r * a.G + g]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.scale(r, g)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(e0, e1)), scale, acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[r * a.G + g]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sum(r, g)), acc[r]);
     }
   }
   store_pair<RB>(acc, out);
@@ -1291,8 +1317,9 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
         for (int64_t rb = 0; rb < rows; rb += seg.table.block) {
           const int64_t n = std::min(seg.table.block, rows - rb);
           const int64_t r = r0 + rb;
-          const RowsView view{qa.q.data() + r * K, qa.d.data() + r * G, qa.s.data() + r * G,
-                              qa.h.data() + r * 2 * G, qa.hn.empty() ? nullptr : qa.hn.data() + r * G, K, G};
+          const int64_t at0 = blocked(r, 0, G);  // row r's block, at its place in the block
+          const RowsView view{qa.q.data() + at0 * kGroup, qa.d.data() + at0, qa.s.data() + at0,
+                              qa.h.data() + 2 * at0, qa.hn.empty() ? nullptr : qa.hn.data() + at0, G};
           if (pair)
             seg.table.pair[n](w, w + seg.bytes_per_tile, view, tmp);
           else
