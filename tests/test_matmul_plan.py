@@ -14,9 +14,12 @@ from torch import nn
 import stagedspec.models.matmul_plan as mp
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.draft import DraftModel
+from stagedspec.models.quant import quantize_model
+from stagedspec.profiling import model_fingerprint
 from stagedspec.models.transformer import Transformer, init_random
 
 from _kernel_plans import forced_timings
+from _native import native_kernels_unless_no_compiler
 
 
 def _model(dtype: torch.dtype = torch.float32, tie: bool = True) -> Transformer:
@@ -128,12 +131,20 @@ def test_timings_are_cached_per_shape_count_and_machine(tmp_path: Path) -> None:
 
 
 def test_the_plan_is_part_of_the_cost_profile_key(tmp_path: Path) -> None:
-    from stagedspec.profiling import model_fingerprint
-
     plain = _model()
     a = mp.plan_matmuls(_model(), measure=_measure({1})[0], cache_file=tmp_path / "a.json")
     b = mp.plan_matmuls(_model(), measure=_measure({2})[0], cache_file=tmp_path / "b.json")
     assert len({model_fingerprint(plain), model_fingerprint(a), model_fingerprint(b)}) == 3
+
+
+def test_the_native_path_is_part_of_the_cost_profile_key() -> None:
+    """The 256-bit VNNI tiles and their 512-bit pairs (or AVX2 and VNNI) cost differently by rows on one CPU, so
+    a profile measured on one path is not read back for the other."""
+    best = native_kernels_unless_no_compiler()
+    if best is None or best.isa < 2:
+        pytest.skip("needs two native paths with int8 instructions (AVX2 and AVX-512 VNNI)")
+    prints = {model_fingerprint(quantize_model(_model(), "int4", kernels=best.with_isa(isa))) for isa in (1, 2)}
+    assert len(prints) == 2
 
 
 def test_only_fp32_cpu_models_are_planned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

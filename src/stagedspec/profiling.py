@@ -22,6 +22,7 @@ from stagedspec import costs, hardware
 from stagedspec.costs import CostProfile, VERIFY_ROWS, interpolate, monotone
 from stagedspec.drafters.model import ModelDrafter
 from stagedspec.models.pass_spec import PassSpec
+from stagedspec.models.quant import kernel_name
 from stagedspec.models.ragged import Segment, forward_ragged
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import write_text_atomic
@@ -169,8 +170,8 @@ def ragged_segment_cost(model: Transformer, context: int = 256, segments: int = 
 
 
 def model_fingerprint(model: Transformer) -> str:
-    """A short key for 'the same weights in the same format' (config, dtype, quantisation, weight samples, and
-    the fp32 kernel plan)."""
+    """A short key for 'the same weights in the same format' (config, dtype, quantisation, weight samples, the
+    fp32 kernel plan, and the native path that runs quantised layers)."""
     h = hashlib.sha256(repr(sorted(vars(model.config).items())).encode())
     h.update(str(model.embed.weight.dtype).encode())
     h.update(str(model.quantised).encode())
@@ -187,6 +188,9 @@ def model_fingerprint(model: Transformer) -> str:
     plan = model.runtime.matmul_plan_signature  # fp32 CPU: which kernel runs which passes
     if plan is not None:
         h.update(f"plan={plan}".encode())
+    # Which native path runs the quantised layers: on one CPU the 256-bit VNNI tiles and their 512-bit pairs
+    # (chosen at load by `native.wide_vnni_pays`, or forced by STAGEDSPEC_QKERNELS) cost differently by rows.
+    h.update(f"kernels={kernel_name(model)}".encode())
     return h.hexdigest()[:16]
 
 
