@@ -1,4 +1,5 @@
-"""Every relative link in README.md, docs/*.md and docs/bench/README.md names a file or folder that exists, and
+"""Every relative link in README.md, docs/*.md and docs/bench/README.md names a file or folder that exists (and
+every image in a bench report under docs/bench), and
 every #anchor into a markdown file names one of its headings (GitHub's heading ids).  Pure file checks."""
 from __future__ import annotations
 
@@ -65,3 +66,13 @@ def test_relative_links_resolve(doc: Path) -> None:
         elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
             broken.append(f"{number}: {target} (no such heading)")
     assert not broken, f"{doc.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_bench_reports_embed_only_plots_that_were_kept() -> None:
+    """A bench report under docs/bench links its PNG plots; where they were not kept (size), it says so instead."""
+    image = re.compile(r"!\[[^\]]*\]\(([^()\s]+)\)")
+    broken = [f"{report.relative_to(ROOT)}:{number}: {target}"
+              for report in sorted((ROOT / "docs" / "bench").rglob("*.md"))
+              for number, line in _lines(report) for target in image.findall(line)
+              if not (report.parent / unquote(target)).exists()]
+    assert not broken, "\n".join(broken)
