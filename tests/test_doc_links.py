@@ -1,6 +1,6 @@
-"""Every relative link in README.md, docs/*.md and docs/bench/README.md names a file or folder that exists (and
-every image in a bench report under docs/bench), and
-every #anchor into a markdown file names one of its headings (GitHub's heading ids).  Pure file checks."""
+"""Every relative link in README.md, docs/*.md and docs/bench/README.md names a file or folder that exists (as does
+every image a bench report under docs/bench embeds), and every #anchor into a markdown file names one of its
+headings (GitHub's heading ids).  Pure file checks."""
 from __future__ import annotations
 
 import re
