@@ -238,6 +238,9 @@ struct RowsView {
   const int32_t* h;
   const int32_t* hn;  // null where not filled
   int64_t G;
+  // Whether the tile prefetches the weights ahead of it: in the first row block of a chunk of rows only; the
+  // later blocks read the same tile from L1 and the next tiles are on their way already.
+  bool prefetch;
 
   // Row r's group g, counted in groups from the view's first.
   static int64_t at(int64_t r, int64_t g) { return g * kBlockRows + r; }
@@ -433,7 +436,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_tile_avx2(const uint8_t* w, con
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w += kQ4Bytes) {
     const int8_t* x0 = a.x(0, g);
-    prefetch_group(w, kQ4Bytes);
+    if (a.prefetch) prefetch_group(w, kQ4Bytes);
     __m256i isum[RB];
 #pragma GCC unroll 4
     for (int v = 0; v < 4; ++v) {
@@ -470,7 +473,7 @@ __attribute__((target("avx2,fma,f16c"))) void q8_tile_avx2(const uint8_t* w, con
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w += kQ8Bytes) {
-    prefetch_group(w, kQ8Bytes);
+    if (a.prefetch) prefetch_group(w, kQ8Bytes);
     __m256i isum[RB];
     for (int r = 0; r < RB; ++r) isum[r] = _mm256_setzero_si256();
     for (int v = 0; v < 8; ++v) {
@@ -500,7 +503,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w += kQ4Bytes) {
-    prefetch_group(w, kQ4Bytes);
+    if (a.prefetch) prefetch_group(w, kQ4Bytes);
     __m256i isum[RB], isum2[RB];  // two chains per row (low, high nibbles): twice the vpdpbusd in flight
     for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
     for (int v = 0; v < 4; ++v) {
@@ -539,7 +542,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w += kQ8Bytes) {
-    prefetch_group(w, kQ8Bytes);
+    if (a.prefetch) prefetch_group(w, kQ8Bytes);
     __m256i isum[RB], isum2[RB];
     for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -583,7 +586,7 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
     for (int64_t j = 0; j < kGroupsPerSuper; ++j) { \
     const int64_t g = g0 + j; \
     const uint8_t* grp = w + 4 * kTile + j * kQ4KGroupBytes; \
-    prefetch_group(grp, kQ4KGroupBytes); \
+    if (a.prefetch) prefetch_group(grp, kQ4KGroupBytes); \
     __m256i isum[RB], isum2[RB]; \
     for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm256_setzero_si256(); \
     for (int v = 0; v < 4; ++v) { \
@@ -665,7 +668,7 @@ __attribute__((target("avx2,fma,f16c"))) void q6k_tile_avx2(const uint8_t* w, co
     const uint8_t* head = w + (g / kGroupsPerSuper) * kQ6KSuperBytes;
     const uint8_t* grp = head + 2 * kTile + (g % kGroupsPerSuper) * kQ6KGroupBytes;
     if (g % kGroupsPerSuper == 0) dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
-    prefetch_group(grp, kQ6KGroupBytes);
+    if (a.prefetch) prefetch_group(grp, kQ6KGroupBytes);
     const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 192)));
     const __m256i sc2 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 200)));
     const int8_t* x0 = a.x(0, g);
@@ -721,7 +724,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const uint8_t* head = w + (g / kGroupsPerSuper) * kQ6KSuperBytes;
     const uint8_t* grp = head + 2 * kTile + (g % kGroupsPerSuper) * kQ6KGroupBytes;
     if (g % kGroupsPerSuper == 0) dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
-    prefetch_group(grp, kQ6KGroupBytes);
+    if (a.prefetch) prefetch_group(grp, kQ6KGroupBytes);
     __m256i code[8];
     q6k_codes(grp, code);
     const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 192)));
@@ -778,7 +781,7 @@ __attribute__((target(TARGET))) void NAME(const uint8_t* w, const RowsView& a, f
   __m256 acc[RB]; \
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps(); \
   for (int64_t g = 0; g < a.G; ++g, w += kQ5Bytes) { \
-    prefetch_group(w, kQ5Bytes); \
+    if (a.prefetch) prefetch_group(w, kQ5Bytes); \
     __m256i code[8]; \
     q5_codes(w, code); \
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 160))); \
@@ -825,7 +828,7 @@ __attribute__((target("avx2,fma,f16c"))) void q5_tile_avx2(const uint8_t* w, con
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w += kQ5Bytes) {
     const int8_t* x0 = a.x(0, g);
-    prefetch_group(w, kQ5Bytes);
+    if (a.prefetch) prefetch_group(w, kQ5Bytes);
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128));
     __m256i isum[RB];
 #pragma GCC unroll 2
@@ -951,7 +954,7 @@ __attribute__((target(STAGEDSPEC_W512))) void q4_pair_vnni512(const uint8_t* w0,
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w0 += kQ4Bytes, w1 += kQ4Bytes) {
-    prefetch_pair(base0, base1, w0, w1, kQ4Bytes);
+    if (a.prefetch) prefetch_pair(base0, base1, w0, w1, kQ4Bytes);
     __m512i isum[RB], isum2[RB];
     nibble_sums512<RB>(w0, w1, a, g, isum, isum2);
     const __m512 dw = pair_halves(w0 + 128, w1 + 128);
@@ -975,7 +978,7 @@ __attribute__((target(STAGEDSPEC_W512))) void q8_pair_vnni512(const uint8_t* w0,
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w0 += kQ8Bytes, w1 += kQ8Bytes) {
-    prefetch_pair(base0, base1, w0, w1, kQ8Bytes);
+    if (a.prefetch) prefetch_pair(base0, base1, w0, w1, kQ8Bytes);
     __m512i isum[RB], isum2[RB];
     for (int r = 0; r < RB; ++r) isum[r] = isum2[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -1018,7 +1021,7 @@ __attribute__((target(STAGEDSPEC_W512))) void q4k_pair_vnni512(const uint8_t* w0
       const int64_t g = g0 + j;
       const uint8_t* grp0 = w0 + 4 * kTile + j * kQ4KGroupBytes;
       const uint8_t* grp1 = w1 + 4 * kTile + j * kQ4KGroupBytes;
-      prefetch_pair(base0, base1, grp0, grp1, kQ4KGroupBytes);
+      if (a.prefetch) prefetch_pair(base0, base1, grp0, grp1, kQ4KGroupBytes);
       __m512i isum[RB], isum2[RB];
       nibble_sums512<RB>(grp0, grp1, a, g, isum, isum2);
       const __m512 sc = _mm512_cvtepi32_ps(pair_bytes<false>(grp0 + 128, grp1 + 128));
@@ -1077,7 +1080,7 @@ __attribute__((target(STAGEDSPEC_W512))) void q6k_pair_vnni512(const uint8_t* w0
     const uint8_t* grp0 = head0 + 2 * kTile + (g % kGroupsPerSuper) * kQ6KGroupBytes;
     const uint8_t* grp1 = head1 + 2 * kTile + (g % kGroupsPerSuper) * kQ6KGroupBytes;
     if (g % kGroupsPerSuper == 0) dw = pair_halves(head0, head1);
-    prefetch_pair(w0, w1, grp0, grp1, kQ6KGroupBytes);
+    if (a.prefetch) prefetch_pair(w0, w1, grp0, grp1, kQ6KGroupBytes);
     __m512i code[8];
     q6k_codes512(grp0, grp1, code);
     const __m512i sc1 = pair_bytes<true>(grp0 + 192, grp1 + 192);
@@ -1118,7 +1121,7 @@ __attribute__((target(STAGEDSPEC_W512))) void q5_pair_vnni512(const uint8_t* w0,
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g, w0 += kQ5Bytes, w1 += kQ5Bytes) {
-    prefetch_pair(base0, base1, w0, w1, kQ5Bytes);
+    if (a.prefetch) prefetch_pair(base0, base1, w0, w1, kQ5Bytes);
     const __m512i h = pair_load(w0 + 128, w1 + 128);
     __m512i nib[4], code[8];
     for (int p = 0; p < 4; ++p) nib[p] = pair_load(w0 + 32 * p, w1 + 32 * p);
@@ -1319,7 +1322,7 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
           const int64_t r = r0 + rb;
           const int64_t at0 = blocked(r, 0, G);  // row r's block, at its place in the block
           const RowsView view{qa.q.data() + at0 * kGroup, qa.d.data() + at0, qa.s.data() + at0,
-                              qa.h.data() + 2 * at0, qa.hn.empty() ? nullptr : qa.hn.data() + at0, G};
+                              qa.h.data() + 2 * at0, qa.hn.empty() ? nullptr : qa.hn.data() + at0, G, rb == 0};
           if (pair)
             seg.table.pair[n](w, w + seg.bytes_per_tile, view, tmp);
           else
