@@ -144,6 +144,8 @@ def test_time_box_saves_partial_draft_and_resume_finishes(oracle_dir: Path, corp
         (["--corpus", "/nonexistent/corpus.py"], "corpus file not found"),
         (["--layers", "3"], "the oracle has only 2 layers"),
         (["--resume"], "nothing to resume"),
+        (["--feature-taps", "1"], "--feature-taps applies to --kind feature only"),
+        (["--kind", "feature", "--feature-taps", "2"], "feature taps must be distinct layers in 1..1"),
     ],
 )
 def test_bad_inputs_are_one_line_errors(oracle_dir: Path, corpus: list[str], tmp_path: Path, extra: list[str],
@@ -158,8 +160,9 @@ def test_argument_validation(oracle_dir: Path, corpus: list[str], tmp_path: Path
     """Bad flag values are argparse's errors: exit status 2 and one line (`cli.commands.OneLineErrorParser`)."""
     assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--layers", "0")) == 2
     assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--chat-wrap", "1.5")) == 2
+    assert run(distill_args(oracle_dir, corpus, tmp_path / "d", "--feature-taps", "2,x")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all("error:" in line for line in err)
+    assert len(err) == 3 and all("error:" in line for line in err)
 
 
 def test_humaneval_is_refused(oracle_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -95,6 +95,9 @@ def to_int8(draft: Transformer, oracle: Transformer, max_rows: int | None = None
     fc = getattr(draft, "fc", None)
     if isinstance(fc, nn.Linear):  # a feature draft's fusing layer
         draft.fc = RowSwitchLinear(fc.weight.detach(), fc.bias, max_rows)
+    tap_fc = getattr(draft, "tap_fc", None)
+    if isinstance(tap_fc, nn.Linear):  # and its taps' (`FeatureDraftModel.feature_taps`)
+        draft.tap_fc = RowSwitchLinear(tap_fc.weight.detach(), None, max_rows)
     own_head = getattr(draft, "head", None)
     head = own_head.weight if own_head is not None else draft.head_weight
     if own_head is not None or head is not oracle.head_weight:

@@ -137,7 +137,7 @@ class StaticRunner:
         # buffer like the others, so that a captured graph reads each pass's features from it.
         self.features: Tensor | None = None
         if is_feature_draft(model):
-            self.features = torch.zeros(1, rows, model.config.hidden_size, dtype=model.embed.weight.dtype,
+            self.features = torch.zeros(1, rows, model.feature_width, dtype=model.embed.weight.dtype,
                                         device=self.device)
         self._specs: dict[int, PassSpec] = {}  # per bucket (`_spec`)
         self._pool = None
@@ -306,6 +306,11 @@ class StaticRunner:
         logits, hidden = self._forward(self.index[0:1, :rows], self.index[1, :rows], self.index[2, :rows],
                                        self.mask[:rows], self.cache, self._spec(rows))
         return logits, hidden, False
+
+    def forget_captures(self) -> None:
+        """Drop the captured graphs: the passes they recorded changed (a new `ModelRuntime.feature_taps`)."""
+        self.graphs.clear()
+        self._outputs.clear()
 
     def _spec(self, rows: int) -> PassSpec:
         """A bucket's pass: logits and hidden states of every row, reading the features buffer's first `rows`
@@ -592,8 +597,12 @@ class ModelOracle:
         self.feature_rows = 0
         self._hidden: Tensor | None = None  # hidden rows of the last scored pass (catch-up tokens, then tree)
 
-    def prepare_features(self) -> None:
+    def prepare_features(self, taps: Sequence[int] = ()) -> None:
         """Record the hidden state of every token this oracle caches from now on (a feature draft reads them).
+
+        `taps`: the layers whose normalised inputs the draft reads too (`FeatureDraftModel.feature_taps`):
+        every pass that returns hidden states then appends them (`ModelRuntime.feature_taps`), so a feature
+        row is H * (1 + len(taps)) wide.  The setting is the model's: one draft's taps per loaded oracle.
 
         The uncached prompt is run now, in a pass of its own, so that the
         draft has the prompt's features for its first proposal; the bf16 and
@@ -602,10 +611,15 @@ class ModelOracle:
         one-token decoding): the first proposal then has no features for the
         prompt, which costs acceptance, never exactness.
         """
-        if self.features is None:
-            cfg = self.model.config
+        taps = tuple(taps)
+        if self.model.runtime.feature_taps != taps:
+            self.model.runtime.feature_taps = taps
+            if self.runner is not None:
+                self.runner.forget_captures()
+        width = self.model.config.hidden_size * (1 + len(taps))
+        if self.features is None or self.features.shape[-1] != width:
             p = self.model.embed.weight
-            self.features = torch.zeros(self.cache.max_len, cfg.hidden_size, dtype=p.dtype, device=p.device)
+            self.features = torch.zeros(self.cache.max_len, width, dtype=p.dtype, device=p.device)
             self.feature_rows = 0
             if self.runner is not None:
                 self.runner.keep_hidden = True
@@ -614,14 +628,15 @@ class ModelOracle:
 
     @property
     def committed_features(self) -> Tensor | None:
-        """[n, H]: the oracle's final hidden states of its first n cached tokens (None before `prepare_features`)."""
+        """[n, W]: the oracle's final hidden states of its first n cached tokens (and the taps' inputs: W =
+        H * (1 + taps)); None before `prepare_features`."""
         return None if self.features is None else self.features[: self.feature_rows]
 
     def _keep_features(self, start: int, rows: Sequence[int] | slice) -> None:
         """Store the last pass's hidden `rows` as the features of the cached tokens from slot `start` on."""
         if self.features is None or self._hidden is None or self.feature_rows != start:
             return
-        kept = self._hidden[rows]
+        kept = self._hidden[rows][..., :self.features.shape[-1]]
         self.features[start:start + kept.shape[0]] = kept
         self.feature_rows = start + kept.shape[0]
 

@@ -58,6 +58,17 @@ LEGACY_SAMPLES_NAME = "oracle_samples.json"  # the whole-list cache of older ver
 
 
 # ---------------------------------------------------------------------- argument types
+def _layer_list(text: str) -> list[int]:
+    """'2,14' -> [2, 14] (argparse type: a malformed list is a usage error)."""
+    try:
+        out = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one layer number")
+    return out
+
+
 def _float_in(lo: float, hi: float, lo_open: bool = False):  # noqa: ANN202
     def parse(text: str) -> float:
         try:
@@ -101,6 +112,12 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--fc-lr-scale", type=_float_in(0.0, 100.0), default=0.0, metavar="S",
                    help="feature drafts: fc's learning rate is S x --lr (default 0: 1 for a fresh feature draft; for "
                         "one converted from an independent draft, the embeddings' norm over the oracle features')")
+    d.add_argument("--feature-taps", type=_layer_list, default=None, metavar="L1,L2",
+                   help="feature drafts: also read the normalised inputs of these oracle layers (EAGLE-3's low and "
+                        "mid features, e.g. 2,14 of 28), fused by a layer that starts at zero, so a draft grown "
+                        "with --init-from computes what it did until trained (see docs/draft.md)")
+    d.add_argument("--tap-lr-scale", type=_float_in(0.0, 1000.0, lo_open=True), default=1.0, metavar="S",
+                   help="with --feature-taps: the taps' fc learns at S x fc's rate (it starts at zero)")
     d.add_argument("--vocab-top", type=int_at_least(0), default=8192, metavar="V",
                    help="draft head over the V most frequent corpus tokens (0 = the oracle's full head)")
     d.add_argument("--tokens", type=int_at_least(1), default=2_000_000, metavar="N",
@@ -419,6 +436,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         args.layers = _saved_layers(args.init_from) or (1 if args.kind == "feature" else 2)
     if args.kind != "feature" and args.ttt_steps > 1:
         raise StagedSpecError("--ttt-steps applies to --kind feature only")
+    if args.kind != "feature" and args.feature_taps:
+        raise StagedSpecError("--feature-taps applies to --kind feature only")
     if args.layers > n_layers:
         raise StagedSpecError(f"--layers {args.layers}: the oracle has only {n_layers} layers")
     if args.seq_len > oracle.config.max_position:
@@ -461,7 +480,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         out=str(work), fingerprint=fingerprint, init_from=args.init_from, kind=args.kind, ttt_steps=args.ttt_steps,
         ttt_decay=args.ttt_decay, feature_loss=args.feature_loss, fc_lr_scale=args.fc_lr_scale,
         save_dtype=SAVE_DTYPE_NAMES[args.save_dtype], mlp_width=args.mlp_width or 0,
-        head_from_oracle=args.head_from_oracle,
+        head_from_oracle=args.head_from_oracle, feature_taps=args.feature_taps, tap_lr_scale=args.tap_lr_scale,
     )
     streams = order_streams(unique, repeats, cfg.heldout_fraction, args.seed)
     n_tok = [sum(map(len, s)) for s in (plain, chats, samples)]

@@ -59,7 +59,7 @@ class FeatureInputs:
         # an oracle, not a drafter: only a `ModelOracle` (or one wrapping it) records features; a toy reads zeros
         prepare = getattr(oracle, "prepare_features", None)
         if prepare is not None:
-            prepare()
+            prepare(self.model.feature_taps)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -79,7 +79,7 @@ class FeatureInputs:
         """Input features [end - start, H] of positions start..end-1 (f_{p-1}; zeros at p = 0 and where the
         oracle has none yet) and how many leading positions got the oracle's own."""
         n = end - start
-        out = torch.zeros(n, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        out = torch.zeros(n, self.model.feature_width, dtype=self.dtype, device=self.device)
         feats = getattr(self.source, "committed_features", None) if self.source is not None else None
         m = 0 if feats is None else int(feats.shape[0])
         lo, hi = max(start, 1), min(end, m + 1)
@@ -89,7 +89,11 @@ class FeatureInputs:
 
     def run(self, tokens: list[int], features: Tensor, positions: Tensor, mask: Tensor | None,
             rows: slice | None) -> tuple[Tensor, Tensor]:
-        """One draft pass, its entries committed at once: logits [n', V] and output features [n', H] of `rows`."""
+        """One draft pass, its entries committed at once: logits [n', V] and output features [n', H] of `rows`.
+        `features` [n, H or feature_width]: a predicted feature (H wide) has no taps, which count as zeros."""
+        W = self.model.feature_width
+        if features.shape[-1] != W:
+            features = torch.cat([features, features.new_zeros(features.shape[0], W - features.shape[-1])], dim=-1)
         spec = PassSpec(tree_mask=mask, logits_rows=rows, hidden="rows", features=features[None])
         # through the request's passes, so that the batched server runs it in one ragged pass with other requests'
         logits, hidden = self.passes.run_pass(self.model, self.runner, self.cache, tokens, positions, spec)
@@ -156,8 +160,6 @@ class FeatureStage:
 
     bit_exact = False  # the stage's passes, like every draft's, need not match one-token decoding
 
-    bit_exact = False
-
     def __init__(self, model: Transformer, max_len: int, passes: RequestPasses | None = None) -> None:
         """`passes`: the request this stage runs for (its router and runner leases; see `runner.RequestPasses`)."""
         passes = passes if passes is not None else RequestPasses()
@@ -189,7 +191,8 @@ class FeatureStage:
         root_pos = start + len(self._lead)
         feats, n_real = inputs.oracle_inputs(start, root_pos + 1)
         if n_real <= len(self._lead) and root_pos - 1 in self._out:  # a root after this stage's own tokens
-            feats[-1] = self._out[root_pos - 1]
+            feats[-1] = 0  # a predicted feature: no taps
+            feats[-1, :self._out[root_pos - 1].shape[-1]] = self._out[root_pos - 1]
         tokens = [*self._lead, tree.tokens[0]]
         self.forward_passes += 1
         root_logits, root_out = inputs.run(tokens, feats, torch.arange(start, root_pos + 1), None, slice(-1, None))

@@ -64,6 +64,9 @@ def differences(draft: DraftModel, fmt: str) -> list[str]:
 
 def check_exportable(draft: DraftModel, fmt: str, approximate: bool) -> list[str]:
     """The differences to record, or a one-line StagedSpecError when the export is refused."""
+    if getattr(draft, "feature_taps", ()):
+        raise StagedSpecError(f"this feature draft also reads the inputs of oracle layers {list(draft.feature_taps)}; "
+                              f"the EAGLE-1 layouts of --format {fmt} read the final hidden state alone")
     if fmt == "speculators" and draft.config.n_layers != 1:
         raise StagedSpecError(f"the speculators EAGLE layout holds one decoder layer; this feature draft has "
                               f"{draft.config.n_layers}: use --format eagle")

@@ -505,6 +505,8 @@ def save_draft(
         "kind": kind,
         "model_config": model.config.to_dict(),
         "oracle_layers": list(model.oracle_layers),
+        # a feature draft that also reads the inputs of these oracle layers (`FeatureDraftModel.feature_taps`)
+        **({"feature_taps": list(model.feature_taps)} if getattr(model, "feature_taps", ()) else {}),
         "vocab_size": model.config.vocab_size,
         "hidden_size": model.config.hidden_size,
         "head": ("oracle-rows" if model.head_from_oracle else "restricted") if model.head_tokens is not None

@@ -76,11 +76,17 @@ def load_draft(
     head_from_oracle = cfg.get("head") == "oracle-rows"
     if head_from_oracle and head_tokens is None:
         raise StagedSpecError(f"corrupt draft {folder}: a head of the oracle's rows without its token ids")
-    cls = DraftModel if cfg["kind"] == INDEPENDENT else FeatureDraftModel
     mlp_width = dcfg.intermediate_size if dcfg.intermediate_size != ocfg.intermediate_size else None
+    taps = cfg.get("feature_taps", [])
+    if not isinstance(taps, list) or (taps and cfg["kind"] == INDEPENDENT):
+        raise StagedSpecError(f"corrupt draft config {folder}: feature_taps {taps!r}")
     try:
-        model = cls(oracle, layers, head_tokens, dtype=dtype, device=device, mlp_width=mlp_width,
-                    head_from_oracle=head_from_oracle)
+        if cfg["kind"] == INDEPENDENT:
+            model = DraftModel(oracle, layers, head_tokens, dtype=dtype, device=device, mlp_width=mlp_width,
+                               head_from_oracle=head_from_oracle)
+        else:
+            model = FeatureDraftModel(oracle, layers, head_tokens, dtype=dtype, device=device, mlp_width=mlp_width,
+                                      head_from_oracle=head_from_oracle, taps=taps)
     except StagedSpecError as exc:
         raise StagedSpecError(f"corrupt draft {folder}: {exc}") from None
     own = model.own_state_dict()

@@ -29,7 +29,8 @@ which is exactly what a tree node at depth j sees at inference.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,7 @@ class FeatureDraftModel(DraftModel):
         device: torch.device | str | None = None,
         mlp_width: int | None = None,
         head_from_oracle: bool = False,
+        taps: Sequence[int] = (),
     ) -> None:
         if oracle.config.arch == "gemma3":
             # The unrolled training pass (`unrolled_hidden`) has no q/k norms, sandwich norms or window yet.
@@ -78,6 +80,20 @@ class FeatureDraftModel(DraftModel):
             eye = torch.eye(H, device=w.device, dtype=w.dtype)
             self.fc.weight.copy_(torch.cat([eye, eye], dim=1))
             self.fc.bias.zero_()
+        self.feature_taps = check_taps(taps, oracle.config.n_layers)
+        # The taps' features (EAGLE-3's low and mid features) join the final one as f + tap_fc(taps): zero at
+        # the start, so a draft that grows taps computes what it did, and zero for the rows whose features
+        # are the draft's own predictions (they have no taps), as in training's unrolled steps.
+        self.tap_fc = (nn.Linear(len(self.feature_taps) * H, H, bias=False, device=w.device, dtype=w.dtype)
+                       if self.feature_taps else None)
+        if self.tap_fc is not None:
+            with torch.no_grad():
+                self.tap_fc.weight.zero_()
+
+    @property
+    def feature_width(self) -> int:
+        """The width of one row of input features: H, or H per tap more (the oracle's `feature_taps`)."""
+        return self.config.hidden_size * (1 + len(self.feature_taps))
 
     # ------------------------------------------------------------------ inference
     def embed_rows(self, tokens: Tensor, positions: Tensor,
@@ -86,10 +102,17 @@ class FeatureDraftModel(DraftModel):
         return self.fuse(x, features), rope, local_rope
 
     def fuse(self, embedded: Tensor, features: Tensor | None) -> Tensor:
-        """fc(concat(features, embedded)); missing features count as zeros (a pass of the same cost)."""
+        """fc(concat(f, embedded)), f = the final features + tap_fc(the taps' features); missing features count
+        as zeros (a pass of the same cost).  Features [.., H] (a predicted feature: no taps) or
+        [.., feature_width]."""
+        H = embedded.shape[-1]
         f = torch.zeros_like(embedded) if features is None else features.to(embedded.dtype)
-        if f.shape != embedded.shape:
+        if f.shape[:-1] != embedded.shape[:-1] or f.shape[-1] not in (H, self.feature_width):
             raise ValueError(f"features of shape {tuple(f.shape)} for embeddings of shape {tuple(embedded.shape)}")
+        if self.tap_fc is not None:
+            if f.shape[-1] == H:
+                f = torch.cat([f, f.new_zeros(*f.shape[:-1], self.feature_width - H)], dim=-1)
+            f = f[..., :H] + self.tap_fc(f[..., H:])
         return self.fc(torch.cat([f, embedded], dim=-1))
 
     # ------------------------------------------------------------------ training
@@ -130,9 +153,47 @@ class FeatureDraftModel(DraftModel):
         return outputs
 
     def num_bytes(self) -> int:
-        """Bytes streamed per step: the layers, norm and head, plus the fusing fc."""
-        fc = sum(t.numel() * t.element_size() for t in self.fc.parameters())
-        return super().num_bytes() + fc
+        """Bytes streamed per step: the layers, norm and head, plus the fusing fc (and the taps' fc)."""
+        fusing = [*self.fc.parameters(), *(self.tap_fc.parameters() if self.tap_fc is not None else ())]
+        return super().num_bytes() + sum(t.numel() * t.element_size() for t in fusing)
+
+
+def check_taps(taps: Sequence[int], n_layers: int) -> tuple[int, ...]:
+    """Tap layers as a sorted tuple: distinct, each 1..n_layers-1 (layer 0's input is the embedding, which
+    the draft reads anyway)."""
+    out = tuple(sorted(int(t) for t in taps))
+    if len(set(out)) != len(out) or any(not 1 <= t < n_layers for t in out):
+        raise StagedSpecError(f"feature taps must be distinct layers in 1..{n_layers - 1}, got {list(taps)}")
+    return out
+
+
+@contextlib.contextmanager
+def oracle_taps(oracle: Transformer, taps: Sequence[int]) -> Iterator[None]:
+    """Within: the oracle's passes that return hidden states append the inputs of layers `taps`
+    (`ModelRuntime.feature_taps`), as a draft with those taps reads them; the setting before is restored."""
+    saved = oracle.runtime.feature_taps
+    oracle.runtime.feature_taps = tuple(taps)
+    try:
+        yield
+    finally:
+        oracle.runtime.feature_taps = saved
+
+
+def with_taps(draft: FeatureDraftModel, oracle: Transformer, taps: Sequence[int]) -> FeatureDraftModel:
+    """`draft` reading the inputs of the oracle's `taps` layers too, computing what it did until trained
+    (`tap_fc` starts at zero): how `distill --feature-taps` grows a trained draft into an EAGLE-3-style one."""
+    taps = check_taps(taps, oracle.config.n_layers)
+    if draft.feature_taps == taps:
+        return draft
+    if draft.feature_taps:
+        raise StagedSpecError(f"this feature draft already reads taps {list(draft.feature_taps)}, not {list(taps)}")
+    p = draft.embed.weight
+    H = draft.config.hidden_size
+    draft.feature_taps = taps
+    draft.tap_fc = nn.Linear(len(taps) * H, H, bias=False, device=p.device, dtype=p.dtype)
+    with torch.no_grad():
+        draft.tap_fc.weight.zero_()
+    return draft
 
 
 def feature_draft_from(draft: DraftModel, oracle: Transformer) -> FeatureDraftModel:

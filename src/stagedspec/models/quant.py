@@ -279,6 +279,8 @@ class NativeLayerStack:
 
     def __init__(self, layers: list[NativeDecoderLayer]) -> None:
         first = layers[0]
+        self.blocks = layers
+        self._parts: dict[tuple[int, int], NativeLayerStack] = {}
         self.kernels = first.kernels
         self.packed = [p for layer in layers for p in layer.packed]
         self.formats = [f for layer in layers for f in layer.formats]
@@ -307,6 +309,13 @@ class NativeLayerStack:
                                            self.attn_norms, self.mlp_norms, self.eps, cos, sin, k_caches, v_caches,
                                            start, mask, self.scale, self.n_heads, self.n_kv_heads)
 
+
+    def part(self, lo: int, hi: int) -> NativeLayerStack:
+        """The stack of blocks lo..hi-1 (built once): a pass that keeps a block's input (`feature_taps`) runs
+        the stack in parts; each part's caches are the matching slice of the layers' caches."""
+        if (lo, hi) not in self._parts:
+            self._parts[lo, hi] = NativeLayerStack(self.blocks[lo:hi])
+        return self._parts[lo, hi]
 
     def ragged(self, x: Tensor, rope: tuple[Tensor, Tensor], k_caches: list[Tensor], v_caches: list[Tensor],
                starts: list[int], rows: list[int], masks: list[Tensor | None]) -> Tensor:

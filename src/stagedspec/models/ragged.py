@@ -119,7 +119,9 @@ def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> l
             features = torch.cat([features, features.new_zeros(1, extra, features.shape[-1])], dim=1)
     x, rope, local_rope = model.embed_rows(tokens, positions, features)  # row-wise
     stack = model.runtime.native_stack
-    if stack is not None and all(s.cache.k.dim() == 5 and not isinstance(p.start, Tensor)
+    taps = model.runtime.feature_taps if any(s.spec.wants_hidden for s in segments) else ()
+    tapped: list[Tensor] = []
+    if stack is not None and not taps and all(s.cache.k.dim() == 5 and not isinstance(p.start, Tensor)
                                  for s, p in zip(segments, prepared)):
         # every block in one native call, attention per segment inside it: the same operations and bits as
         # the loop below (`tests/test_ragged.py`), without a Python call per operation
@@ -127,7 +129,9 @@ def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> l
                          [p.start for p in prepared], [p.rows.stop - p.rows.start for p in prepared],
                          [p.mask for p in prepared])
     else:
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(model.layers):  # the blocks one by one (also where `feature_taps` keeps inputs)
+            if i in taps:
+                tapped.append(layer.attn_norm(x))
             local = bool(model.local) and model.local[i]
             h = _attention(layer.attn, layer.attn_norm(x), local_rope if local else rope, segments, prepared, i,
                            local)
@@ -142,7 +146,7 @@ def _forward_ragged(model: Transformer, segments: list[Segment], pad: bool) -> l
     index = torch.tensor(index_rows, dtype=torch.long, device=x.device)
     hidden = None
     if any(s.spec.wants_hidden for s in segments):  # the norm over every row (row-wise), the head over the picked
-        logits, hidden = model.head_logits(x, index, "all")
+        logits, hidden = model.head_logits(x, index, "all", tapped)
     else:
         logits = model.head_logits(x[:, index], None)  # a draft's restricted head comes back scattered
     out: list[Tensor | tuple[Tensor, Tensor]] = []
@@ -163,9 +167,9 @@ def _features(model: Transformer, segments: list[Segment]) -> Tensor | None:
     """The segments' input features, one row per token (zeros where a segment has none), or None if none has."""
     if all(s.spec.features is None for s in segments):
         return None
-    H = model.config.hidden_size
+    W = next(s.spec.features.shape[-1] for s in segments if s.spec.features is not None)  # H, or wider with taps
     p = model.embed.weight
-    return torch.cat([s.spec.features if s.spec.features is not None else p.new_zeros(1, s.tokens.shape[1], H)
+    return torch.cat([s.spec.features if s.spec.features is not None else p.new_zeros(1, s.tokens.shape[1], W)
                       for s in segments], dim=1)
 
 

@@ -33,6 +33,10 @@ class ModelRuntime:
       part of the cost-profile key); None: not planned.
     - `weight_format`, `weight_reason`: the format a draft's weights run in and why (`draft_weights`): "native"
       for a model run as loaded.
+    - `feature_taps`: layers whose normalised inputs a pass that returns hidden states appends to each row's
+      final features, [H] -> [H * (1 + len(feature_taps))] (the low and mid features of an EAGLE-3-style
+      feature draft, `models.feature_draft`); set for the oracle such a draft reads.  Empty: the final
+      features alone.
     """
 
     passes: PassRuntime = field(default_factory=PassRuntime)
@@ -41,3 +45,4 @@ class ModelRuntime:
     matmul_plan_signature: str | None = None
     weight_format: str = "native"
     weight_reason: str = ""
+    feature_taps: tuple[int, ...] = ()

@@ -432,15 +432,28 @@ class Transformer(nn.Module):
             local = self.local_attention_mask(bool_mask, positions, cache, start + T)
             if local is not None:
                 local_mask = self.mask_to_bias(local, x.dtype, groups)
+        taps = self.runtime.feature_taps if spec.wants_hidden else ()
+        tapped: list[Tensor] = []
         stack = self.runtime.native_stack
         if stack is not None and not isinstance(start, Tensor) and cache.k.dim() == 5:
-            return self.head_logits(stack(x, rope, cache.k, cache.v, start, mask), spec.logits_rows, spec.hidden)
+            if not taps:
+                return self.head_logits(stack(x, rope, cache.k, cache.v, start, mask), spec.logits_rows, spec.hidden)
+            lo = 0
+            for hi in (*taps, len(self.layers)):  # the stack in parts, each block's input kept where tapped
+                if hi > lo:
+                    x = stack.part(lo, hi)(x, rope, cache.k[lo:hi], cache.v[lo:hi], start, mask)
+                if hi < len(self.layers):
+                    tapped.append(self.layers[hi].attn_norm(x))
+                lo = hi
+            return self.head_logits(x, spec.logits_rows, spec.hidden, tapped)
         for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped.append(layer.attn_norm(x))
             if self.local and self.local[i]:
                 x = layer(x, local_rope, cache.k[i], cache.v[i], start, local_mask, row_independent)
             else:
                 x = layer(x, rope, cache.k[i], cache.v[i], start, mask, row_independent)
-        return self.head_logits(x, spec.logits_rows, spec.hidden)
+        return self.head_logits(x, spec.logits_rows, spec.hidden, tapped)
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache,
                        spec: PassSpec = PLAIN) -> Tensor | tuple[Tensor, Tensor]:
@@ -470,10 +483,14 @@ class Transformer(nn.Module):
             cache.positions.index_copy_(1, slots, positions.expand(B, T))
             near = cache.positions[0][None, :] > positions[:, None] - int(self.config.sliding_window)  # [T, S]
             local_bias = self.mask_to_bias(mask & near, x.dtype, groups)
+        taps = self.runtime.feature_taps if spec.wants_hidden else ()
+        tapped: list[Tensor] = []
         for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped.append(layer.attn_norm(x))
             local = bool(self.local) and self.local[i]
             x = layer(x, local_rope if local else rope, cache.k[i], cache.v[i], slots, local_bias if local else bias)
-        return self.head_logits(x, spec.logits_rows, spec.hidden)
+        return self.head_logits(x, spec.logits_rows, spec.hidden, tapped)
 
     def embed_rows(self, tokens: Tensor, positions: Tensor,
                features: Tensor | None = None) -> tuple[Tensor, tuple | None, tuple | None]:
@@ -495,16 +512,20 @@ class Transformer(nn.Module):
         return x, rope, local_rope
 
     def head_logits(self, x: Tensor, logits_rows: Tensor | slice | None,
-                    hidden: Hidden = "none") -> Tensor | tuple[Tensor, Tensor]:
+                    hidden: Hidden = "none", tapped: list[Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Final norm and vocabulary head over the selected rows (Gemma's logit soft-cap included).
 
         `hidden` as `PassSpec.hidden`: "rows" returns the selected rows' normalised hidden states too, "all"
-        every row's."""
+        every row's.  `tapped`: the normalised inputs of the `runtime.feature_taps` layers, each [B, T, H],
+        appended to the returned hidden states (the head reads the final ones only)."""
         if hidden == "all":
             h_all = self.norm(x)
             h = h_all if logits_rows is None else h_all[:, logits_rows]
         else:
             h = self.norm(x if logits_rows is None else x[:, logits_rows])
+        if tapped and hidden != "none":
+            picked = tapped if hidden == "all" or logits_rows is None else [t[:, logits_rows] for t in tapped]
+            with_taps = torch.cat([h_all if hidden == "all" else h, *picked], dim=-1)
         if self.head_q is not None:
             logits = self.head_q(h)
         elif self.runtime.head_row_plan is not None:
@@ -515,6 +536,8 @@ class Transformer(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         logits = self.expand_logits(logits)
+        if tapped and hidden != "none":
+            return logits, with_taps
         if hidden == "all":
             return logits, h_all
         return (logits, h) if hidden == "rows" else logits

@@ -43,7 +43,8 @@ from torch import Tensor
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.draft import CONFIG_NAME, DraftModel, default_draft_dir, grow_draft, save_draft
 from stagedspec.models.draft_loading import load_draft
-from stagedspec.models.feature_draft import FeatureDraftModel, feature_draft_from, is_feature_draft
+from stagedspec.models.feature_draft import (FeatureDraftModel, feature_draft_from, is_feature_draft, oracle_taps,
+                                             with_taps)
 from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import Transformer
 from stagedspec.paths import write_text_atomic
@@ -92,12 +93,16 @@ class DistillConfig:
     fc_lr_scale: float = 0.0  # feature drafts: fc's learning rate over lr; 0 = chosen by `fc_lr_scale()`
     mlp_width: int = 0  # MLP channels kept per copied layer (`models.draft.prune_mlp`); 0 = the oracle's width
     head_from_oracle: bool = False  # the restricted head is the oracle's rows, frozen (saved as token ids only)
+    # feature drafts: oracle layers whose normalised inputs the draft reads too (EAGLE-3's low and mid features)
+    feature_taps: list[int] | None = None
+    tap_lr_scale: float = 1.0  # the taps' fc learns at this times fc's rate (it starts at zero; see `_param_groups`)
 
     # Fields an interrupted run may change when it is resumed (they do not affect the weights).
     RESUMABLE_CHANGES = ("eval_every", "checkpoint_every", "out", "save_dtype", "fingerprint")
     # Settings added after checkpoints existed: a checkpoint without them was written with these values.
     ADDED_DEFAULTS = {"kind": "independent", "ttt_steps": 1, "ttt_decay": 0.8, "feature_loss": 0.1,
-                      "fc_lr_scale": 0.0, "mlp_width": 0, "head_from_oracle": False}
+                      "fc_lr_scale": 0.0, "mlp_width": 0, "head_from_oracle": False, "feature_taps": None,
+                      "tap_lr_scale": 1.0}
 
     def __post_init__(self) -> None:
         for name in ("layers", "tokens", "seq_len", "batch_size", "teacher_top_k", "eval_every",
@@ -124,6 +129,10 @@ class DistillConfig:
             raise StagedSpecError(f"ttt-steps must be >= 1, and above 1 only for a feature draft, got {self.ttt_steps}")
         if self.fc_lr_scale < 0:
             raise StagedSpecError(f"fc-lr-scale must be >= 0 (0 = chosen for the run), got {self.fc_lr_scale}")
+        if self.feature_taps and self.kind != "feature":
+            raise StagedSpecError("feature taps apply to feature drafts only")
+        if not self.tap_lr_scale > 0:
+            raise StagedSpecError(f"tap-lr-scale must be > 0, got {self.tap_lr_scale}")
         if not 0 < self.ttt_decay <= 1 or self.feature_loss < 0:
             raise StagedSpecError("ttt-decay must be in (0, 1] and feature-loss >= 0")
 
@@ -349,7 +358,21 @@ def distill(
             cls = DraftModel
         student = cls(oracle, cfg.init_layers or cfg.layers, head_tokens, dtype=torch.float32,
                       mlp_width=cfg.mlp_width or None, head_from_oracle=cfg.head_from_oracle)
+    if cfg.feature_taps:  # a fresh draft or one from --init-from grows them (starting at zero)
+        student = with_taps(student, oracle, cfg.feature_taps)
     student.train()
+    with oracle_taps(oracle, getattr(student, "feature_taps", ())):  # the teacher's hidden states carry the taps'
+        return _distill(oracle, student, head_tokens, data, fingerprint, cfg, resume, progress, stop_after_steps,
+                        max_seconds, autocast)
+
+
+def _distill(oracle: Transformer, student: DraftModel, head_tokens: Tensor | None, data: TokenData,
+             fingerprint: str, cfg: DistillConfig, resume: bool, progress: bool, stop_after_steps: int | None,
+             max_seconds: float | None, autocast: bool | None) -> DraftModel:
+    """`distill`'s training loop, on a built student (see there)."""
+    out = Path(cfg.out)
+    vocab = oracle.config.vocab_size
+    feature = cfg.kind == "feature"
     device = student.embed.weight.device
     use_autocast = device.type == "cuda" if autocast is None else bool(autocast)
     cols_of = support_index(student.support, vocab)
@@ -362,7 +385,7 @@ def distill(
 
     params = student.trainable_parameters()
     fc_scale = fc_lr_scale(cfg, student, windows, h_feat) if feature else 1.0
-    opt = torch.optim.AdamW(_param_groups(student, params, fc_scale), lr=cfg.lr, betas=(0.9, 0.95),
+    opt = torch.optim.AdamW(_param_groups(student, params, fc_scale, cfg.tap_lr_scale), lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay)
     step, history = 0, []
     if resume:
@@ -460,18 +483,34 @@ def fc_lr_scale(cfg: DistillConfig, student: DraftModel, windows: Tensor, oracle
         return 1.0
     with torch.no_grad():
         e = student.embed.weight[windows.to(student.embed.weight.device)].float().norm(dim=-1).mean()
-        f = oracle_features.float().norm(dim=-1).mean()
+        f = oracle_features[..., :student.config.hidden_size].float().norm(dim=-1).mean()
     return float(f"{float(e / f):.2g}")
 
 
-def _param_groups(student: DraftModel, params: list[torch.nn.Parameter], fc_scale: float) -> list[dict[str, Any]]:
-    """One optimizer group, or two when a feature draft's fc learns at its own rate (`lr_scale`)."""
-    fc = getattr(student, "fc", None)
-    if fc is None or fc_scale == 1.0:
+def _param_groups(student: DraftModel, params: list[torch.nn.Parameter], fc_scale: float,
+                  tap_scale: float = 1.0) -> list[dict[str, Any]]:
+    """The optimizer groups: the draft's weights; a feature draft's fc when it learns at its own rate
+    (`lr_scale`); and the taps' fc (`feature_taps`) at `tap_scale` times fc's rate.
+
+    Why the taps' own rate: tap_fc starts at zero, and Adam moves a weight by
+    about the learning rate a step only while its gradient keeps its sign.  At
+    the rate that fine-tunes a trained draft (2e-4), 147 steps left tap_fc's
+    weights at 1.2e-3 on average against fc's 0.023 (Qwen2.5-Coder-1.5B, see
+    docs/draft.md, "Feature taps"): too little to show whether the taps pay."""
+    fc, tap_fc = getattr(student, "fc", None), getattr(student, "tap_fc", None)
+    groups: dict[str, tuple[float, list[torch.nn.Parameter]]] = {"rest": (1.0, [])}
+    if fc is not None:
+        groups["fc"] = (fc_scale, list(fc.parameters()))
+    if tap_fc is not None:
+        groups["taps"] = (fc_scale * tap_scale, list(tap_fc.parameters()))
+    owned = {id(p) for _, ps in groups.values() for p in ps}
+    groups["rest"] = (1.0, [p for p in params if id(p) not in owned])
+    trainable = {id(p) for p in params}
+    out = [{"params": [p for p in ps if id(p) in trainable], "lr_scale": scale} for scale, ps in groups.values()]
+    out = [g for g in out if g["params"]]
+    if len({g["lr_scale"] for g in out}) == 1:  # one rate for all: one group, as before
         return [{"params": params}]
-    mine = {id(p) for p in fc.parameters()}
-    return [{"params": [p for p in params if id(p) not in mine]},
-            {"params": [p for p in params if id(p) in mine], "lr_scale": fc_scale}]
+    return out
 
 
 def _start_from_draft(cfg: DistillConfig, oracle: Transformer, fingerprint: str) -> tuple[DraftModel, Tensor | None]:
@@ -957,7 +996,7 @@ def eval_draft(
         if not cont:
             continue
         seq = prompt + cont[:-1]
-        features = _oracle_input_features(oracle, seq, device) if is_feature_draft(draft) else None
+        features = _oracle_input_features(oracle, seq, device, draft.feature_taps) if is_feature_draft(draft) else None
         logits = draft(torch.tensor([seq], device=device), torch.arange(len(seq), device=device),
                        draft.new_cache(len(seq)),
                        PassSpec(logits_rows=slice(len(prompt) - 1, None), features=features))[0].float()
@@ -989,12 +1028,15 @@ def eval_draft(
     return result
 
 
-def _oracle_input_features(oracle: Transformer, seq: Sequence[int], device: torch.device) -> Tensor:
-    """A feature draft's inputs for `seq` [1, T, H]: the oracle's final hidden state at the previous position
-    (what verification hands it on the accepted path), zeros at position 0."""
+def _oracle_input_features(oracle: Transformer, seq: Sequence[int], device: torch.device,
+                           taps: Sequence[int] = ()) -> Tensor:
+    """A feature draft's inputs for `seq` [1, T, H * (1 + taps)]: the oracle's final hidden state at the
+    previous position (what verification hands it on the accepted path) and its `taps` layers' inputs, zeros
+    at position 0."""
     odev = oracle.embed.weight.device
-    _, hidden = oracle(torch.tensor([list(seq)], device=odev), torch.arange(len(seq), device=odev),
-                       oracle.new_cache(len(seq)), PassSpec(logits_rows=slice(-1, None), hidden="all"))
+    with oracle_taps(oracle, taps):
+        _, hidden = oracle(torch.tensor([list(seq)], device=odev), torch.arange(len(seq), device=odev),
+                           oracle.new_cache(len(seq)), PassSpec(logits_rows=slice(-1, None), hidden="all"))
     return shift_features(hidden).to(device)
 
 

@@ -4,7 +4,9 @@ The loop, data, schedule, checkpoints and teacher targets are `stagedspec.traini
 
 - Inputs.  The teacher pass also returns the oracle's final hidden states
   f [B, T, H] (`teacher_topk(..., with_hidden=True)`, the same single
-  no-grad pass per batch); the draft reads f_{t-1} with token x_t.
+  no-grad pass per batch); the draft reads f_{t-1} with token x_t.  A draft
+  with `feature_taps` gets the taps' features after f ([B, T, H * (1 + taps)]):
+  step 0 reads them, the unrolled steps (predicted features) do not.
 - Loss.  The bucket KL to the oracle's next-token distribution, as for an
   independent draft, per unrolled step ("training-time test", EAGLE-3): step
   j >= 1 runs on the draft's own step j-1 features and stands for tree depth
@@ -60,7 +62,7 @@ def feature_loss_backward(student: Any, tokens: Tensor, oracle_features: Tensor,
         total += head_kl_backward(student, hd[j].flatten(0, 1), t_logp, t_cols, valid * (w / float(valid.sum())),
                                   autocast)
         if cfg.feature_loss > 0:
-            target = oracle_features[:, j:].to(hd.dtype)
+            target = oracle_features[:, j:, :hd.shape[-1]].to(hd.dtype)  # the final features (not the taps')
             reg = F.smooth_l1_loss(hd[j][:, j:].float(), target.float()) * (cfg.feature_loss * w)
             reg.backward()
             total += float(reg.item())
