@@ -84,11 +84,7 @@ class FeatureDraftModel(DraftModel):
         # The taps' features (EAGLE-3's low and mid features) join the final one as f + tap_fc(taps): zero at
         # the start, so a draft that grows taps computes what it did, and zero for the rows whose features
         # are the draft's own predictions (they have no taps), as in training's unrolled steps.
-        self.tap_fc = (nn.Linear(len(self.feature_taps) * H, H, bias=False, device=w.device, dtype=w.dtype)
-                       if self.feature_taps else None)
-        if self.tap_fc is not None:
-            with torch.no_grad():
-                self.tap_fc.weight.zero_()
+        self.tap_fc = zero_tap_fc(len(self.feature_taps), H, w) if self.feature_taps else None
 
     @property
     def feature_width(self) -> int:
@@ -187,13 +183,17 @@ def with_taps(draft: FeatureDraftModel, oracle: Transformer, taps: Sequence[int]
         return draft
     if draft.feature_taps:
         raise StagedSpecError(f"this feature draft already reads taps {list(draft.feature_taps)}, not {list(taps)}")
-    p = draft.embed.weight
-    H = draft.config.hidden_size
     draft.feature_taps = taps
-    draft.tap_fc = nn.Linear(len(taps) * H, H, bias=False, device=p.device, dtype=p.dtype)
-    with torch.no_grad():
-        draft.tap_fc.weight.zero_()
+    draft.tap_fc = zero_tap_fc(len(taps), draft.config.hidden_size, draft.embed.weight)
     return draft
+
+
+def zero_tap_fc(n_taps: int, hidden: int, like: Tensor) -> nn.Linear:
+    """The taps' fusing layer (n_taps * H -> H, no bias) at zero, on `like`'s device and dtype."""
+    fc = nn.Linear(n_taps * hidden, hidden, bias=False, device=like.device, dtype=like.dtype)
+    with torch.no_grad():
+        fc.weight.zero_()
+    return fc
 
 
 def feature_draft_from(draft: DraftModel, oracle: Transformer) -> FeatureDraftModel:
