@@ -210,3 +210,35 @@ def test_a_k_quant_model_is_bit_identical_per_row_and_speculation_reproduces_ar(
     spec = Pipeline(model, tok, speculation=SpeculationConfig(method="lookup", ngram=None,
                                                                           lookup_length=3))
     assert spec.generate(prompt, max_new_tokens=24).token_ids == ar.token_ids
+
+
+def test_layers_kept_in_their_own_formats_are_never_dequantised_and_load_to_the_same_bits(
+        kquant_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading reads a kept layer's codes only; its fp32 values were once dequantised and thrown away (15 of the
+    21 s of loading Qwen2.5-Coder-1.5B).  The model must compute what one built from those values computes."""
+    import gguf.quants
+
+    from stagedspec.models import loading
+    from stagedspec.models.quant import quantize_model
+
+    read: list[str] = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, kind: (read.append(kind.name), real(data, kind))[1])
+    model, _ = loading.load_model(kquant_gguf, torch.float32, quant="mixed")
+    assert read.count("Q4_K") == read.count("Q5_0") == 0 and read.count("Q6_K") == 1  # the head, which drafts read
+    assert not any(p.is_meta for p in model.parameters())
+
+    eager, _, sources = loading.load_gguf_with_sources(kquant_gguf, torch.float32, keep_codes=False)
+    quantize_model(eager, "mixed", torch.float32, "auto", sources)
+    ids = torch.tensor([[5, 9, 33, 2, 200, 17]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids, torch.arange(6), model.new_cache(16)),
+                           eager(ids, torch.arange(6), eager.new_cache(16)))
+
+
+def test_a_deferred_weight_left_unreplaced_is_an_error(kquant_gguf: Path) -> None:
+    from stagedspec.models import loading
+
+    model, _, _ = loading.load_gguf_with_sources(kquant_gguf, torch.float32, keep_codes=True)
+    with pytest.raises(RuntimeError, match="left undequantised"):
+        loading.check_no_deferred(model)

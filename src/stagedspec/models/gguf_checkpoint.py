@@ -70,8 +70,10 @@ def gguf_tensor_loader(t: Any) -> Callable[[], Tensor]:
             raise StagedSpecError(f"cannot dequantise GGUF tensor {t.name} ({t.tensor_type.name}): {first_line(exc)}") from None
         # GGUF lists dimensions fastest-first (ne order); PyTorch wants them reversed.
         shape = tuple(int(d) for d in reversed(list(t.shape)))
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
-        return torch.from_numpy(arr.copy())
+        arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+        if not arr.flags.writeable or np.may_share_memory(arr, t.data):
+            arr = arr.copy()  # still a view of the mapped file (an F32 tensor): own it
+        return torch.from_numpy(arr)
 
     return load
 
