@@ -11,7 +11,8 @@
   real loop with a feature tree drafter and a feature stage (walked, and the
   stage also through the batched rules a GPU uses), and its negative controls
   (a stage that passes up the wrong q; a corrupted batched verifier) caught by
-  the same test.
+  the same test; tree, chain and stage again with a tapped draft (its root reads
+  an oracle layer's input too), with its own negative control.
 - Files and commands: save/load with `kind: "feature"`, one-line errors,
   `distill --kind feature` (API and CLI, seconds) and `eval-draft` on it.
 """
@@ -57,13 +58,17 @@ def tiny(seed: int, layers: int = 3, vocab: int = 24) -> Transformer:
     return init_random(Transformer(cfg), seed=seed, std=0.3).eval()
 
 
-def feature_draft(oracle: Transformer, seed: int, head: list[int] | None = None) -> FeatureDraftModel:
-    """An untrained feature draft with its fc and layers perturbed, so that it depends on its features."""
-    draft = FeatureDraftModel(oracle, 1, head)
+def feature_draft(oracle: Transformer, seed: int, head: list[int] | None = None,
+                  taps: tuple[int, ...] = ()) -> FeatureDraftModel:
+    """An untrained feature draft with its fc and layers perturbed, so that it depends on its features (and,
+    with `taps`, on the tapped layers' inputs: tap_fc perturbed from zero)."""
+    draft = FeatureDraftModel(oracle, 1, head, taps=taps)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.trainable_parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
+        if taps:
+            draft.tap_fc.weight.add_(0.3 * torch.randn(draft.tap_fc.weight.shape, generator=g))
     return draft.eval()
 
 
@@ -190,9 +195,11 @@ class TransformerLM:
         return self._rows[ctx]
 
 
-def sampled_pvalue(build: str, sampling: SamplingParams, n: int, stage_cls: type = StageDrafter) -> float:
+def sampled_pvalue(build: str, sampling: SamplingParams, n: int, stage_cls: type = StageDrafter,
+                   taps: tuple[int, ...] = ()) -> float:
+    """`taps`: a tapped draft (the root reads the oracle's tapped layer inputs, deeper nodes zeros there)."""
     oracle = tiny(21, layers=2, vocab=V)  # its continuations of the prompt: 11 of 125 cells above 1%
-    draft = feature_draft(oracle, 21)
+    draft = feature_draft(oracle, 21, taps=taps)
     prompt = [1, 3, 0]
     if build == "tree":  # best-first top-k tree: deterministic proposals
         drafter = FeatureDrafter(draft, tree_budget=4, max_depth=2, branching=2, max_len=64)
@@ -229,6 +236,19 @@ def test_sampling_with_a_feature_draft_matches_the_oracle(build: str, sampling: 
     use_verifier(monkeypatch, verifier)
     p = sampled_pvalue(build, sampling, N_FAST if verifier == "walk" else N_BATCHED)
     assert p > ALPHA, f"{build} with a feature draft deviates from the oracle (p = {p:.2e}, {verifier})"
+
+
+@pytest.mark.parametrize("build, sampling", [("tree", SamplingParams(temperature=1.0)),
+                                             ("chain", SamplingParams(temperature=0.7, top_k=3)),
+                                             ("staged", SamplingParams(temperature=1.5, top_p=0.9))])
+def test_sampling_with_a_tapped_feature_draft_matches_the_oracle(build: str, sampling: SamplingParams) -> None:
+    p = sampled_pvalue(build, sampling, N_FAST, taps=(1,))
+    assert p > ALPHA, f"{build} with a tapped feature draft deviates from the oracle (p = {p:.2e})"
+
+
+def test_negative_control_wrong_q_from_a_tapped_feature_stage_is_caught() -> None:
+    p = sampled_pvalue("staged", NEGATIVE_SAMPLING, N_NEGATIVE, stage_cls=WrongQStage, taps=(1,))
+    assert p < ALPHA, f"the wrong stage over a tapped draft was not detected (p = {p:.3f})"
 
 
 def test_negative_control_wrong_q_from_a_feature_stage_is_caught() -> None:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from stagedspec.drafters.model import ModelDrafter
 from stagedspec.errors import StagedSpecError
-from stagedspec.models.feature_draft import is_feature_draft
+from stagedspec.models.feature_draft import is_feature_draft, widen_features
 from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.transformer import Transformer
 from stagedspec.cache import KVCache
@@ -91,9 +91,7 @@ class FeatureInputs:
             rows: slice | None) -> tuple[Tensor, Tensor]:
         """One draft pass, its entries committed at once: logits [n', V] and output features [n', H] of `rows`.
         `features` [n, H or feature_width]: a predicted feature (H wide) has no taps, which count as zeros."""
-        W = self.model.feature_width
-        if features.shape[-1] != W:
-            features = torch.cat([features, features.new_zeros(features.shape[0], W - features.shape[-1])], dim=-1)
+        features = widen_features(features, self.model.feature_width)
         spec = PassSpec(tree_mask=mask, logits_rows=rows, hidden="rows", features=features[None])
         # through the request's passes, so that the batched server runs it in one ragged pass with other requests'
         logits, hidden = self.passes.run_pass(self.model, self.runner, self.cache, tokens, positions, spec)
@@ -191,8 +189,7 @@ class FeatureStage:
         root_pos = start + len(self._lead)
         feats, n_real = inputs.oracle_inputs(start, root_pos + 1)
         if n_real <= len(self._lead) and root_pos - 1 in self._out:  # a root after this stage's own tokens
-            feats[-1] = 0  # a predicted feature: no taps
-            feats[-1, :self._out[root_pos - 1].shape[-1]] = self._out[root_pos - 1]
+            feats[-1] = widen_features(self._out[root_pos - 1], feats.shape[-1])
         tokens = [*self._lead, tree.tokens[0]]
         self.forward_passes += 1
         root_logits, root_out = inputs.run(tokens, feats, torch.arange(start, root_pos + 1), None, slice(-1, None))

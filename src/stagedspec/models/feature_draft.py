@@ -106,8 +106,7 @@ class FeatureDraftModel(DraftModel):
         if f.shape[:-1] != embedded.shape[:-1] or f.shape[-1] not in (H, self.feature_width):
             raise ValueError(f"features of shape {tuple(f.shape)} for embeddings of shape {tuple(embedded.shape)}")
         if self.tap_fc is not None:
-            if f.shape[-1] == H:
-                f = torch.cat([f, f.new_zeros(*f.shape[:-1], self.feature_width - H)], dim=-1)
+            f = widen_features(f, self.feature_width)
             f = f[..., :H] + self.tap_fc(f[..., H:])
         return self.fc(torch.cat([f, embedded], dim=-1))
 
@@ -152,6 +151,13 @@ class FeatureDraftModel(DraftModel):
         """Bytes streamed per step: the layers, norm and head, plus the fusing fc (and the taps' fc)."""
         fusing = [*self.fc.parameters(), *(self.tap_fc.parameters() if self.tap_fc is not None else ())]
         return super().num_bytes() + sum(t.numel() * t.element_size() for t in fusing)
+
+
+def widen_features(features: Tensor, width: int) -> Tensor:
+    """Features [..., H] or [..., width] as [..., width]: a predicted feature (the draft's own output) has no
+    taps, and its taps read as zeros, the same in decoding, staging and training."""
+    extra = width - features.shape[-1]
+    return features if extra == 0 else torch.cat([features, features.new_zeros(*features.shape[:-1], extra)], dim=-1)
 
 
 def check_taps(taps: Sequence[int], n_layers: int) -> tuple[int, ...]:
