@@ -16,6 +16,7 @@ R=/tmp/fd
 SITE=/tmp/site
 WAIT_S=${WAIT_S:-540}
 export PYTHONPATH=$SITE:src PYTHONUNBUFFERED=1 STAGEDSPEC_CACHE=/tmp/cache
+source scripts/device/common.sh
 
 # The third CPU run's recipe at GPU scale: 32 x 512 tokens a step, several thousand new oracle replies (prose and
 # chat requests, and chat requests about the stdlib's documented functions), repeated twice, from the kept draft.
@@ -50,12 +51,7 @@ wait_run() {
 
 case "${1:-}" in
   part)
-    mkdir -p "$M" && mv ".fparts/p${2:?part number}"/* "$M/" || exit 1
-    if [ "$2" = 0 ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/gguf-*.whl \
-        || exit 1
-      nvidia-smi -L
-    fi
+    keep_part .fparts "${2:?part number}" "$M" "gguf-*.whl" || exit 1
     echo "$(ls "$M" | grep -c '^part') parts in $M, $(du -sm "$M" | cut -f1) MB"
     ;;
   start)

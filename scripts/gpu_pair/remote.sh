@@ -19,6 +19,7 @@ SITE=/tmp/site
 WAIT_S=${WAIT_S:-480}
 BENCH_S=${BENCH_S:-600}
 export PYTHONPATH=$SITE:src PYTHONUNBUFFERED=1 STAGEDSPEC_CACHE=/tmp/cache
+source scripts/device/common.sh
 
 BENCH=(bench --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bf16}" --oracle "$M/oracle.gguf" --draft "$M/draft.gguf"
   --prompts "$M/prompts.jsonl" --n-prompts 100 --max-new-tokens "${TOKENS:-96}"
@@ -45,11 +46,8 @@ finish() {  # print the CUDA tests' and the bench's state; when the bench is don
 
 case "${1:-}" in
   part)
-    mkdir -p "$M" && mv ".qparts/p${2:?part number}"/* "$M/" || exit 1
+    keep_part .qparts "${2:?part number}" "$M" || exit 1
     if [ "$2" = 0 ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-        || exit 1
-      nvidia-smi -L
       rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r src tests scripts pyproject.toml /tmp/repo/
       setsid nohup bash -c "cd /tmp/repo && timeout 240 python3 -m pytest -q -p no:cacheprovider \
         tests/test_cuda.py > /tmp/cuda-tests.log 2>&1; echo \"exit \$?\" >> /tmp/cuda-tests.log" > /dev/null 2>&1 &
