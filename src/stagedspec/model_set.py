@@ -45,7 +45,7 @@ class ModelSet:
     @classmethod
     def load(cls, oracle: str = "default", draft: str | Sequence[str] | None = None, *, method: str = "auto",
              ngram: str | None = None, context: bool = True, dtype: str = "auto", device: str = "cpu",
-             quant: str = "none", draft_weights: str = "auto", pass_options: PassOptions | None = None) -> ModelSet:
+             quant: str = "auto", draft_weights: str = "auto", pass_options: PassOptions | None = None) -> ModelSet:
         """The oracle `oracle`, then the drafts `method` runs with (`draft_specs`), then the n-gram `ngram`
         (for a method that reads one), checked to make that method.
 

@@ -61,7 +61,7 @@ def _ragged(a: argparse.Namespace, rng: random.Random):  # noqa: ANN202
     from stagedspec.models.ragged import Segment, forward_ragged
     from stagedspec.pipeline import Pipeline, SpeculationConfig
 
-    model = Pipeline.load("default", [], speculation=SpeculationConfig(method="ar"), dtype="bf16").model
+    model = Pipeline.load("default", [], speculation=SpeculationConfig(method="ar"), dtype="bf16", quant="none").model
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.n_heads
     caches = [KVCache(cfg.n_layers, cfg.n_kv_heads, head_dim, 512, dtype=model.embed.weight.dtype) for _ in range(8)]
