@@ -21,6 +21,7 @@ import torch
 from stagedspec import costs, hardware
 from stagedspec.costs import CostProfile, VERIFY_ROWS, interpolate, monotone
 from stagedspec.drafters.model import ModelDrafter
+from stagedspec.kernels import native
 from stagedspec.models.pass_spec import PassSpec
 from stagedspec.models.quant import kernel_name
 from stagedspec.models.ragged import Segment, forward_ragged
@@ -190,7 +191,10 @@ def model_fingerprint(model: Transformer) -> str:
         h.update(f"plan={plan}".encode())
     # Which native path runs the quantised layers: on one CPU the 256-bit VNNI tiles and their 512-bit pairs
     # (chosen at load by `native.wide_vnni_pays`, or forced by STAGEDSPEC_QKERNELS) cost differently by rows.
-    h.update(f"kernels={kernel_name(model)}".encode())
+    name = kernel_name(model)
+    h.update(f"kernels={name}".encode())
+    if name.startswith("stagedspec-native"):  # and which build of them: a change to the kernels re-measures
+        h.update(native.build_dir().name.encode())
     return h.hexdigest()[:16]
 
 

@@ -78,9 +78,10 @@ constexpr int64_t kRowBlock = 4;                    // rows computed together ag
 constexpr int64_t kMaxRowBlock = 8;
 constexpr int64_t kRowChunk = 64;                   // rows whose activations stay in cache per weight sweep
 constexpr int64_t kPrefetchBytes = 4096;            // how far ahead of the tile being read to prefetch
-// The 512-bit path pairs tiles from 2 rows up: one row is bound by reading the weights, and there two streams
-// read side by side ran about 5% slower than one (docs/kernels.md, "512-bit pairs of tiles on Zen 5").
-constexpr int64_t kPairMinRows = 2;
+// The 512-bit path pairs tiles from 4 rows up: up to 3 rows a pass is still bound by reading the weights, and there
+// two streams read side by side ran slower than one: a whole Qwen2.5-Coder-1.5B pass of 2 / 3 rows took 1.06-1.13x /
+// 1.04-1.17x the 256-bit tiles' time, 4 rows 0.89x (docs/kernels.md, "Pairs of tiles from 4 rows up on Zen 5").
+constexpr int64_t kPairMinRows = 4;
 
 // kAvx512Vnni512: the VNNI tiles two at a time in 512-bit registers (the same bits; chosen where it pays).
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAvx512Vnni512 = 3 };
