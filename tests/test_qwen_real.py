@@ -198,3 +198,33 @@ def test_greedy_tokens_identical_to_ar(pair, method: str) -> None:  # noqa: ANN0
     assert drafted > 0, f"{method}: no drafted token was ever accepted"
     if method == "auto":
         assert set(pipe.auto_policy().choices) - {"ar"}, pipe.auto_policy().choices
+
+
+@pytest.mark.skipif(not named.parts_model_available(ORACLE), reason=f"{ORACLE} is not installed")
+@pytest.mark.qwen
+@pytest.mark.real_model
+def test_the_bundled_feature_draft_is_the_default_and_keeps_ar_tokens() -> None:
+    """`--draft default` and the default command with the named oracle run the bundled feature draft (not the
+    0.5B, which needs installing); on the weights users run (the GGUF's own codes, bf16 activations) a fixed
+    chain of it emits `ar`'s tokens, and its proposals were accepted."""
+    from stagedspec.model_set import draft_specs
+    from stagedspec.models.draft import bundled_draft_for
+    from stagedspec.models.loading import load_model
+    from stagedspec.pipeline import Pipeline, SpeculationConfig
+    from stagedspec.tokenizer import tokenizer_fingerprint
+
+    model, tok = load_model(ORACLE, dtype=torch.bfloat16, quant="mixed")
+    folder = bundled_draft_for(tokenizer_fingerprint(tok), model.config.hidden_size)
+    assert folder is not None and folder.name == "draft-qwen2.5-coder-1.5b"
+    assert bundled_draft_for(tokenizer_fingerprint(tok), 896) is None  # the 0.5B's width: not its draft
+    assert draft_specs("auto", None, ORACLE, tok, model.config.hidden_size) == ["default"]
+    chain = Pipeline.load(ORACLE, "default", speculation=SpeculationConfig(method="chain", chain_length=3,
+                                                                            sizing="fixed"))
+    ar = Pipeline(chain.model, chain.tokenizer, speculation=SpeculationConfig(method="ar"))
+    accepted = 0
+    for i, prompt in enumerate(PROMPTS):
+        ids = chain.encode(prompt, chat=i == 1)  # as the module's fixture: a raw completion, then a chat request
+        out = chain.generate(ids, max_new_tokens=24)
+        assert out.token_ids == ar.generate(ids, max_new_tokens=24).token_ids
+        accepted += sum(out.stats.accepted_lengths)
+    assert accepted > 0, "the bundled draft's proposals were never accepted"

@@ -8,10 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
 PART_BYTES=${PART_BYTES:-58000000}
-START=data/distill/qwen2.5-coder-1.5b-feature-draft-wip
+START=src/stagedspec/assets/draft-qwen2.5-coder-1.5b
 # Not needed on the device: the bundled drafts, the recorded benches, the distillation data (what the run needs
 # of it travels in the parts).
-SET_ASIDE=(src/stagedspec/assets/draft-smollm2-135m src/stagedspec/assets/draft-gemma3-270m docs/bench data)
+SET_ASIDE=(src/stagedspec/assets/draft-smollm2-135m src/stagedspec/assets/draft-gemma3-270m src/stagedspec/assets/draft-qwen2.5-coder-1.5b
+  docs/bench data)
 
 if [ "${1:-}" = restore ]; then
   put_back "${SET_ASIDE[@]}"

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
 PART_BYTES=${PART_BYTES:-63000000}
 # Not needed on the device: the bundled drafts (SmolLM2's and Gemma's), the recorded benches, the distillation data.
-SET_ASIDE=(src/stagedspec/assets/draft-smollm2-135m src/stagedspec/assets/draft-gemma3-270m docs/bench data)
+SET_ASIDE=(src/stagedspec/assets/draft-smollm2-135m src/stagedspec/assets/draft-gemma3-270m src/stagedspec/assets/draft-qwen2.5-coder-1.5b
+  docs/bench data)
 
 if [ "${1:-}" = restore ]; then
   put_back "${SET_ASIDE[@]}"

@@ -53,9 +53,10 @@ DEFAULT_DRAFT_NAME = "draft-smollm2-135m"
 # Drafts bundled with the package, one per known oracle; `--draft default` picks the one whose recorded
 # tokenizer fingerprint is the oracle's.
 BUNDLED_DRAFTS = {"draft-smollm2-135m": "SmolLM2-135M-Instruct (--oracle default)",
-                  "draft-gemma3-270m": "Gemma-3-270m (--oracle gemma3-270m)"}
+                  "draft-gemma3-270m": "Gemma-3-270m (--oracle gemma3-270m)",
+                  "draft-qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct (--oracle qwen2.5-coder-1.5b)"}
 # The oracle specs that have a bundled draft, for commands that decide before loading anything.
-ORACLES_WITH_DRAFTS = ("default", "gemma3-270m")
+ORACLES_WITH_DRAFTS = ("default", "gemma3-270m", "qwen2.5-coder-1.5b")
 
 # Parameters taken from the oracle when the draft is built; never trained, never saved.
 _SHARED_PREFIXES = ("embed.", "pos_embed.", "shared_head")
