@@ -27,7 +27,9 @@ steps, and then its identity with `ar` would compare `ar` with `ar`.  So:
   still rescaled by the request's own realized step times, so on a CPU they may choose `ar` on most steps after
   trying the drafts; as for SmolLM2, the measured runs must have run speculative steps, and the same methods run
   again with `--sizing fixed`, where a floor holds.  It runs in the CPU's default dtype (`--dtype auto`); the
-  other dtype is marked `slow` (each dtype is about five minutes on two cores).
+  other dtype is marked `slow` (each dtype is about five minutes on two cores).  `chain`, `tree` and `staged`
+  run the 0.5B model (`--draft qwen2.5-coder-0.5b`); `auto` with no `--draft` runs the feature draft bundled for
+  the 1.5B oracle, which is what the default command runs.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class Pair:
     # while noise does not
     floors: dict[str, float]
     measured_prices: bool  # False: a hand-made profile on which speculation looks free (see the module docstring)
+    # the draft `auto` finds by itself for the oracle (no --draft): "default" is the one bundled for it
+    auto_draft: str = "default"
 
 
 SMOLLM2 = Pair("default", "default", {"chain": 1.15, "tree": 1.15, "lookup": 1.04, "staged": 1.15},
@@ -144,12 +148,15 @@ def _load(pair: Pair, dtype: str) -> Loaded:
     return Loaded(pair, dtype, pipe, prompts, refs)
 
 
-def _pipeline(loaded_pipe, spec, drafts):  # noqa: ANN001, ANN202
+def _pipeline(loaded_pipe, spec, drafts, draft_models=None):  # noqa: ANN001, ANN202
     """A pipeline over the loaded models for one method's configuration (what `Pipeline.load` would build
-    for it: the draft where the method takes one, the n-gram where its configuration names one)."""
+    for it: the draft where the method takes one, the n-gram where its configuration names one).
+    `draft_models`: other drafts than the loaded pair's."""
     from stagedspec.pipeline import Pipeline
 
-    return Pipeline(loaded_pipe.model, loaded_pipe.tokenizer, loaded_pipe.draft_models if drafts else [], spec,
+    if draft_models is None:
+        draft_models = loaded_pipe.draft_models if drafts else []
+    return Pipeline(loaded_pipe.model, loaded_pipe.tokenizer, draft_models, spec,
                     loaded_pipe.ngram if spec.ngram else None, device=loaded_pipe.device, dtype=loaded_pipe.dtype,
                     dtype_reason=loaded_pipe.dtype_reason)
 
@@ -168,10 +175,16 @@ def check_method(loaded: Loaded, method: str, *flags: str) -> None:
 
     pair, pipe = loaded.pair, loaded.pipe
     args, oracle, drafts, spec = cli_speculation(pair, method, loaded.dtype, *flags)
-    if method == "auto":  # no --draft: the one `auto` finds for the oracle is the pair's draft, as loaded
-        assert draft_specs("auto", drafts, oracle, pipe.tokenizer, pipe.model.config.hidden_size) == [pair.draft]
-        drafts = [pair.draft]
-    run = _pipeline(pipe, spec, drafts)
+    draft_models = None
+    if method == "auto":  # no --draft: the one `auto` finds for the oracle (for Qwen, its bundled feature draft)
+        assert draft_specs("auto", drafts, oracle, pipe.tokenizer, pipe.model.config.hidden_size) == [pair.auto_draft]
+        drafts = [pair.auto_draft]
+        if pair.auto_draft != pair.draft:  # not the one loaded for chain / tree / staged: loaded as the CLI does
+            from stagedspec.model_set import load_draft_model
+
+            draft_models = [load_draft_model(pair.auto_draft, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device,
+                                             args.draft_weights)]
+    run = _pipeline(pipe, spec, drafts, draft_models)
     if spec.measured and not pair.measured_prices:
         run.cost_profile = lambda remeasure=False, quiet=False: _free_speculation_profile()
     label = f"{method}{' ' + ' '.join(flags) if flags else ''} on {pair.oracle} ({loaded.dtype})"
