@@ -34,6 +34,7 @@ words instead of quietly running on the fallback, as a user's run does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -182,9 +183,14 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """The kernels' sources and flags, hashed once a process (cost profiles are keyed by it, `profiling`)."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:12]
+
+
 def build_dir() -> Path:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:12]
-    return cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '-')}-{digest}"
+    return cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '-')}-{_source_digest()}"
 
 
 def native_kernels(quiet: bool = False) -> NativeKernels | None:
