@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from stagedspec.auto import STAGE_SIZES, AutoDrafter, lookup_horizon, staged_lookup_length, tree_depth_for
+from stagedspec.auto import STAGE_SIZES, AutoDrafter, lookup_horizon, staged_lookup_length
 from stagedspec.budget import AdaptiveBudget
 from stagedspec.constraints.processor import ConstrainedOracle, LogitsProcessor
 from stagedspec.drafters.base import Drafter
@@ -121,12 +121,13 @@ def measured_drafter(parts: DraftParts, policy: AutoPolicy) -> Drafter:
             arms[arm] = (copy, [partial(copy.resize, chain_length=arm.size)])
     tree_arms = [a for a in policy.arms if a.kind == "tree"]
     if tree_arms:
-        biggest = max(a.size for a in tree_arms)
-        tree = tree_drafter(parts.draft_models[0], method="tree", tree_budget=biggest,
-                            max_depth=tree_depth_for(biggest), branching=2, max_len=parts.max_len,
-                            growth=s.tree_growth, processor=processor, passes=parts.passes)
+        biggest = max(tree_arms, key=lambda a: a.size)
+        tree = tree_drafter(parts.draft_models[0], method="tree", tree_budget=biggest.size,
+                            max_depth=max(a.tree_depth for a in tree_arms), branching=biggest.tree_branching,
+                            max_len=parts.max_len, growth=s.tree_growth, processor=processor, passes=parts.passes)
         for arm in tree_arms:
-            arms[arm] = (tree, [partial(tree.resize, tree_budget=arm.size, max_depth=tree_depth_for(arm.size))])
+            arms[arm] = (tree, [partial(tree.resize, tree_budget=arm.size, max_depth=arm.tree_depth,
+                                        branching=arm.tree_branching)])
     stage_arms = [a for a in policy.arms if a.kind == "staged"]
     if stage_arms:
         below = (LookupDrafter(parts.ngram, s.context, chain_length=s.lookup_length, processor=processor)

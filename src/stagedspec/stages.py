@@ -121,9 +121,10 @@ class StageDrafter(Drafter):
             self.stage.attach_oracle(oracle)
 
     def resize(self, *, chain_length: int | None = None, tree_budget: int | None = None,
-               max_depth: int | None = None) -> None:
+               max_depth: int | None = None, branching: int | None = None) -> None:
         """`chain_length`: the tokens this stage decodes per proposal (`--method auto`'s `staged:k` arms)."""
-        super().resize(tree_budget=tree_budget, max_depth=max_depth)  # a stage has neither: refused
+        # a stage has no tree knobs: refused
+        super().resize(tree_budget=tree_budget, max_depth=max_depth, branching=branching)
         check_size("stage chain length", chain_length)
         if chain_length is not None:
             self.chain_length = chain_length

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from stagedspec.auto.arms import Arm, context_chain, staged_lookup_length, tree_depth_for
+from stagedspec.auto.arms import Arm, context_chain, staged_lookup_length
 
 # Priors: mean per-depth acceptance of each proposer's series before any observation, and its weight in steps
 # (the prompt-lookup chain has a series per matched suffix length, `arms.CONTEXT_SERIES`).
@@ -205,7 +205,7 @@ def expected_tokens(arm: Arm, stats: AcceptanceStats, lookup_lengths: Mapping[st
     if optimism:
         factor += optimism / math.sqrt(1.0 + stats.arm_steps.get(arm, 0))
     if arm.kind == "tree":
-        return 1.0 + factor * chains["draft"].best_first(arm.size, tree_depth_for(arm.size))
+        return 1.0 + factor * chains["draft"].best_first(arm.size, arm.tree_depth)
     series, copied = context_chain(lookup_lengths)
     if arm.kind == "lookup":
         reach = _best_reach([chains[series].reach(min(arm.size, copied)),

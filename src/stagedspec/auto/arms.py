@@ -15,6 +15,12 @@ LOOKUP_SIZES = (1, 2, 3, 4, 6)
 COPY_SIZES = (1, 2, 4, 8)
 CPU_TREE_SIZES = (2, 4, 8, 16)
 CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
+# Fans: the root's k most likely children, one draft pass (`tree:kd1`), and a chain of one (`tree:1`).  A feature
+# draft pays a pass per level, and its second level is right far less often than its first: on the Qwen oracle
+# (int4, Zen 5) a fan of 3 ran at 1.26-1.28x `ar` on prose and chat where the deeper `tree:2` and `tree:4`
+# arms, each level a pass, ran behind a chain of one (docs/measurements.md, "Fans of the root's children").
+FAN_SIZES = (2, 3, 4)
+TREE_BRANCHING = 2  # children a node of a deeper tree arm may get (a fan's root gets all of its nodes)
 STAGE_SIZES = (1, 2, 3, 4, 6)
 # `staged:k+m` arms also merge a long chain: where verification rows are nearly free (a CPU with native bf16,
 # a GPU) the copies it catches are long; where rows are dear the pricing leaves these arms alone.  The fixed
@@ -37,7 +43,8 @@ class Arm:
     kind: str  # "ar" | "lookup" | "copy" | "tree" | "staged"
     size: int = 0  # lookup / copy chain length / tree nodes / tokens the draft stage decodes
     lookup: int = 0  # staged: tokens of the merged prompt-lookup chain (0: size + STAGE_LOOKUP_EXTRA)
-    # "ar", or "kind:size" with "+lookup" for a staged arm merging a long chain
+    depth: int = 0  # tree: the most levels (0: `tree_depth_for(size)`); 1 is a fan of the root's children
+    # "ar", or "kind:size" with "+lookup" for a staged arm merging a long chain, "dN" for a tree of N levels
     name: str = field(init=False, compare=False, repr=False)
     # Arms the chain model prices alike, whose calibrations are pooled (`AcceptanceStats.calibration`): the
     # kind, with `staged` arms merging a long lookup chain apart (the model overrates that chain).
@@ -46,12 +53,23 @@ class Arm:
 
     def __post_init__(self) -> None:
         name = "ar" if self.kind == "ar" else f"{self.kind}:{self.size}" + (f"+{self.lookup}" if self.lookup else "")
+        name += f"d{self.depth}" if self.depth else ""
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "family", f"{self.kind}+" if self.lookup else self.kind)
-        object.__setattr__(self, "_hash", hash((self.kind, self.size, self.lookup)))
+        object.__setattr__(self, "_hash", hash((self.kind, self.size, self.lookup, self.depth)))
 
     def __hash__(self) -> int:
         return self._hash
+
+    @property
+    def tree_depth(self) -> int:
+        """A tree arm's most levels: its own `depth`, else deep enough for long accepts (`tree_depth_for`)."""
+        return self.depth or tree_depth_for(self.size)
+
+    @property
+    def tree_branching(self) -> int:
+        """Children a node of this tree arm may get: every node of a fan at the root, else `TREE_BRANCHING`."""
+        return self.size if self.tree_depth == 1 else TREE_BRANCHING
 
     @property
     def max_tree_budget(self) -> int:
@@ -80,6 +98,7 @@ def arms_for(has_lookup: bool, has_draft: bool, device: str = "cpu", kind: str |
         arms += [Arm("copy", k) for k in COPY_SIZES]
     if has_draft:
         sizes = CUDA_TREE_SIZES if device.startswith("cuda") else CPU_TREE_SIZES
+        arms += [Arm("tree", 1), *(Arm("tree", k, depth=1) for k in FAN_SIZES)]
         arms += [Arm("tree", n) for n in sizes]
         arms += [Arm("staged", k) for k in STAGE_SIZES]
         arms += [Arm("staged", k, STAGE_LONG_LOOKUP) for k in STAGE_SIZES if k + STAGE_LOOKUP_EXTRA < STAGE_LONG_LOOKUP]

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from stagedspec.auto.arms import Arm, tree_depth_for, verify_rows
+from stagedspec.auto.arms import Arm, verify_rows
 from stagedspec.costs import CostProfile
 
 LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measured
@@ -135,9 +135,9 @@ def predicted_draft_seconds(arm: Arm, profile: CostProfile, sampled: bool = Fals
         return LOOKUP_SECONDS
     extra = profile.draft_pass_overhead(sampled)
     catch_up = profile.draft_seconds(0, 2)  # the last step's accepted tokens, run through the draft
-    if arm.kind == "tree":
-        depth = tree_depth_for(arm.size)
-        return catch_up + depth * (profile.draft_seconds(0, min(8, math.ceil(arm.size / depth) + 1)) + extra)
+    if arm.kind == "tree":  # the catch-up pass also gives the root's children; then a pass per deeper level
+        rows = draft_pass_rows(arm)
+        return catch_up + sum(profile.draft_seconds(0, r) + extra for r in rows[1:])
     passes = math.ceil(arm.size / STAGE_INNER_ACCEPT)
     return LOOKUP_SECONDS + catch_up + passes * (profile.draft_seconds(0, 3) + extra)
 
@@ -174,10 +174,11 @@ class SharedLoad:
 
 def draft_pass_rows(arm: Arm) -> list[int]:
     """Rows of each draft pass of one step of `arm` (the first: catching the draft up on the last step's
-    tokens), as `predicted_draft_seconds` counts them."""
+    tokens), as `predicted_draft_seconds` counts them.  A tree's catch-up pass ends at its root, so it gives the
+    root's children too: a tree of d levels runs d passes (a fan, one), not d + 1."""
     if arm.kind == "tree":
-        depth = tree_depth_for(arm.size)
-        return [2] + [min(8, math.ceil(arm.size / depth) + 1)] * depth
+        depth = arm.tree_depth
+        return [2] + [min(8, math.ceil(arm.size / depth) + 1)] * (depth - 1)
     if arm.kind == "staged":
         return [2] + [3] * math.ceil(arm.size / STAGE_INNER_ACCEPT)
     return []

@@ -95,17 +95,18 @@ class Drafter(ABC):
         return None
 
     def resize(self, *, chain_length: int | None = None, tree_budget: int | None = None,
-               max_depth: int | None = None) -> None:
+               max_depth: int | None = None, branching: int | None = None) -> None:
         """Change this drafter's size between steps; None leaves a knob as it is.
 
         `--method auto` shares one drafter between the arms of one kind (so a
         draft's cache is caught up once, not once per arm size) and sizes it
         for the arm it runs before each step.  The knobs are the drafters' own:
         `chain_length` (a lookup's chains, a stage's decoded tokens, a chain
-        draft's length), `tree_budget` and `max_depth` (a tree draft's nodes and
-        depth).  A drafter accepts the knobs it has and refuses the others, so
+        draft's length), `tree_budget`, `max_depth` and `branching` (a tree
+        draft's nodes, depth and children per node).  A drafter accepts the knobs it has and refuses the others, so
         a wrong sizing fails loudly instead of being ignored."""
-        refuse_knobs(self, chain_length=chain_length, tree_budget=tree_budget, max_depth=max_depth)
+        refuse_knobs(self, chain_length=chain_length, tree_budget=tree_budget, max_depth=max_depth,
+                     branching=branching)
 
 
 def refuse_knobs(drafter: Drafter, **knobs: int | None) -> None:

@@ -68,10 +68,11 @@ class LookupDrafter(Drafter):
         self._sync(prompt_ids)
 
     def resize(self, *, chain_length: int | None = None, tree_budget: int | None = None,
-               max_depth: int | None = None) -> None:
+               max_depth: int | None = None, branching: int | None = None) -> None:
         """`chain_length`: the longest chain proposed (`--method auto`'s `lookup:k` arms, and the horizon its
         lookup chains are scored to)."""
-        super().resize(tree_budget=tree_budget, max_depth=max_depth)  # chains have neither: refused
+        # chains have no tree knobs: refused
+        super().resize(tree_budget=tree_budget, max_depth=max_depth, branching=branching)
         check_size("lookup chain length", chain_length)
         if chain_length is not None:
             self.chain_length = chain_length

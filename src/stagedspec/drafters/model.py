@@ -109,11 +109,12 @@ class ModelDrafter(Drafter):
         return self.chain_length if self.method == "chain" else self.tree_budget
 
     def resize(self, *, chain_length: int | None = None, tree_budget: int | None = None,
-               max_depth: int | None = None) -> None:
-        """`tree_budget` and `max_depth`: a tree's nodes and depth (`--method auto`'s `tree:n` arms); `chain_length`:
-        a chain's length.  The cache was sized for the nodes this drafter was built with, so no resize may
-        ask for more."""
-        for label, value in (("tree budget", tree_budget), ("tree depth", max_depth), ("chain length", chain_length)):
+               max_depth: int | None = None, branching: int | None = None) -> None:
+        """`tree_budget`, `max_depth` and `branching`: a tree's nodes, depth and children per node (`--method
+        auto`'s `tree:n` arms); `chain_length`: a chain's length.  The cache was sized for the nodes this drafter
+        was built with, so no resize may ask for more."""
+        for label, value in (("tree budget", tree_budget), ("tree depth", max_depth), ("chain length", chain_length),
+                             ("branching", branching)):
             check_size(label, value)
         nodes = tree_budget if self.method == "tree" else chain_length
         if nodes is not None and nodes > self.node_room:
@@ -122,6 +123,8 @@ class ModelDrafter(Drafter):
             self.tree_budget = tree_budget
         if max_depth is not None:
             self.max_depth = max_depth
+        if branching is not None:
+            self.branching = branching
         if chain_length is not None:
             self.chain_length = chain_length
 
