@@ -19,6 +19,7 @@ from stagedspec.bench.run import (
     common_prefix,
     config_from_args,
     expand_methods,
+    request_seed,
     run_record,
     summarise,
 )
@@ -152,6 +153,18 @@ def test_cli_arguments() -> None:
                                    "--draft", "layers:3", "--n-prompts", "5"]))
     assert (cfg.methods, cfg.temperatures, cfg.ngram, cfg.draft, cfg.n_prompts) == \
         (["ar", "tree"], [0.0], None, "layers:3", 5)
+
+
+def test_unseeded_leaves_only_our_methods_without_a_seed() -> None:
+    """`--unseeded` runs our sampled requests as `generate` does by default (no seed: `auto` prices from what it
+    learned); the other engines keep their seeds, and without the flag every request is seeded SEED + i."""
+    cfg = config_from_args(_parse(["bench", "--seed", "7"]))
+    assert not cfg.unseeded
+    assert request_seed(cfg, _method("auto"), 2) == 9
+    cfg = config_from_args(_parse(["bench", "--seed", "7", "--unseeded"]))
+    assert cfg.unseeded
+    assert request_seed(cfg, _method("auto"), 2) is None
+    assert request_seed(cfg, _method("llamacpp", family="llama.cpp"), 2) == 9
 
 
 # ---------------------------------------------------------------------- real model

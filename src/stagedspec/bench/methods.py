@@ -114,7 +114,7 @@ class Method:
     family: str  # "ours", "transformers", "llama.cpp"
     kind: str  # "baseline", "spec", "lookup", "staged" (rows of the paper-style table)
     description: str
-    run: Callable[[list[int], int, SamplingParams, int], Outcome]
+    run: Callable[[list[int], int, SamplingParams, int | None], Outcome]  # seed None: ours only (`--unseeded`)
     settings: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] | None = None
 
@@ -285,7 +285,7 @@ def ours(
     oracle_bytes = oracle.num_bytes()
     draft_bytes = [d.num_bytes() for d in drafts]
 
-    def run(ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int) -> Outcome:
+    def run(ids: list[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None) -> Outcome:
         t0 = time.perf_counter()
         result = pipe.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
         seconds = time.perf_counter() - t0

@@ -78,6 +78,10 @@ class BenchConfig:
     dtype: str = "auto"  # what `stagedspec generate` runs: bf16 where the CPU computes it natively, else fp32
     chat: str = "auto"  # auto (when the model has a chat template), on, off
     seed: int = 0
+    # Sampled requests of our methods without a seed, as `stagedspec generate` runs them by default: `auto` then
+    # prices from what it learned on this machine.  A seeded request prices from the cost profile alone, so that
+    # its seed reproduces its output; the two can choose differently (docs/draft.md, "Fans of the root's children").
+    unseeded: bool = False
     warmup_tokens: int = 8
     out: str = "bench-results"
     quick: bool = False
@@ -381,11 +385,16 @@ def measure(cfg: BenchConfig, methods: list[Method], prompt_ids: list[list[int]]
             shift = i % len(methods)
             for m in methods[shift:] + methods[:shift]:  # rotated: no method always runs first
                 bar.set_postfix_str(f"T={temperature:g} prompt {i + 1}/{len(prompt_ids)} {m.name}")
-                outcome = m.run(ids, cfg.max_new_tokens, sampling, cfg.seed + i)
+                outcome = m.run(ids, cfg.max_new_tokens, sampling, request_seed(cfg, m, i))
                 runs.append(run_record(m, outcome, temperature, i))
                 bar.update()
     bar.close()
     return runs
+
+
+def request_seed(cfg: BenchConfig, method: Method, prompt: int) -> int | None:
+    """The seed of prompt `prompt`'s request: SEED + prompt, or None for our methods under `unseeded`."""
+    return None if cfg.unseeded and method.family == "ours" else cfg.seed + prompt
 
 
 # ====================================================================== figures
@@ -489,7 +498,11 @@ def standard_notes(cfg: BenchConfig, methods: list[Method], models: BenchModels,
         "and agreement below 100% is possible; it is reported as measured (`--bit-exact` removes it, at a cost). "
         "For transformers and llama.cpp the column is informative (different kernels).",
         "sampled runs (T > 0) draw different random numbers per method, so their outputs are not compared; "
-        "each method is exact in distribution, not sample by sample.",
+        "each method is exact in distribution, not sample by sample. "
+        + ("Our sampled requests ran unseeded (`--unseeded`), as `generate` runs them by default: `auto` priced "
+           "them from what it learned on this machine." if cfg.unseeded else
+           "Prompt i's requests were seeded with SEED + i: a seeded request's `auto` prices from the cost profile "
+           "alone, so that its seed reproduces its output (`--unseeded` runs them as `generate` does by default)."),
         f"prompts: {cfg.prompts}" + (" wrapped in the oracle's chat template" if chat else " as raw text")
         + (" (HumanEval prompt as a 'complete this function' user request)"
            if chat and cfg.prompts == "humaneval" else "")
@@ -614,6 +627,9 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
                    help="wrap prompts in the chat template (auto: when the oracle has one)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompt i is SEED + i")
+    p.add_argument("--unseeded", action="store_true",
+                   help="run our methods' sampled requests without a seed, as `generate` does by default (`auto` "
+                        "then prices from what it learned here; a seeded one prices from the cost profile alone)")
     p.add_argument("--out", default="bench-results", metavar="DIR")
     p.add_argument("--quick", action="store_true",
                    help="2 prompts, 16 tokens, ar/tree/lookup/staged/hf-generate (layers:2 draft if none is bundled)")
@@ -630,7 +646,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, ngram=args.ngram,
                   prompts=args.prompts,
                   prompt_offset=args.prompt_offset, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,
-                  device=args.device, dtype=args.dtype, chat=args.chat, seed=args.seed, out=args.out,
+                  device=args.device, dtype=args.dtype, chat=args.chat, seed=args.seed, unseeded=args.unseeded,
+                  out=args.out,
                   progress=not args.no_progress, plots=not args.no_plots, pass_options=pass_options_from(args),
                   bit_exact=args.bit_exact)
     given = {k: v for k, v in (("n_prompts", args.n_prompts), ("max_new_tokens", args.max_new_tokens),
