@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from stagedspec.auto import (
+    FAN_SIZES,
     Arm,
     AcceptanceStats,
     AutoPolicy,
@@ -321,6 +322,25 @@ def test_draft_phases_the_others_run_are_cheap_to_join() -> None:
     alone = shared_step_seconds(staged, slow_draft, SharedLoad(), lookup)
     assert inside < beyond < alone
     assert len(draft_pass_rows(staged)) == 3  # the catch-up pass, then two passes of the draft stage
+
+
+def test_fans_are_one_level_trees_whose_root_gets_every_node() -> None:
+    """`tree:1` and `tree:kd1`: one draft pass (the catch-up pass ends at the root and gives its children), priced
+    so; a deeper tree arm runs a pass per level past the first, with two children a node."""
+    arms = arms_for(has_lookup=True, has_draft=True)
+    names = {a.name for a in arms}
+    assert {"tree:1", *(f"tree:{k}d1" for k in FAN_SIZES)} <= names and "tree:4" in names
+    fan, deep = Arm("tree", 3, depth=1), Arm("tree", 4)
+    assert (fan.name, fan.tree_depth, fan.tree_branching) == ("tree:3d1", 1, 3)
+    assert (deep.tree_depth, deep.tree_branching) == (4, 2) and fan != Arm("tree", 3)
+    assert draft_pass_rows(fan) == [2] and draft_pass_rows(Arm("tree", 1)) == [2]
+    assert len(draft_pass_rows(deep)) == deep.tree_depth
+    profile = CostProfile(oracle={r: 0.010 for r in ROWS}, drafts=[{r: 0.001 for r in (1, 2, 4, 8)}],
+                          draft_overhead={"greedy": 1e-4, "sampled": 1e-4})
+    assert predicted_draft_seconds(fan, profile) == pytest.approx(0.001)  # the catch-up pass alone
+    assert predicted_draft_seconds(deep, profile) == pytest.approx(0.001 + 3 * (0.001 + 1e-4))
+    stats = trained_stats(draft=0.4)
+    assert 1.0 < expected_tokens(Arm("tree", 1), stats, NO_LOOKUP_NOW) < expected_tokens(fan, stats, NO_LOOKUP_NOW) < 2.0
 
 
 def test_the_margin_over_ar_scales_with_the_round() -> None:

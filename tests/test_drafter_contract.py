@@ -75,12 +75,31 @@ def test_a_tree_draft_resizes_within_the_nodes_its_cache_was_built_for() -> None
     assert tree.tree_budget == 8  # a refused resize changes nothing
 
 
+def test_a_tree_draft_resized_to_a_fan_proposes_the_root_s_children_in_one_pass() -> None:
+    """`auto`'s `tree:3d1` arm: one level, three children of the root, from the catch-up pass alone."""
+    from stagedspec.sampling import SamplingParams
+
+    tree = ModelDrafter(tiny(), method="tree", tree_budget=8, max_depth=4, branching=2)
+    tree.resize(tree_budget=3, max_depth=1, branching=3)
+    assert tree.branching == 3
+    context = [1, 2, 3, 4]
+    tree.begin(context)
+    passes = tree.forward_passes
+    proposed = tree.propose(context, SamplingParams(), None, 8)
+    assert len(proposed) == 4 and proposed.parents == [-1, 0, 0, 0]
+    assert tree.forward_passes - passes == 1
+    with pytest.raises(StagedSpecError, match=">= 1"):
+        tree.resize(branching=0)
+
+
 def test_a_stage_resizes_its_decoded_length() -> None:
     stage = StageDrafter(NoOracle(), NoDrafter(), chain_length=6)
     stage.resize(chain_length=2)
     assert stage.chain_length == 2
     with pytest.raises(StagedSpecError, match="max_depth"):
         stage.resize(max_depth=2)
+    with pytest.raises(StagedSpecError, match="branching"):
+        stage.resize(branching=2)
 
 
 class NoOracle:
