@@ -9,3 +9,8 @@ for kind in prose chat; do
   stagedspec bench --oracle qwen2.5-coder-1.5b --methods ar@mixed,auto@mixed \
     --prompts $kind --n-prompts 4 --max-new-tokens 64 --temperatures 1 --top-k 50 --no-plots --out t1-$kind > t1-$kind.log 2>&1
 done
+# then (commit 87ec470) the same T=1 runs unseeded, as `generate` runs them by default
+for kind in prose chat; do
+  stagedspec bench --oracle qwen2.5-coder-1.5b --methods ar@mixed,auto@mixed \
+    --prompts $kind --n-prompts 4 --max-new-tokens 64 --temperatures 1 --top-k 50 --unseeded --no-plots --out t1u-$kind > t1u-$kind.log 2>&1
+done
