@@ -16,9 +16,10 @@ COPY_SIZES = (1, 2, 4, 8)
 CPU_TREE_SIZES = (2, 4, 8, 16)
 CUDA_TREE_SIZES = (2, 4, 8, 16, 32, 64)
 # Fans: the root's k most likely children, one draft pass (`tree:kd1`), and a chain of one (`tree:1`).  A feature
-# draft pays a pass per level, and its second level is right far less often than its first: on the Qwen oracle
-# (int4, Zen 5) a fan of 3 ran at 1.26-1.28x `ar` on prose and chat where the deeper `tree:2` and `tree:4`
-# arms, each level a pass, ran behind a chain of one (docs/measurements.md, "Fans of the root's children").
+# draft pays a pass per level, and a second level brought little: on the Qwen oracle (int4, Zen 5) a fan of 3 ran
+# at 1.26-1.28x `ar` on prose and chat, a chain of one at 1.22-1.24x and a chain of two at 1.08-1.14x, while `auto`,
+# all of whose tree arms were 2-7 levels deep, ran at 1.13-1.19x (docs/measurements.md, "Fans of the root's
+# children on a Zen 5 EPYC").
 FAN_SIZES = (2, 3, 4)
 TREE_BRANCHING = 2  # children a node of a deeper tree arm may get (a fan's root gets all of its nodes)
 STAGE_SIZES = (1, 2, 3, 4, 6)
