@@ -206,7 +206,8 @@ def test_greedy_tokens_identical_to_ar(pair, method: str) -> None:  # noqa: ANN0
 def test_the_bundled_feature_draft_is_the_default_and_keeps_ar_tokens() -> None:
     """`--draft default` and the default command with the named oracle run the bundled feature draft (not the
     0.5B, which needs installing); on the weights users run (the GGUF's own codes, bf16 activations) a fixed
-    chain of it emits `ar`'s tokens, and its proposals were accepted."""
+    chain of it, and a fan of the root's three likeliest children (`auto`'s `tree:3d1`), emit `ar`'s tokens, and
+    each one's proposals were accepted."""
     from stagedspec.model_set import draft_specs
     from stagedspec.models.draft import bundled_draft_for
     from stagedspec.models.loading import load_model
@@ -220,11 +221,16 @@ def test_the_bundled_feature_draft_is_the_default_and_keeps_ar_tokens() -> None:
     assert draft_specs("auto", None, ORACLE, tok, model.config.hidden_size) == ["default"]
     chain = Pipeline.load(ORACLE, "default", speculation=SpeculationConfig(method="chain", chain_length=3,
                                                                             sizing="fixed"))
+    fan = Pipeline(chain.model, chain.tokenizer, chain.draft_models,
+                   SpeculationConfig(method="tree", tree_budget=3, tree_depth=1, tree_branching=3, sizing="fixed"))
     ar = Pipeline(chain.model, chain.tokenizer, speculation=SpeculationConfig(method="ar"))
-    accepted = 0
-    for i, prompt in enumerate(PROMPTS):
-        ids = chain.encode(prompt, chat=i == 1)  # as the module's fixture: a raw completion, then a chat request
-        out = chain.generate(ids, max_new_tokens=24)
-        assert out.token_ids == ar.generate(ids, max_new_tokens=24).token_ids
-        accepted += sum(out.stats.accepted_lengths)
-    assert accepted > 0, "the bundled draft's proposals were never accepted"
+    for name, pipe in (("chain", chain), ("fan", fan)):
+        accepted = 0
+        for i, prompt in enumerate(PROMPTS):
+            ids = pipe.encode(prompt, chat=i == 1)  # as the module's fixture: a raw completion, then a chat request
+            out = pipe.generate(ids, max_new_tokens=24)
+            assert out.token_ids == ar.generate(ids, max_new_tokens=24).token_ids, name
+            if name == "fan":
+                assert max(out.stats.tree_depths, default=0) <= 1  # one level: the root's children only
+            accepted += sum(out.stats.accepted_lengths)
+        assert accepted > 0, f"the bundled draft's proposals were never accepted ({name})"
