@@ -9,8 +9,8 @@ line (`stagedspec.kernels.native.build_failure`).
 
 Instruction-set paths: each test that compares bits runs once per path
 (`ISA_PARAMS`: portable C++, AVX2, AVX-512 VNNI in 256-bit tiles and in 512-bit
-pairs of them; the kernels have no AMX path, AMX CPUs run the VNNI ones), each
-forced in turn with `NativeKernels.with_isa`;
+pairs of them, AMX int8 tiles for every row count), each forced in turn with
+`NativeKernels.with_isa`;
 a path this CPU does not run is skipped, naming what the CPU lacks.
 """
 

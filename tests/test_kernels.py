@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from _exactness import assert_bit_identical
-from stagedspec.kernels import grid, native, packing
+from _native import kernels_on, native_kernels_or_fail
+from stagedspec.kernels import grid, native, packing, tile_rows
 from stagedspec.models.pass_spec import PassSpec
 
 
@@ -480,3 +481,75 @@ def test_the_native_decoder_layer_gives_the_python_path_bits(mode: str, dtype: t
     model.runtime.native_stack = stack
     for s, a, b in zip(stacked, fused, op_by_op):
         assert torch.equal(s, b) and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", sorted(packing.FORMATS))
+def test_amx_tiles_give_every_row_count_and_position_the_portable_bits(fmt: str, dtype: torch.dtype,
+                                                                       threads: int) -> None:
+    """AMX tiles (`qlinear_amx.inc`) on each format: 1-70 rows (blocks of 16, part-filled ones, past a chunk of
+    64), rows shuffled and a slice, against the portable path bit for bit.  K spans a part-filled chunk of groups;
+    the outputs a pair of tiles and a single one."""
+    amx = kernels_on(native.AMX_ISA)
+    portable = amx.with_isa(0)
+    k = 512 if fmt in ("q4_k", "q6_k") else 160
+    packed, formats, outs = packing.random_segments((fmt,), k, torch.Generator().manual_seed(7))
+    x = (torch.randn(70, k, generator=torch.Generator().manual_seed(8)) * torch.rand(70, 1) * 4).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        expected = portable.qlinear(x, packed, formats, outs)
+        for rows in range(1, 71):
+            assert_bit_identical(amx.qlinear(x[:rows], packed, formats, outs), expected[:rows],
+                                 f"{fmt} {dtype}: {rows} rows on AMX tiles against the portable path")
+        perm = torch.randperm(70)
+        assert_bit_identical(amx.qlinear(x[perm], packed, formats, outs), expected[perm], f"{fmt}: shuffled")
+        assert_bit_identical(amx.qlinear(x[17:50], packed, formats, outs), expected[17:50], f"{fmt}: rows 17-49")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_passes_run_on_tiles_from_the_measured_row_count() -> None:
+    split = native.NativeKernels(3, tile_rows=16)
+    assert [split.isa_for(n) for n in (1, 15, 16, 64)] == [3, 3, native.AMX_ISA, native.AMX_ISA]
+    assert native.NativeKernels(3).isa_for(1000) == 3  # no tiles
+    assert native.NativeKernels(native.AMX_ISA).isa_for(1) == native.AMX_ISA  # forced onto tiles
+    assert "AMX int8 tiles from 16 rows" in split.name
+
+
+def test_the_tile_threshold_is_where_tiles_win_from_there_on(tmp_path) -> None:  # noqa: ANN001
+    """Per format, the least row count from which tiles are faster at every larger count; a pass takes the
+    largest, and never where one format never gains.  Timed once: the second call reads the cache file."""
+    assert tile_rows.threshold({4: (1, 2), 8: (1, 0.5), 12: (1, 1.5), 16: (2, 1), 32: (4, 2)}) == 16
+    assert tile_rows.threshold({4: (1, 2), 8: (1, 2)}) == tile_rows.NEVER
+    assert tile_rows.pass_threshold({"int4": 8, "q6_k": 16}) == 16
+    assert tile_rows.pass_threshold({"int4": 8, "q6_k": tile_rows.NEVER}) == tile_rows.NEVER
+    calls = []
+
+    def timer(fmt: int, rows: int) -> tuple[float, float]:
+        calls.append((fmt, rows))
+        return 1.0, (2.0 if rows < 12 else 0.5)  # tiles win from 12 rows on every format
+
+    path = tmp_path / "amx-rows.json"
+    assert tile_rows.measured_tile_rows(3, timer, "digest", cache_file=path, quiet=True) == 12
+    timed = len(calls)
+    assert timed == len(packing.FORMATS) * len(tile_rows.CANDIDATE_ROWS)
+    assert tile_rows.measured_tile_rows(3, timer, "digest", cache_file=path, quiet=True) == 12 and len(calls) == timed
+    tile_rows.forget_measured_tile_rows(path)
+    assert not path.exists()
+
+
+def test_an_amx_cpu_whose_tiles_are_unusable_runs_vnni_and_says_why_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, fresh_state: None) -> None:
+    native_kernels_or_fail()  # the library is loaded; the state below is a new process's
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_best_isa", lambda: 3)
+    monkeypatch.setattr(native.hardware, "cpu_flags", lambda: frozenset({"avx512_vnni", "amx_tile", "amx_int8"}))
+    monkeypatch.setattr(native, "amx_unusable_reason", lambda: native.AMX_STATES[3])
+    monkeypatch.setattr(native, "wide_vnni_pays", lambda: True)
+    monkeypatch.setattr(native, "_agrees_with_portable", lambda isa: True)
+    kernels = native.native_kernels()
+    assert kernels is not None and kernels.isa == 3 and kernels.tile_rows == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "AMX" in err[0] and "ARCH_REQ_XCOMP_PERM" in err[0] and "VNNI" in err[0], err

@@ -47,20 +47,28 @@ from pathlib import Path
 
 import torch
 
+from stagedspec import hardware
 from stagedspec.errors import first_line
+from stagedspec.kernels import tile_rows
 from stagedspec.kernels.packing import random_segments
 from stagedspec.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp",
                                                       "layer.cpp", "peak.cpp"))
-ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI", 3: "AVX-512 VNNI, 512-bit"}
+INCLUDED = (Path(__file__).with_name("qlinear_amx.inc"),)  # compiled as part of qlinear.cpp; hashed with the sources
+ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI", 3: "AVX-512 VNNI, 512-bit", 4: "AMX int8"}
+AMX_ISA = tile_rows.AMX_ISA  # AMX int8 tiles (`qlinear_amx.inc`), with a VNNI path below `NativeKernels.tile_rows`
 # The values of STAGEDSPEC_QKERNELS that force one instruction set; each CPU runs the paths up to its best.
-ISA_KEYS = {"portable": 0, "avx2": 1, "avx512-vnni": 2, "avx512-vnni-512": 3}
+ISA_KEYS = {"portable": 0, "avx2": 1, "avx512-vnni": 2, "avx512-vnni-512": 3, "amx": 4}
 # A CPU with AVX-512 VNNI runs the tiles in 256-bit registers (2) or two at a time in 512-bit ones (3, the same
 # bits).  The 512-bit form is chosen where this core's 512-bit `vpdpbusd` retires more multiply-adds than its
 # 256-bit one: Zen 5 about twice as many (docs/kernels.md, "512-bit pairs of tiles on Zen 5"); Zen 4 splits
 # 512-bit operations in two halves, so there it would only add work.  Measured at load (`wide_vnni_pays`).
 WIDE_VNNI_GAIN = 1.4  # the least gain in multiply-adds a second that selects the 512-bit form
+# `amx_state()` of qlinear.cpp: 0 the tiles are usable; else why not
+AMX_STATES = {1: "the CPU does not report them", 2: "the operating system does not enable their state",
+              3: "the kernel refused this process their state (arch_prctl ARCH_REQ_XCOMP_PERM)",
+              4: "the kernels were built without them"}
 ENV_SWITCH = "STAGEDSPEC_QKERNELS"
 OFF_VALUES = ("torch", "0", "off", "none")
 AUTO_VALUES = ("", "auto", "native")
@@ -72,26 +80,36 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded kernels and the instruction set they run with on this CPU."""
+    """The loaded kernels and the instruction set they run with on this CPU.
+
+    `isa` runs every pass, except that on a CPU with usable AMX tiles a pass of `tile_rows` rows or more runs
+    on them (`tile_rows.measured_tile_rows`: where they are faster here; 0: never).  Every path gives the same
+    bits, so which one runs a pass changes its speed only."""
 
     isa: int
+    tile_rows: int = 0
 
     @property
     def name(self) -> str:
-        return f"stagedspec-native ({ISA_NAMES.get(self.isa, self.isa)})"
+        tiles = f"; AMX int8 tiles from {self.tile_rows} rows" if self.tile_rows else ""
+        return f"stagedspec-native ({ISA_NAMES.get(self.isa, self.isa)}{tiles})"
+
+    def isa_for(self, rows: int) -> int:
+        """The path that runs a pass of `rows` rows."""
+        return AMX_ISA if self.tile_rows and rows >= self.tile_rows else self.isa
 
     def q4_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [rows, K] (bf16 or fp32) times int4 weights packed by `packing.pack_int4` -> [rows, out_features]."""
-        return torch.ops.stagedspec_qlinear.q4_linear(x, packed, out_features, self.isa)
+        return torch.ops.stagedspec_qlinear.q4_linear(x, packed, out_features, self.isa_for(x.shape[0]))
 
     def q8_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [rows, K] (bf16 or fp32) times int8 weights packed by `packing.pack_int8` -> [rows, out_features]."""
-        return torch.ops.stagedspec_qlinear.q8_linear(x, packed, out_features, self.isa)
+        return torch.ops.stagedspec_qlinear.q8_linear(x, packed, out_features, self.isa_for(x.shape[0]))
 
     def qlinear(self, x: torch.Tensor, packed: torch.Tensor, formats: list[int], outs: list[int]) -> torch.Tensor:
         """x [rows, K] times a weight stored as segments along its outputs: segment i holds `outs[i]` outputs in
         format `formats[i]` (`packing.FORMATS`), packed one after another -> [rows, sum(outs)]."""
-        return torch.ops.stagedspec_qlinear.qlinear(x, packed, formats, outs, self.isa)
+        return torch.ops.stagedspec_qlinear.qlinear(x, packed, formats, outs, self.isa_for(x.shape[0]))
 
     def grid_groups(self, w: torch.Tensor, max_levels: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per group of 32 of w [N, K]: (low, step, levels) as `grid.grid_steps_reference` defines them."""
@@ -115,7 +133,7 @@ class NativeKernels:
         """One Llama-family decoder layer (`layer.cpp`): the Python path's operations from C++, the same bits."""
         return torch.ops.stagedspec_qlinear.decoder_layer(x, packed, formats, outs, splits, biases, attn_norm, mlp_norm,
                                                           eps, cos, sin, k_cache, v_cache, start, mask, scale, n_heads,
-                                                          n_kv_heads, self.isa)
+                                                          n_kv_heads, self.isa_for(_rows(x)))
 
     def decoder_layers(self, x: torch.Tensor, packed: list[torch.Tensor], formats: list[int], outs: list[int],
                        splits: list[int], biases: list[torch.Tensor | None], attn_norms: list[torch.Tensor],
@@ -126,7 +144,7 @@ class NativeKernels:
         Layer l owns packed[4l:4l+4], splits[4l:4l+4], biases[4l:4l+4] and caches [l] ([layers, B, Hkv, S, D])."""
         return torch.ops.stagedspec_qlinear.decoder_layers(x, packed, formats, outs, splits, biases, attn_norms,
                                                            mlp_norms, eps, cos, sin, k_caches, v_caches, start, mask,
-                                                           scale, n_heads, n_kv_heads, self.isa)
+                                                           scale, n_heads, n_kv_heads, self.isa_for(_rows(x)))
 
     def ragged_layers(self, x: torch.Tensor, packed: list[torch.Tensor], formats: list[int], outs: list[int],
                       splits: list[int], biases: list[torch.Tensor | None], attn_norms: list[torch.Tensor],
@@ -138,7 +156,7 @@ class NativeKernels:
         request i's caches are k_caches[i] / v_caches[i] [layers, 1, Hkv, S, D], its slots start at starts[i]."""
         return torch.ops.stagedspec_qlinear.ragged_layers(x, packed, formats, outs, splits, biases, attn_norms,
                                                           mlp_norms, eps, cos, sin, k_caches, v_caches, starts, rows,
-                                                          masks, scale, n_heads, n_kv_heads, self.isa)
+                                                          masks, scale, n_heads, n_kv_heads, self.isa_for(_rows(x)))
 
     def int8_peak(self, width: int, rounds: int, threads: int) -> int | None:
         """Run `rounds` x `int8_peak_chains()` of this instruction set's int8 dot products (`width`-bit
@@ -151,8 +169,13 @@ class NativeKernels:
         return torch.ops.stagedspec_qlinear.int8_peak_chains()
 
     def with_isa(self, isa: int) -> NativeKernels:
-        """The same kernels on another instruction set (tests compare them bit for bit)."""
+        """The same kernels on another instruction set for every pass (tests compare them bit for bit)."""
         return NativeKernels(isa)
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Rows of a pass whose last axis is the hidden size."""
+    return x.numel() // max(1, x.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -186,7 +209,7 @@ _state: dict[str, object] = {}
 @functools.lru_cache(maxsize=1)
 def _source_digest() -> str:
     """The kernels' sources and flags, hashed once a process (cost profiles are keyed by it, `profiling`)."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *INCLUDED)) + " ".join(CFLAGS).encode()).hexdigest()[:12]
 
 
 def build_dir() -> Path:
@@ -275,15 +298,42 @@ def _load(quiet: bool) -> tuple[NativeKernels | None, str | None]:
             _state["failure"] = failure
             return None, f"build failed: {failure.error}"
     _register_fakes()
-    best = int(torch.ops.stagedspec_qlinear.best_isa())
+    best = _best_isa()
+    tiles = best == AMX_ISA
+    if tiles:
+        best = 3
+    elif not quiet and "amx_int8" in hardware.cpu_flags():
+        print(f"stagedspec: this CPU has AMX int8 tiles, but {amx_unusable_reason()}; "
+              "using AVX-512 VNNI", file=sys.stderr)
     if best == 3 and not wide_vnni_pays():
         best = 2
     for isa in range(best, -1, -1):
         if isa == 0 or _agrees_with_portable(isa):
-            return NativeKernels(isa), None
+            return NativeKernels(isa, _tile_rows(isa, quiet) if tiles else 0), None
         print(f"stagedspec: the {ISA_NAMES[isa]} kernels disagree with the portable ones on this CPU; not used",
               file=sys.stderr)
     return None, "no instruction set passed the self-check"
+
+
+def _best_isa() -> int:
+    return int(torch.ops.stagedspec_qlinear.best_isa())
+
+
+def amx_unusable_reason() -> str:
+    """Why `qlinear.cpp` does not use the AMX tiles this CPU lists (`amx_state`), in a few words."""
+    state = int(torch.ops.stagedspec_qlinear.amx_state())
+    return AMX_STATES.get(state, f"AMX state {state}")
+
+
+def _tile_rows(isa: int, quiet: bool) -> int:
+    """The rows from which passes run on the tiles, where the tiles agree with the portable path (else 0)."""
+    if not _agrees_with_portable(AMX_ISA):
+        print("stagedspec: the AMX int8 kernels disagree with the portable ones on this CPU; not used", file=sys.stderr)
+        return 0
+    def run(path: int, x: torch.Tensor, packed: torch.Tensor, fmt: int) -> torch.Tensor:
+        return NativeKernels(path).qlinear(x, packed, [fmt], [tile_rows.SIZE])
+
+    return tile_rows.measured_tile_rows(isa, tile_rows.time_paths(run, isa), _source_digest(), quiet=quiet)
 
 
 def wide_vnni_pays(rounds: int = 20_000) -> bool:
@@ -358,7 +408,7 @@ def _agrees_with_portable(isa: int) -> bool:
     """The instruction set's results (linear layers and attention) equal the portable path's, bit for bit, on random data."""
     g = torch.Generator().manual_seed(0)
     k = 256
-    x = torch.randn(7, k, generator=g) * torch.rand(7, 1, generator=g) * 4
+    x = torch.randn(19, k, generator=g) * torch.rand(19, 1, generator=g) * 4  # more rows than one AMX block
     packed, formats, outs = random_segments(("int4", "int8", "q4_k", "q6_k", "q5_0"), k, g)
     fast, ref = NativeKernels(isa), NativeKernels(0)
     for dtype in (torch.float32, torch.bfloat16):

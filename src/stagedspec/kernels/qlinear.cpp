@@ -84,7 +84,8 @@ constexpr int64_t kPrefetchBytes = 4096;            // how far ahead of the tile
 constexpr int64_t kPairMinRows = 4;
 
 // kAvx512Vnni512: the VNNI tiles two at a time in 512-bit registers (the same bits; chosen where it pays).
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAvx512Vnni512 = 3 };
+// kAmx: AMX int8 tiles for every row block (qlinear_amx.inc; the same bits); the caller picks it by row count.
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAvx512Vnni512 = 3, kAmx = 4 };
 enum Format : int64_t { kInt4 = 0, kInt8 = 1, kQ4K = 2, kQ6K = 3, kQ5 = 4 };
 
 // Bytes of one tile (8 outputs) over K inputs, or -1 where the format cannot hold K inputs.
@@ -102,13 +103,14 @@ int64_t tile_bytes(int64_t format, int64_t K) {
 // ---------------------------------------------------------------------------------------------------------
 // Activations: int8 per row and group of 32, with the group's scale d and d * sum(codes).
 
-// Rows are kept in blocks of kBlockRows, and within a block group by group: group g of the block's rows is 8 x 32
-// contiguous codes (and 8 contiguous scales), so a tile reaches every row of its block at a constant offset from
-// one pointer per group.  Kept row-major (rows at stride K), the tiles recomputed eight row
+// Rows are kept in blocks of kBlockRows, and within a block group by group: group g of the block's rows is 16 x 32
+// contiguous codes (and 16 contiguous scales), so a tile reaches every row of its block at a constant offset from
+// one pointer per group, and an AMX tile loads a block's group as it lies.  Kept row-major (rows at stride K), the tiles recomputed eight row
 // addresses each group and the compiler parked them in vector or mask registers (docs/kernels.md, "Activations in
 // blocks of rows").
-constexpr int64_t kBlockRows = 8;
-static_assert(kBlockRows == kMaxRowBlock && kRowChunk % kBlockRows == 0 && kBlockRows % kRowBlock == 0,
+// 16 rows: an AMX tile's rows (qlinear_amx.inc); the vector tiles take 8 or 4 of them at a time.
+constexpr int64_t kBlockRows = 16;
+static_assert(kBlockRows % kMaxRowBlock == 0 && kRowChunk % kBlockRows == 0 && kBlockRows % kRowBlock == 0,
               "a tile's rows must lie in one block");
 
 // Index of row r's group g in the blocked order (for codes, times kGroup).
@@ -1153,6 +1155,8 @@ __attribute__((target(STAGEDSPEC_W512))) void q5_pair_vnni512(const uint8_t* w0,
 #undef STAGEDSPEC_W512
 #endif
 
+#include "qlinear_amx.inc"
+
 // ---------------------------------------------------------------------------------------------------------
 
 using TileFn = void (*)(const uint8_t*, const RowsView&, float*);
@@ -1207,7 +1211,7 @@ STAGEDSPEC_PAIRS(q5_vnni512, q5_vnni, q5_pair_vnni512)
 
 TileKernels kernels_for(int64_t format, int64_t isa) {
 #ifdef STAGEDSPEC_X86
-  if (isa == kAvx512Vnni512) {
+  if (isa == kAvx512Vnni512 || isa == kAmx) {
     switch (format) {
       case kInt4: return q4_vnni512();
       case kInt8: return q8_vnni512();
@@ -1247,6 +1251,9 @@ TileKernels kernels_for(int64_t format, int64_t isa) {
 // A run of output features stored in one format: tiles [first_tile, first_tile + tiles) of the pass.
 struct Segment {
   TileKernels table;
+#ifdef STAGEDSPEC_X86
+  AmxKernels amx;
+#endif
   int64_t first_tile, tiles, out_offset, N, bytes_per_tile;
   const uint8_t* w;
 };
@@ -1270,6 +1277,50 @@ void prefetch_start(const std::vector<Segment>& segments, int64_t t0, int64_t t1
 #endif
 }
 
+#ifdef STAGEDSPEC_X86
+// The AMX form of `segmented_linear`'s sweep: threads split the tiles as there; each takes its tiles two at a
+// time and runs every row of a chunk through them, 16 rows (two A tiles) at a time.  Each thread loads the tile
+// configuration at the start of its share (and again where a segment's format needs the other one) and releases
+// the tiles at its end.
+void amx_linear(const std::vector<Segment>& segments, int64_t tiles, const QuantizedRows& qa, int64_t R, int64_t N,
+                float* yf, at::BFloat16* yb) {
+  for (int64_t r0 = 0; r0 < R; r0 += kRowChunk) {
+    const int64_t rows = std::min(kRowChunk, R - r0);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<AmxGroup> groups(qa.G);
+      std::vector<float> tmp(kRowChunk * 2 * kTile);
+      size_t s = 0;
+      int config = -1;  // none loaded yet by this share
+      if (r0 == 0) prefetch_start(segments, t0, t1);
+      for (int64_t t = t0; t < t1;) {
+        while (t >= segments[s].first_tile + segments[s].tiles) ++s;
+        const Segment& seg = segments[s];
+        if (config != static_cast<int>(seg.amx.sub)) {
+          config = seg.amx.sub;
+          load_tile_config(seg.amx.sub);
+        }
+        const int64_t local = t - seg.first_tile;
+        const uint8_t* w = seg.w + local * seg.bytes_per_tile;
+        const bool pair = t + 1 < t1 && local + 1 < seg.tiles;
+        const int64_t cols = std::min(pair ? 2 * kTile : kTile, seg.N - local * kTile);
+        const int64_t col0 = seg.out_offset + local * kTile;
+        seg.amx.fn(w, pair ? w + seg.bytes_per_tile : w, qa, r0, rows, r0 == 0, groups.data(), tmp.data());
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t o = 0; o < cols; ++o) {
+            const int64_t at = (r0 + i) * N + col0 + o;
+            if (yb != nullptr)
+              yb[at] = at::BFloat16(tmp[i * 2 * kTile + o]);
+            else
+              yf[at] = tmp[i * 2 * kTile + o];
+          }
+        t += pair ? 2 : 1;
+      }
+      if (config >= 0) release_tiles();
+    });
+  }
+}
+#endif
+
 // y = x W^T for a weight stored as segments along its outputs (one segment for most layers).  The
 // activations are quantised once; threads split the tiles of all segments; each tile serves every row.
 at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef formats,
@@ -1288,7 +1339,14 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
     TORCH_CHECK(per_tile > 0, "qlinear: format ", formats[i], " cannot hold K = ", K, " inputs");
     const int64_t n = outs[i], t = (n + kTile - 1) / kTile;
     TORCH_CHECK(n >= 0, "qlinear: negative output count");
-    segments.push_back(Segment{kernels_for(formats[i], isa), tiles, t, N, n, per_tile, packed.data_ptr<uint8_t>() + bytes});
+    Segment seg{};
+    seg.table = kernels_for(formats[i], isa);
+#ifdef STAGEDSPEC_X86
+    seg.amx = amx_kernels_for(formats[i]);
+#endif
+    seg.first_tile = tiles, seg.tiles = t, seg.out_offset = N, seg.N = n, seg.bytes_per_tile = per_tile;
+    seg.w = packed.data_ptr<uint8_t>() + bytes;
+    segments.push_back(seg);
     tiles += t;
     N += n;
     bytes += t * per_tile;
@@ -1302,6 +1360,13 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
+#ifdef STAGEDSPEC_X86
+  if (isa == kAmx) {
+    TORCH_CHECK(amx_usable(), "qlinear: AMX tiles are not usable in this process");
+    amx_linear(segments, tiles, qa, R, N, yf, yb);
+    return y;
+  }
+#endif
   for (int64_t r0 = 0; r0 < R; r0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, R - r0);
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -1359,18 +1424,27 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, i
   return segmented_linear(x, packed, at::IntArrayRef(&format, 1), at::IntArrayRef(&N, 1), isa);
 }
 
-// The best instruction set this CPU runs: 3 (AVX-512 VNNI, also in 512-bit pairs of tiles), 1 (AVX2 + FMA +
-// F16C) or 0 (portable C++).
+// The best instruction set this CPU runs: 4 (AMX int8 tiles, with AVX-512 VNNI below them), 3 (AVX-512 VNNI, also
+// in 512-bit pairs of tiles), 1 (AVX2 + FMA + F16C) or 0 (portable C++).
 int64_t best_isa() {
 #ifdef STAGEDSPEC_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw"))
-    return kAvx512Vnni512;  // runs both VNNI forms; `native.py` measures whether the 512-bit one pays
+    return amx_usable() ? kAmx : kAvx512Vnni512;  // runs both VNNI forms; `native.py` measures whether the 512-bit one pays
   if (avx2) return kAvx2;
 #endif
   return kScalar;
+}
+
+// `amx_state` where this build has the AMX path, else 4 (not built in).
+int64_t amx_state_or_absent() {
+#ifdef STAGEDSPEC_X86
+  return amx_state();
+#else
+  return 4;
+#endif
 }
 
 }  // namespace
@@ -1384,6 +1458,7 @@ TORCH_LIBRARY(stagedspec_qlinear, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor? bias, float scale, int isa=-1) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
+  m.def("amx_state() -> int", &amx_state_or_absent);
 }
 
 TORCH_LIBRARY_IMPL(stagedspec_qlinear, CPU, m) {
