@@ -1,9 +1,9 @@
 """A whole pass of a real oracle by rows, on AMX tiles against AVX-512 VNNI, in one process, interleaved.
 
-    python scripts/kernels/pass_rows.py [--oracle qwen2.5-coder-1.5b] [--rounds 3] [--prefill 1000]
+    python scripts/kernels/pass_rows.py [--oracle qwen2.5-coder-1.5b] [--repeats 3] [--prefill 1000]
 
-Why in one process: a VM's speed drifts 20-30% between processes, so each round times every row count on each
-path in turn, and the best of the rounds is kept.  Every module's kernels are switched between
+Why in one process: a VM's speed drifts 20-30% between processes, so each sweep times every row count on each
+path in turn, and the best of the sweeps is kept.  Every module's kernels are switched between
 `NativeKernels(vnni)` and `NativeKernels(4)` (the same bits; only the speed differs).  `--prefill N` also times
 one pass of an N-token prompt on an empty cache (the time to first token, less tokenising and sampling).
 """
@@ -44,7 +44,7 @@ def prefill_seconds(model, tokens: int) -> float:  # noqa: ANN001
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--oracle", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved sweeps over both paths; the best is kept")
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -55,7 +55,7 @@ def main() -> None:
     paths = {"vnni": NativeKernels(best.isa), "amx": NativeKernels(AMX_ISA)}
     ms: dict[str, dict[int, float]] = {name: {} for name in paths}
     ttft: dict[str, float] = {}
-    for _ in range(args.rounds):
+    for _ in range(args.repeats):
         for name, kernels in paths.items():
             switch(model, kernels)
             for n, sec in forward_cost_curve(model, ROWS, repeats=3).items():
