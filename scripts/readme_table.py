@@ -63,6 +63,8 @@ def newest_per_machine_and_model(rows: list[dict]) -> list[dict]:
     """The first row (the newest: headline.json lists newest first) of each (machine kind, model name)."""
     seen, kept = set(), []
     for row in rows:
+        if row.get("readme") is False:  # kept for benchmarks-history.md only
+            continue
         key = (machine_kind(row["machine"]), row["model"].split(" ")[0].split(",")[0])
         if key not in seen:
             seen.add(key)
