@@ -330,6 +330,7 @@ def _tile_rows(isa: int, quiet: bool) -> int:
     if not _agrees_with_portable(AMX_ISA):
         print("stagedspec: the AMX int8 kernels disagree with the portable ones on this CPU; not used", file=sys.stderr)
         return 0
+
     def run(path: int, x: torch.Tensor, packed: torch.Tensor, fmt: int) -> torch.Tensor:
         return NativeKernels(path).qlinear(x, packed, [fmt], [tile_rows.SIZE])
 

@@ -105,8 +105,8 @@ int64_t tile_bytes(int64_t format, int64_t K) {
 
 // Rows are kept in blocks of kBlockRows, and within a block group by group: group g of the block's rows is 16 x 32
 // contiguous codes (and 16 contiguous scales), so a tile reaches every row of its block at a constant offset from
-// one pointer per group, and an AMX tile loads a block's group as it lies.  Kept row-major (rows at stride K), the tiles recomputed eight row
-// addresses each group and the compiler parked them in vector or mask registers (docs/kernels.md, "Activations in
+// one pointer per group, and an AMX tile loads a block's group as it lies.  Kept row-major (rows at stride K),
+// the tiles recomputed eight row addresses each group and the compiler parked them in vector or mask registers (docs/kernels.md, "Activations in
 // blocks of rows").
 // 16 rows: an AMX tile's rows (qlinear_amx.inc); the vector tiles take 8 or 4 of them at a time.
 constexpr int64_t kBlockRows = 16;
@@ -1277,9 +1277,23 @@ void prefetch_start(const std::vector<Segment>& segments, int64_t t0, int64_t t1
 #endif
 }
 
+// Rows [r, r + n) x columns [col0, col0 + cols) of y (N wide; fp32 `yf` or bf16 `yb`, the other null) from a
+// block of results `width` floats apart per row.
+inline void store_block(const float* tmp, int64_t width, int64_t r, int64_t n, int64_t col0, int64_t cols, int64_t N,
+                        float* yf, at::BFloat16* yb) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t o = 0; o < cols; ++o) {
+      const int64_t at = (r + i) * N + col0 + o;
+      if (yb != nullptr)
+        yb[at] = at::BFloat16(tmp[i * width + o]);
+      else
+        yf[at] = tmp[i * width + o];
+    }
+}
+
 #ifdef STAGEDSPEC_X86
 // The AMX form of `segmented_linear`'s sweep: threads split the tiles as there; each takes its tiles two at a
-// time and runs every row of a chunk through them, 16 rows (two A tiles) at a time.  Each thread loads the tile
+// time and runs every row of a chunk through them, 16 rows (one A tile) at a time.  Each thread loads the tile
 // configuration at the start of its share (and again where a segment's format needs the other one) and releases
 // the tiles at its end.
 void amx_linear(const std::vector<Segment>& segments, int64_t tiles, const QuantizedRows& qa, int64_t R, int64_t N,
@@ -1305,14 +1319,7 @@ void amx_linear(const std::vector<Segment>& segments, int64_t tiles, const Quant
         const int64_t cols = std::min(pair ? 2 * kTile : kTile, seg.N - local * kTile);
         const int64_t col0 = seg.out_offset + local * kTile;
         seg.amx.fn(w, pair ? w + seg.bytes_per_tile : w, qa, r0, rows, r0 == 0, groups.data(), tmp.data());
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t o = 0; o < cols; ++o) {
-            const int64_t at = (r0 + i) * N + col0 + o;
-            if (yb != nullptr)
-              yb[at] = at::BFloat16(tmp[i * 2 * kTile + o]);
-            else
-              yf[at] = tmp[i * 2 * kTile + o];
-          }
+        store_block(tmp.data(), 2 * kTile, r0, rows, col0, cols, N, yf, yb);
         t += pair ? 2 : 1;
       }
       if (config >= 0) release_tiles();
@@ -1393,14 +1400,7 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
             seg.table.pair[n](w, w + seg.bytes_per_tile, view, tmp);
           else
             seg.table.fn[n](w, view, tmp);
-          for (int64_t i = 0; i < n; ++i)
-            for (int64_t o = 0; o < cols; ++o) {
-              const int64_t at = (r + i) * N + col0 + o;
-              if (bf16)
-                yb[at] = at::BFloat16(tmp[i * width + o]);
-              else
-                yf[at] = tmp[i * width + o];
-            }
+          store_block(tmp, width, r, n, col0, cols, N, yf, yb);
         }
         t += pair ? 2 : 1;
       }
