@@ -361,6 +361,38 @@ def test_native_attention_is_the_same_bits_on_every_instruction_set_and_ignores_
         assert torch.equal(alone, got[:, :, t:t + 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(9, 3, 64), (12, 2, 128), (4, 4, 64), (2, 1, 256)],
+                         ids=["smollm2-shape", "qwen-shape", "no-gqa", "d256"])
+@pytest.mark.parametrize("T", [1, 7])
+def test_native_attention_gives_the_portable_bits_for_shared_key_heads_and_causal_spans(
+        dtype: torch.dtype, H: int, Hkv: int, D: int, T: int, isa_kernels: native.NativeKernels) -> None:
+    """Where the query heads of one key head run together (the AVX-512 path) and keys outside a row's visible span
+    are skipped: every row is still the portable path's, bit for bit, with 1 and 2 threads, for a causal prompt
+    pass over a cache (keys after the row never read), a tree whose first slots are masked, and a row with no
+    visible key."""
+    g = torch.Generator().manual_seed(21)
+    S = 45
+    q = torch.randn(1, H, T, D, generator=g).to(dtype)
+    keys = (torch.randn(1, Hkv, 64, D, generator=g) * 3).to(dtype).narrow(2, 0, S)
+    values = torch.randn(1, Hkv, 64, D, generator=g).to(dtype).narrow(2, 0, S)
+    causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    late = causal.clone()
+    late[:, :5] = False  # nothing visible before slot 5
+    late[-1] = False  # a padding row
+    for visible in (causal, late):
+        bias = torch.zeros(T, S, dtype=dtype).masked_fill_(~visible, float("-inf"))
+        ref = isa_kernels.with_isa(0).attention(q, keys, values, bias, D ** -0.5)
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(isa_kernels.attention(q, keys, values, bias, D ** -0.5), ref)
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(ref[:, :, -1], torch.zeros_like(ref[:, :, -1]))
+
+
 def _tiny_quantised_llama(dtype: torch.dtype, kernels: native.NativeKernels):  # noqa: ANN202
     from stagedspec.models.config import ModelConfig
     from stagedspec.models.quant import quantize_model

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -206,11 +207,167 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const T
   const __m256 vinv = _mm256_set1_ps(inv);
   for (int64_t i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(o[i], vinv));
 }
+
+// The same operations on AVX-512 for the G query heads that share a key head (GQA), from one query row: each key
+// and value is loaded and widened to float once for all of them.  Per head, every step is the row path's:
+//   the dot keeps its 8 lanes (one 256-bit register, fma over d in order) and reduces 8 keys together with vhaddps;
+//   exp and the value sums are elementwise, so they run 16 lanes wide (value sums in slot order per element).
+// Keys before the row's first visible key and after its last one are not read at all (a causal prompt pass skips
+// the future half of the cache); masked keys between them take no part, as on the row path.
+constexpr int kMaxGroup = 16;  // query heads per key head handled in one task (more run as several tasks)
+
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// exp8_nonpositive on 16 lanes: the same operations per lane.
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) inline __m512 exp16_nonpositive(__m512 x) {
+  const __m512 magic = _mm512_set1_ps(kMagic);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.f));
+  const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpFloor), _CMP_LT_OQ);
+  const __m512i nn = _mm512_cvttps_epi32(_mm512_mask_blend_ps(below, n, _mm512_setzero_ps()));
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(nn, _mm512_set1_epi32(127)), 23));
+  return _mm512_mask_blend_ps(below, _mm512_mul_ps(p, scale), _mm512_setzero_ps());
+}
+
+// The first and one past the last visible key of a bias row (0 / -inf), or [0, S) without one.
+template <typename T>
+inline void visible_span(const T* bias, int64_t S, int64_t& lo, int64_t& hi) {
+  lo = 0, hi = S;
+  if (!bias) return;
+  while (lo < S && as_float(bias[lo]) == kNegInf) ++lo;
+  while (hi > lo && as_float(bias[hi - 1]) == kNegInf) --hi;
+}
+
+// Scores of `nh` heads (q rows `qf`, D floats apart) over keys [lo, hi): 8 keys at a time, each key widened once.
+template <typename T, int V>
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void group_scores(const float* qf, int nh, const T* k,
+                                                                        int64_t kvs, int64_t lo, int64_t hi,
+                                                                        const T* bias, float scale, float* scores,
+                                                                        int64_t S, float* tops) {
+  constexpr int64_t D = 8 * V;
+  const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+  __m256 top8[kMaxGroup];
+  for (int h = 0; h < nh; ++h) top8[h] = ninf;
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8) {
+    __m256 lanes[kMaxGroup][8];
+    for (int u = 0; u < 8; ++u) {
+      const T* kj = k + (j + u) * kvs;
+      __m256 kv[V];
+      for (int i = 0; i < V; ++i) kv[i] = load8(kj + 8 * i);
+      for (int h = 0; h < nh; ++h) {
+        const float* qh = qf + h * D;
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < V; ++i) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), kv[i], acc);
+        lanes[h][u] = acc;
+      }
+    }
+    const __m256 b = bias ? load8(bias + j) : _mm256_setzero_ps();
+    const __m256 masked = _mm256_cmp_ps(b, ninf, _CMP_EQ_OQ);
+    for (int h = 0; h < nh; ++h) {
+      const __m256* l = lanes[h];
+      const __m256 h01 = _mm256_hadd_ps(l[0], l[1]), h23 = _mm256_hadd_ps(l[2], l[3]);
+      const __m256 h45 = _mm256_hadd_ps(l[4], l[5]), h67 = _mm256_hadd_ps(l[6], l[7]);
+      const __m256 g0 = _mm256_hadd_ps(h01, h23), g1 = _mm256_hadd_ps(h45, h67);
+      const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+      const __m256 s = _mm256_blendv_ps(_mm256_add_ps(_mm256_mul_ps(dots, vscale), b), ninf, masked);
+      _mm256_storeu_ps(scores + h * S + j, s);
+      top8[h] = _mm256_max_ps(top8[h], s);
+    }
+  }
+  for (int h = 0; h < nh; ++h) {
+    float t8[8];
+    _mm256_storeu_ps(t8, top8[h]);
+    float top = scores_portable(qf + h * D, k, kvs, j, hi, D, bias, scale, scores + h * S);
+    for (float t : t8) top = t > top ? t : top;
+    tops[h] = top;
+  }
+}
+
+// Value sums of `nh` heads over keys [lo, hi) in slot order, each value widened once: out (nh x D) = sum p v.
+template <typename T, int Z, int NH>
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void group_values(const float* p, int nh, const T* v,
+                                                                        int64_t kvs, int64_t lo, int64_t hi,
+                                                                        int64_t S, float* out) {
+  constexpr int64_t D = 16 * Z;
+  for (int h0 = 0; h0 < nh; h0 += NH) {
+    const int n = nh - h0 < NH ? nh - h0 : NH;
+    __m512 o[NH][Z];
+    for (int h = 0; h < NH; ++h)
+      for (int z = 0; z < Z; ++z) o[h][z] = _mm512_setzero_ps();
+    for (int64_t j = lo; j < hi; ++j) {
+      const T* vj = v + j * kvs;
+      __m512 vv[Z];
+      for (int z = 0; z < Z; ++z) vv[z] = load16(vj + 16 * z);
+      for (int h = 0; h < NH; ++h) {
+        if (h >= n) break;
+        const float pj = p[(h0 + h) * S + j];
+        if (pj == kNegInf) continue;
+        const __m512 pv = _mm512_set1_ps(pj);
+        for (int z = 0; z < Z; ++z) o[h][z] = _mm512_fmadd_ps(pv, vv[z], o[h][z]);
+      }
+    }
+    for (int h = 0; h < n; ++h)
+      for (int z = 0; z < Z; ++z) _mm512_storeu_ps(out + (h0 + h) * D + 16 * z, o[h][z]);
+  }
+}
+
+// One query row's heads h0 .. h0 + nh (all reading one key head): the row path's results for each.
+template <typename T, int V>
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void attend_group_avx512(const float* qf, int nh, const T* k,
+                                                                               const T* v, int64_t kvs, int64_t S,
+                                                                               const T* bias, float scale,
+                                                                               float* scores, float* out) {
+  constexpr int64_t D = 8 * V;
+  int64_t lo, hi;
+  visible_span(bias, S, lo, hi);
+  for (int64_t d = 0; d < nh * D; ++d) out[d] = 0.f;
+  if (lo >= hi) return;  // no visible key (a padding row): zeros
+  float tops[kMaxGroup], inv[kMaxGroup];
+  group_scores<T, V>(qf, nh, k, kvs, lo, hi, bias, scale, scores, S, tops);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  for (int h = 0; h < nh; ++h) {
+    float* sh = scores + h * S;
+    if (tops[h] == kNegInf) {  // every visible score -inf: the row path returns zeros for this head
+      for (int64_t j = lo; j < hi; ++j) sh[j] = kNegInf;
+      inv[h] = 0.f;
+      continue;
+    }
+    const __m512 vtop = _mm512_set1_ps(tops[h]);
+    int64_t e = lo;
+    for (; e + 16 <= hi; e += 16) {
+      const __m512 s = _mm512_loadu_ps(sh + e);
+      const __mmask16 masked = _mm512_cmp_ps_mask(s, ninf, _CMP_EQ_OQ);
+      _mm512_storeu_ps(sh + e, _mm512_mask_blend_ps(masked, exp16_nonpositive(_mm512_sub_ps(s, vtop)), ninf));
+    }
+    exps_portable(sh, e, hi, tops[h]);
+    inv[h] = 1.f / total_of(sh + lo, hi - lo);
+  }
+  if constexpr (V == 8) group_values<T, 4, 5>(scores, nh, v, kvs, lo, hi, S, out);
+  else if constexpr (V == 16) group_values<T, 8, 2>(scores, nh, v, kvs, lo, hi, S, out);
+  else group_values<T, 16, 1>(scores, nh, v, kvs, lo, hi, S, out);
+  for (int h = 0; h < nh; ++h) {
+    const __m512 vinv = _mm512_set1_ps(inv[h]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + h * D + d, _mm512_mul_ps(_mm512_loadu_ps(out + h * D + d), vinv));
+  }
+}
 #endif
 
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor* bias,
-                double scale, bool avx2, at::Tensor& out) {
+                double scale, bool avx2, bool avx512, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3);
   const int64_t Hkv = keys.size(1), S = keys.size(2), G = H / Hkv;
   const T* qp = q.data_ptr<T>();
@@ -231,6 +388,39 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
   if (avx2 && D == 128) vector = &attend_row_avx2<T, 16>;
   if (avx2 && D == 256) vector = &attend_row_avx2<T, 32>;
 #endif
+#ifdef STAGEDSPEC_X86
+  using GroupFn = void (*)(const float*, int, const T*, const T*, int64_t, int64_t, const T*, float, float*, float*);
+  GroupFn grouped = nullptr;
+  if (avx512 && D == 64) grouped = &attend_group_avx512<T, 8>;
+  if (avx512 && D == 128) grouped = &attend_group_avx512<T, 16>;
+  if (avx512 && D == 256) grouped = &attend_group_avx512<T, 32>;
+  if (grouped) {
+    // A task: one query row's heads that share a key head, split in two or more parts where there would be
+    // fewer tasks than twice the threads (one-row decoding), so that both cores get work.
+    int64_t per = std::min<int64_t>(G, kMaxGroup);
+    while (per > 1 && B * Hkv * T_ * ((G + per - 1) / per) < 2 * at::get_num_threads()) per = (per + 1) / 2;
+    const int64_t parts = (G + per - 1) / per;
+    at::parallel_for(0, B * Hkv * T_ * parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(per * S), qf(per * D), of(per * D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t part = i % parts, t = (i / parts) % T_, g = (i / (parts * T_)) % Hkv, b = i / (parts * T_ * Hkv);
+        const int64_t h0 = g * G + part * per, nh = std::min(per, G - part * per);
+        for (int64_t h = 0; h < nh; ++h) {
+          const T* qrow = qp + ((b * H + h0 + h) * T_ + t) * D;
+          for (int64_t d = 0; d < D; ++d) qf[h * D + d] = as_float(qrow[d]);
+        }
+        const T* brow_ptr = bp ? bp + b * bbatch + t * brow : nullptr;
+        grouped(qf.data(), static_cast<int>(nh), kp + b * ks0 + g * ks1, vp + b * vs0 + g * vs1, ks2, S, brow_ptr,
+                sc, scores.data(), of.data());
+        for (int64_t h = 0; h < nh; ++h) {
+          T* orow = op + ((b * H + h0 + h) * T_ + t) * D;
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(of[h * D + d]);
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, B * H * T_, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(S), qf(D), of(D);
     for (int64_t i = begin; i < end; ++i) {
@@ -250,7 +440,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
   });
 }
 
-// isa: 0 the portable path, 1 or more AVX2 where the CPU has it, -1 the best this CPU runs.
+// isa: 0 the portable path, 1 AVX2 where the CPU has it, 2 or more (or -1, the best this CPU runs) the grouped
+// AVX-512 path where it has AVX-512F/VL, else AVX2.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                      const c10::optional<at::Tensor>& bias, double scale, int64_t isa) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "attention: q, keys, values must be 4-D");
@@ -258,10 +449,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
               "attention: q, keys and values must share a dtype");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: the head axis must be contiguous");
   TORCH_CHECK(q.size(1) % keys.size(1) == 0, "attention: query heads must be a multiple of key heads");
-  bool avx2 = false;
+  bool avx2 = false, avx512 = false;
 #ifdef STAGEDSPEC_X86
   __builtin_cpu_init();
   avx2 = isa != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // isa 2 and up (AVX-512 VNNI, its 512-bit pairs, AMX): the grouped AVX-512 path
+  avx512 = avx2 && (isa < 0 || isa >= 2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
 #endif
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
@@ -272,9 +465,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   }
   const at::Tensor* bp = b.defined() ? &b : nullptr;
   if (q.scalar_type() == at::kFloat)
-    attend_all<float>(qc, keys, values, bp, scale, avx2, out);
+    attend_all<float>(qc, keys, values, bp, scale, avx2, avx512, out);
   else if (q.scalar_type() == at::kBFloat16)
-    attend_all<at::BFloat16>(qc, keys, values, bp, scale, avx2, out);
+    attend_all<at::BFloat16>(qc, keys, values, bp, scale, avx2, avx512, out);
   else
     TORCH_CHECK(false, "attention: fp32 or bf16 only");
   return out;
