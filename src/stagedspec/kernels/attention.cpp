@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -74,6 +75,29 @@ inline float dot_lanes(const float* q, const T* k, int64_t D) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int64_t d = 0; d < D; ++d) acc[d % 8] = std::fma(q[d], as_float(k[d]), acc[d % 8]);
   return tree8(acc);
+}
+
+// bf16 keys: 32 lanes.  Element d of each block of 32 goes to lane (d % 2) * 16 + (d % 32) / 2 (a fma chain over the
+// blocks in order), and the lanes are added as w[m] = (L[m] + L[m + 16]) + (L[m + 8] + L[m + 24]), then the 8 w as
+// above.  Why not the 8 lanes of fp32: a bf16 pair in one 32-bit word widens to two floats with a shift and a mask
+// (even and odd elements in separate registers), where keeping element order needs a shuffle per 8 elements, and
+// the shuffles bounded the vector paths.
+inline int64_t bf16_lane(int64_t d) { const int64_t r = d % 32; return (r % 2) * 16 + r / 2; }
+
+inline float dot_lanes(const float* q, const at::BFloat16* k, int64_t D) {
+  float acc[32] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    float& lane = acc[bf16_lane(d)];
+    lane = std::fma(q[d], static_cast<float>(k[d]), lane);
+  }
+  float w[8];
+  for (int m = 0; m < 8; ++m) w[m] = (acc[m] + acc[m + 16]) + (acc[m + 8] + acc[m + 24]);
+  return tree8(w);
+}
+
+// q in bf16 lane order (D a multiple of 32): qp[32 b + lane] = q[32 b + r], so the vector paths load lanes as they lie.
+inline void bf16_lane_order(const float* q, int64_t D, float* qp) {
+  for (int64_t d = 0; d < D; ++d) qp[d / 32 * 32 + bf16_lane(d)] = q[d];
 }
 
 // Step 1 of a row, one key at a time: scores (-inf where masked) and their maximum.
@@ -131,6 +155,21 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+// One bf16 key's 8 w values (the bf16 contract above) on AVX2: even and odd elements widened by shift and mask.
+__attribute__((target("avx2,fma"))) inline __m256 key_w8(const float* qp, const at::BFloat16* k, int64_t D) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t b = 0; b < D; b += 32) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + b));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + b + 16));
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + b), _mm256_castsi256_ps(_mm256_slli_epi32(x0, 16)), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + b + 8), _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16)), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + b + 16), _mm256_castsi256_ps(_mm256_and_si256(x0, high)), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + b + 24), _mm256_castsi256_ps(_mm256_and_si256(x1, high)), a3);
+  }
+  return _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+}
+
 // exp_nonpositive on 8 lanes: the same operations, so the same bits per lane.
 __attribute__((target("avx2,fma"))) inline __m256 exp8_nonpositive(__m256 x) {
   const __m256 magic = _mm256_set1_ps(kMagic);
@@ -160,6 +199,9 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const T
   constexpr int64_t D = 8 * V;
   __m256 qv[V];
   for (int64_t i = 0; i < V; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+  alignas(32) float qp[D];
+  if constexpr (kBf16) bf16_lane_order(q, D, qp);
   const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
   __m256 top8 = ninf;
   int64_t j = 0;
@@ -167,9 +209,13 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const T
     __m256 lanes[8];
     for (int u = 0; u < 8; ++u) {
       const T* kj = k + (j + u) * kvs;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < V; ++i) acc = _mm256_fmadd_ps(qv[i], load8(kj + 8 * i), acc);
-      lanes[u] = acc;
+      if constexpr (kBf16) {
+        lanes[u] = key_w8(qp, kj, D);
+      } else {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < V; ++i) acc = _mm256_fmadd_ps(qv[i], load8(kj + 8 * i), acc);
+        lanes[u] = acc;
+      }
     }
     const __m256 h01 = _mm256_hadd_ps(lanes[0], lanes[1]), h23 = _mm256_hadd_ps(lanes[2], lanes[3]);
     const __m256 h45 = _mm256_hadd_ps(lanes[4], lanes[5]), h67 = _mm256_hadd_ps(lanes[6], lanes[7]);
@@ -216,14 +262,14 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const T
 // the future half of the cache); masked keys between them take no part, as on the row path.
 constexpr int kMaxGroup = 16;  // query heads per key head handled in one task (more run as several tasks)
 
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) inline __m512 load16(const at::BFloat16* p) {
+__attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) inline __m512 load16(const at::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 // exp8_nonpositive on 16 lanes: the same operations per lane.
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) inline __m512 exp16_nonpositive(__m512 x) {
+__attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) inline __m512 exp16_nonpositive(__m512 x) {
   const __m512 magic = _mm512_set1_ps(kMagic);
   const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
   __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
@@ -252,12 +298,15 @@ inline void visible_span(const T* bias, int64_t S, int64_t& lo, int64_t& hi) {
 
 // Scores of `nh` heads (q rows `qf`, D floats apart) over keys [lo, hi): 8 keys at a time, each key widened once.
 template <typename T, int V>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void group_scores(const float* qf, int nh, const T* k,
+__attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) void group_scores(const float* qf, int nh, const T* k,
                                                                         int64_t kvs, int64_t lo, int64_t hi,
                                                                         const T* bias, float scale, float* scores,
                                                                         int64_t S, float* tops) {
   constexpr int64_t D = 8 * V;
   const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+  alignas(64) float qlanes[std::is_same_v<T, at::BFloat16> ? kMaxGroup * D : 1];
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    for (int h = 0; h < nh; ++h) bf16_lane_order(qf + h * D, D, qlanes + h * D);
   __m256 top8[kMaxGroup];
   for (int h = 0; h < nh; ++h) top8[h] = ninf;
   int64_t j = lo;
@@ -265,13 +314,34 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void group_scores(const flo
     __m256 lanes[kMaxGroup][8];
     for (int u = 0; u < 8; ++u) {
       const T* kj = k + (j + u) * kvs;
-      __m256 kv[V];
-      for (int i = 0; i < V; ++i) kv[i] = load8(kj + 8 * i);
-      for (int h = 0; h < nh; ++h) {
-        const float* qh = qf + h * D;
-        __m256 acc = _mm256_setzero_ps();
-        for (int i = 0; i < V; ++i) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), kv[i], acc);
-        lanes[h][u] = acc;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        constexpr int NB = V / 4;  // blocks of 32 elements
+        const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+        __m512 even[NB], odd[NB];
+        for (int b = 0; b < NB; ++b) {
+          const __m512i x = _mm512_loadu_si512(kj + 32 * b);
+          even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+          odd[b] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        }
+        for (int h = 0; h < nh; ++h) {
+          const float* qh = qlanes + h * D;
+          __m512 ae = _mm512_setzero_ps(), ao = ae;
+          for (int b = 0; b < NB; ++b) {
+            ae = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 32 * b), even[b], ae);
+            ao = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 32 * b + 16), odd[b], ao);
+          }
+          const __m512 sum = _mm512_add_ps(ae, ao);
+          lanes[h][u] = _mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1));
+        }
+      } else {
+        __m256 kv[V];
+        for (int i = 0; i < V; ++i) kv[i] = load8(kj + 8 * i);
+        for (int h = 0; h < nh; ++h) {
+          const float* qh = qf + h * D;
+          __m256 acc = _mm256_setzero_ps();
+          for (int i = 0; i < V; ++i) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), kv[i], acc);
+          lanes[h][u] = acc;
+        }
       }
     }
     const __m256 b = bias ? load8(bias + j) : _mm256_setzero_ps();
@@ -298,7 +368,7 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void group_scores(const flo
 
 // Value sums of `nh` heads over keys [lo, hi) in slot order, each value widened once: out (nh x D) = sum p v.
 template <typename T, int Z, int NH>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void group_values(const float* p, int nh, const T* v,
+__attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) void group_values(const float* p, int nh, const T* v,
                                                                         int64_t kvs, int64_t lo, int64_t hi,
                                                                         int64_t S, float* out) {
   constexpr int64_t D = 16 * Z;
@@ -310,7 +380,16 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void group_values(const flo
     for (int64_t j = lo; j < hi; ++j) {
       const T* vj = v + j * kvs;
       __m512 vv[Z];
-      for (int z = 0; z < Z; ++z) vv[z] = load16(vj + 16 * z);
+      if constexpr (std::is_same_v<T, at::BFloat16>) {  // vv[2 b], vv[2 b + 1]: block b's even and odd elements
+        const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+        for (int b = 0; b < Z / 2; ++b) {
+          const __m512i x = _mm512_loadu_si512(vj + 32 * b);
+          vv[2 * b] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+          vv[2 * b + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        }
+      } else {
+        for (int z = 0; z < Z; ++z) vv[z] = load16(vj + 16 * z);
+      }
       for (int h = 0; h < NH; ++h) {
         if (h >= n) break;
         const float pj = p[(h0 + h) * S + j];
@@ -319,14 +398,25 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void group_values(const flo
         for (int z = 0; z < Z; ++z) o[h][z] = _mm512_fmadd_ps(pv, vv[z], o[h][z]);
       }
     }
-    for (int h = 0; h < n; ++h)
-      for (int z = 0; z < Z; ++z) _mm512_storeu_ps(out + (h0 + h) * D + 16 * z, o[h][z]);
+    for (int h = 0; h < n; ++h) {
+      float* oh = out + (h0 + h) * D;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {  // back to element order
+        alignas(64) float pair[32];
+        for (int b = 0; b < Z / 2; ++b) {
+          _mm512_store_ps(pair, o[h][2 * b]);
+          _mm512_store_ps(pair + 16, o[h][2 * b + 1]);
+          for (int i = 0; i < 16; ++i) oh[32 * b + 2 * i] = pair[i], oh[32 * b + 2 * i + 1] = pair[16 + i];
+        }
+      } else {
+        for (int z = 0; z < Z; ++z) _mm512_storeu_ps(oh + 16 * z, o[h][z]);
+      }
+    }
   }
 }
 
 // One query row's heads h0 .. h0 + nh (all reading one key head): the row path's results for each.
 template <typename T, int V>
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void attend_group_avx512(const float* qf, int nh, const T* k,
+__attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) void attend_group_avx512(const float* qf, int nh, const T* k,
                                                                                const T* v, int64_t kvs, int64_t S,
                                                                                const T* bias, float scale,
                                                                                float* scores, float* out) {
@@ -454,7 +544,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   __builtin_cpu_init();
   avx2 = isa != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   // isa 2 and up (AVX-512 VNNI, its 512-bit pairs, AMX): the grouped AVX-512 path
-  avx512 = avx2 && (isa < 0 || isa >= 2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  avx512 = avx2 && (isa < 0 || isa >= 2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
 #endif
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
