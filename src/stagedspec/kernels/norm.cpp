@@ -10,11 +10,13 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
-template <typename T>
-void norm_rows(const T* x, const float* w, T* y, int64_t rows, int64_t H, double eps) {
+template <typename T, typename W>
+void norm_rows(const T* x, const W* w, T* y, int64_t rows, int64_t H, double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(H);
     for (int64_t r = r0; r < r1; ++r) {
@@ -28,7 +30,7 @@ void norm_rows(const T* x, const float* w, T* y, int64_t rows, int64_t H, double
       const float ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
       T* yr = y + r * H;
-      for (i = 0; i < H; ++i) yr[i] = static_cast<T>(w[i] * (row[i] * inv));
+      for (i = 0; i < H; ++i) yr[i] = static_cast<T>(static_cast<float>(w[i]) * (row[i] * inv));
     }
   });
 }
@@ -38,13 +40,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t H = x.size(-1);
   TORCH_CHECK(weight.numel() == H, "rms_norm: weight must have the last dimension's size");
   const at::Tensor xc = x.contiguous();
-  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  // a bf16 weight is read as it is (each value widened to the float it holds), not converted in a copy per call
+  const at::Tensor w = weight.scalar_type() == at::kBFloat16 ? weight.contiguous() : weight.to(at::kFloat).contiguous();
   at::Tensor y = at::empty_like(xc);
   const int64_t rows = H ? xc.numel() / H : 0;
-  if (x.scalar_type() == at::kFloat)
-    norm_rows(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, H, eps);
-  else
-    norm_rows(xc.data_ptr<at::BFloat16>(), w.data_ptr<float>(), y.data_ptr<at::BFloat16>(), rows, H, eps);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
+      if (w.scalar_type() == at::kBFloat16)
+        norm_rows(xc.data_ptr<scalar_t>(), w.data_ptr<at::BFloat16>(), y.data_ptr<scalar_t>(), rows, H, eps);
+      else
+        norm_rows(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), y.data_ptr<scalar_t>(), rows, H, eps);
+    }
+  });
   return y;
 }
 

@@ -193,8 +193,10 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_group_avx2(const float* x
 #endif
 
 // `packed_halves`: also fill `hn` (only the AVX2 Q6_K tile reads it).
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa, bool packed_halves) {
-  QuantizedRows out;
+// `x` rows of K floats, or of K bf16 where `xb` is given instead (each group widened to floats first: the same values).
+// `out`'s arrays are reused from call to call (a thread's scratch: `scratch_rows`), not reallocated.
+void quantize_rows(const float* x, const at::BFloat16* xb, int64_t rows, int64_t K, int64_t isa, bool packed_halves,
+                   QuantizedRows& out) {
   out.rows = rows;
   out.K = K;
   out.G = K / kGroup;
@@ -204,6 +206,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
   out.s.assign(padded * G, 0.f);
   out.h.assign(padded * G * 2, 0);
   if (packed_halves) out.hn.assign(padded * G, 0);
+  else out.hn.clear();
   // Threads take whole (block, group) units in the blocked order, so two of them share a cache line only at the
   // ends of their shares; about 256 groups each, so that one or a few rows stay on the calling thread.
   const int64_t per_unit = std::min(rows, B);
@@ -212,7 +215,13 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
       const int64_t first = u / G * B, g = u % G, n = std::min(B, rows - first);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t b = u * B + i;  // = blocked(first + i, g, G)
+        float widened[kGroup];
         const float* src = x + (first + i) * K + g * kGroup;
+        if (xb != nullptr) {
+          const at::BFloat16* from = xb + (first + i) * K + g * kGroup;
+          for (int64_t e = 0; e < kGroup; ++e) widened[e] = static_cast<float>(from[e]);
+          src = widened;
+        }
         int8_t* q = out.q.data() + b * kGroup;
 #ifdef STAGEDSPEC_X86
         if (isa != kScalar)
@@ -227,7 +236,13 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, int64_t isa
       }
     }
   });
-  return out;
+}
+
+// The calling thread's quantised-rows arrays: a pass calls the linear layers one after another on one thread, and
+// allocating and freeing them in every call cost about a microsecond of a one-row call's few.
+QuantizedRows& scratch_rows() {
+  thread_local QuantizedRows rows;
+  return rows;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1359,12 +1374,13 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
     bytes += t * per_tile;
   }
   TORCH_CHECK(packed.numel() == bytes, "qlinear: packed weights do not match the formats, outputs and K");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({R, N}, x.options());
   if (R == 0) return y;
   const bool q6k = std::find(formats.begin(), formats.end(), kQ6K) != formats.end();
-  const QuantizedRows qa = quantize_rows(xf.data_ptr<float>(), R, K, isa, q6k);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  QuantizedRows& qa = scratch_rows();
+  quantize_rows(bf16 ? nullptr : xc.data_ptr<float>(), bf16 ? xc.data_ptr<at::BFloat16>() : nullptr, R, K, isa, q6k, qa);
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
 #ifdef STAGEDSPEC_X86
