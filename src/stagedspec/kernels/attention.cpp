@@ -287,6 +287,17 @@ __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) inline __m512 exp1
   return _mm512_mask_blend_ps(below, _mm512_mul_ps(p, scale), _mm512_setzero_ps());
 }
 
+// total_of for n values none of which is masked, 8 at a time (lane c % 8 takes the c-th in order, as there).
+__attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) inline float total_dense(const float* p, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + c));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  for (; c < n; ++c) lanes[c % 8] += p[c];
+  return tree8(lanes);
+}
+
 // The first and one past the last visible key of a bias row (0 / -inf), or [0, S) without one.
 template <typename T>
 inline void visible_span(const T* bias, int64_t S, int64_t& lo, int64_t& hi) {
@@ -437,13 +448,18 @@ __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) void attend_group_
     }
     const __m512 vtop = _mm512_set1_ps(tops[h]);
     int64_t e = lo;
+    __mmask16 any_masked = 0;
     for (; e + 16 <= hi; e += 16) {
       const __m512 s = _mm512_loadu_ps(sh + e);
       const __mmask16 masked = _mm512_cmp_ps_mask(s, ninf, _CMP_EQ_OQ);
+      any_masked |= masked;
       _mm512_storeu_ps(sh + e, _mm512_mask_blend_ps(masked, exp16_nonpositive(_mm512_sub_ps(s, vtop)), ninf));
     }
+    for (int64_t j = e; j < hi; ++j) any_masked |= sh[j] == kNegInf;
     exps_portable(sh, e, hi, tops[h]);
-    inv[h] = 1.f / total_of(sh + lo, hi - lo);
+    // no masked key inside the span (a prompt's causal rows): the c-th key is the c-th visible one, so lane c % 8
+    // adds 8 keys at a time in the same order
+    inv[h] = 1.f / (any_masked ? total_of(sh + lo, hi - lo) : total_dense(sh + lo, hi - lo));
   }
   if constexpr (V == 8) group_values<T, 4, 5>(scores, nh, v, kvs, lo, hi, S, out);
   else if constexpr (V == 16) group_values<T, 8, 2>(scores, nh, v, kvs, lo, hi, S, out);
@@ -464,6 +480,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
   const int64_t vs0 = values.stride(0), vs1 = values.stride(1);
   TORCH_CHECK(values.stride(2) == ks2, "attention: keys and values must share their slot stride");
@@ -503,7 +520,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
         grouped(qf.data(), static_cast<int>(nh), kp + b * ks0 + g * ks1, vp + b * vs0 + g * vs1, ks2, S, brow_ptr,
                 sc, scores.data(), of.data());
         for (int64_t h = 0; h < nh; ++h) {
-          T* orow = op + ((b * H + h0 + h) * T_ + t) * D;
+          T* orow = op + b * os0 + (h0 + h) * os1 + t * os2;
           for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(of[h * D + d]);
         }
       }
@@ -524,7 +541,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
         vector(qf.data(), k, v, ks2, S, brow_ptr, sc, scores.data(), of.data());
       else
         attend_row_portable<T>(qf.data(), k, v, ks2, S, D, brow_ptr, sc, scores.data(), of.data());
-      T* orow = op + ((b * H + h) * T_ + t) * D;
+      T* orow = op + b * os0 + h * os1 + t * os2;
       for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(of[d]);
     }
   });
@@ -548,7 +565,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
            __builtin_cpu_supports("avx512dq");
 #endif
   const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty_like(qc);
+  // [B, H, T, D] lying as [B, T, H, D]: the next step reads rows of H * D (the output layer), with no copy
+  at::Tensor out = at::empty({qc.size(0), qc.size(2), qc.size(1), qc.size(3)}, qc.options()).permute({0, 2, 1, 3});
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(q.scalar_type());

@@ -18,6 +18,7 @@
 // linear layers (docs/measurements.md, "ATen glue of a decoder layer on a Zen 3 EPYC").
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -103,19 +104,23 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), ks = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vs = v_cache.stride(2);
   const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < Tn; ++t) {
-      const T* row = src + (b * Tn + t) * width;
+  // rows split between threads where a pass has many (a prompt); each element is computed as before
+  at::parallel_for(0, B * Tn, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / Tn, t = r % Tn;
+      const T* row = src + r * width;
       const T* c = cp + b * cb + t * ct;
       const T* sn = sp + b * sb + t * st;
       for (int64_t h = 0; h < H + Hkv; ++h) {
         const T* x = row + h * D;
         T* out = h < H ? qp + ((b * H + h) * Tn + t) * D : kp + b * kb + (h - H) * kh + (start + t) * ks;
-        for (int64_t d = 0; d < D; ++d) out[d] = add(mul(x[d], c[d]), mul(x[(d + half) % D], sn[d]));
+        for (int64_t d = 0; d < half; ++d) out[d] = add(mul(x[d], c[d]), mul(x[d + half], sn[d]));
+        for (int64_t d = half; d < D; ++d) out[d] = add(mul(x[d], c[d]), mul(x[d - half], sn[d]));
       }
       for (int64_t h = 0; h < Hkv; ++h)
         std::memcpy(vp + b * vb + h * vh + (start + t) * vs, row + (H + Hkv + h) * D, D * sizeof(T));
     }
+  });
 }
 
 // out[r, :] = x[r, :] + y[r, :], rounded to T (the residual join).
@@ -124,7 +129,9 @@ void residual(const at::Tensor& x, const at::Tensor& y, at::Tensor& out) {
   const T* xp = x.data_ptr<T>();
   const T* yp = y.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  for (int64_t i = 0, n = out.numel(); i < n; ++i) op[i] = add(xp[i], yp[i]);
+  at::parallel_for(0, out.numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) op[i] = add(xp[i], yp[i]);
+  });
 }
 
 // What every layer of a pass shares.
