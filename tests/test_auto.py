@@ -1051,8 +1051,9 @@ def test_every_draft_family_is_explored_early_in_a_request_even_when_its_price_s
     """A price is a model; one that is wrong about a draft never lets it run to show otherwise (the Qwen pair ran
     `ar` on every step of a prose prompt where a fixed draft chain ran at 1.22x `ar`).  So each draft family runs
     twice early in a request whatever its price, a family at a time; then `ar` again while the prices say so.
-    A seeded sampled request's policy (no learned times) never explores, and an exploration whose draft's
-    catch-up would take the request's explorations past their share of its plain time is skipped."""
+    A seeded sampled request's policy (no learned times) never explores, and an exploration whose cost (its
+    draft's catch-up, and its two steps' priced time beyond two `ar` steps) would take the request's
+    explorations past their share of its plain time is skipped."""
     from stagedspec.auto import AutoDrafter
     from stagedspec.auto.drafter import FAMILY_EXPLORE_AFTER
 
@@ -1063,20 +1064,26 @@ def test_every_draft_family_is_explored_early_in_a_request_even_when_its_price_s
                                        staged: (OneNodeDrafter(), [])})
         return arm_names_run(drafter, list(range(1, prompt_len + 1)), steps, max_tokens)
 
-    runs = kinds_run(AutoPolicy([plain, tree, staged], STEEP))  # priced, the draft arms always lose
+    # priced, the draft arms always lose; 256 tokens' budget (5% of 2.56 s) holds both families' steps
+    runs = kinds_run(AutoPolicy([plain, tree, staged], STEEP), max_tokens=256)
     assert runs.count("tree:2") == 2 and runs.count("staged:1") == 2, runs
     first = runs.index("tree:2")
     assert runs[first + 1] == "tree:2" and first >= FAMILY_EXPLORE_AFTER  # twice in a row, after the first steps
     assert runs.index("staged:1") > first + 1  # one family at a time
     assert set(runs[runs.index("staged:1") + 2:]) == {"ar"}  # then the prices decide again
-    assert set(kinds_run(AutoPolicy([plain, tree, staged], STEEP, learn_times=False))) == {"ar"}
+    assert set(kinds_run(AutoPolicy([plain, tree, staged], STEEP, learn_times=False), max_tokens=256)) == {"ar"}
+    # 64 tokens' budget (32 ms): two 3-row tree steps cost 40 ms beyond `ar` and are skipped, two 2-row steps
+    # of the staged family 21 ms and run
+    runs = kinds_run(AutoPolicy([plain, tree, staged], STEEP))
+    assert "tree:2" not in runs and runs.count("staged:1") == 2, runs
     # a draft whose catch-up over a long prompt is dear: 0.2 s against 5% of 64 steps of 10 ms
     dear = CostProfile(oracle={r: 0.010 * r for r in ROWS}, drafts=[{1: 0.0005, 2: 0.0005, 64: 0.2}])
     assert set(kinds_run(AutoPolicy([plain, tree, staged], dear), prompt_len=64)) == {"ar"}
-    # catch-ups that fit the budget one at a time but not together (about 0.026 s each against 0.032 s for the
-    # request): the first family is explored, the second is not
+    # explorations that fit the budget one at a time but not together (the tree's about 0.025 s of catch-up and
+    # 0.042 s of steps, the staged family's 0.025 s and 0.021 s, against 0.080 s for a 160-token request): the
+    # first family is explored, the second is not
     each = CostProfile(oracle={r: 0.010 * r for r in ROWS}, drafts=[{1: 0.0005, 2: 0.0005, 64: 0.025}])
-    runs = kinds_run(AutoPolicy([plain, tree, staged], each), prompt_len=64)
+    runs = kinds_run(AutoPolicy([plain, tree, staged], each), prompt_len=64, max_tokens=160)
     assert runs.count("tree:2") == 2 and "staged:1" not in runs, runs
 
 

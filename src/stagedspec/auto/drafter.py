@@ -33,14 +33,18 @@ EXPLORE_MAX_GAP = 64  # ... a gap doubled, up to this, each time `ar` wins the p
 # wrong about an arm never lets it run to show otherwise: `auto` had run `ar` on every step of a prompt where a
 # fixed chain of the draft was faster (docs/measurements.md, "A draft family its price never chose on an AMX Xeon").
 # Such an exploration runs the family's best-priced arm twice (its second step warm, timed), a
-# family at a time, `FAMILY_EXPLORE_AFTER` priced steps apart; the drafts' catch-ups on the context for all of a
-# request's explorations together may cost at most `FAMILY_CATCH_UP_SHARE` of its plain decoding time (the
-# bounded cost), and an exploration that would pass it is skipped.  Bounded per family, three families each
+# family at a time, `FAMILY_EXPLORE_AFTER` priced steps apart; all of a request's explorations together may cost
+# at most `FAMILY_EXPLORE_SHARE` of its plain decoding time (the bounded cost): the drafts' catch-ups on the
+# context, and the two steps' priced time beyond two `ar` steps (the tokens they may bring are not counted: what
+# is bounded is the loss where the family does not pay); an exploration that would pass it is skipped.  With the
+# catch-ups alone bounded, SmolLM2's `auto` explored three families a 64-token prose request and ran at 0.93x `ar`
+# with 1.02 tokens a step on an AMX Xeon (docs/measurements.md, "Exploration steps outside the budget on an AMX
+# Xeon").  Bounded per family, three families each
 # caught the 0.5B draft up on a 64-token request and `auto` ran prose at 0.82-0.99x `ar` on a Zen 5 EPYC
 # (docs/draft.md, "The 512-bit kernels and the Qwen feature draft at 306 k tokens").
 FAMILY_EXPLORE_AFTER = 2
 FAMILY_REVISIT = 64  # (a family that ran on its price since the last round is not explored again)
-FAMILY_CATCH_UP_SHARE = 0.05
+FAMILY_EXPLORE_SHARE = 0.05
 FULL_PRICE_EVERY = 8  # priced steps between two that price every arm; the others price `ar`, the lookup arms
 # and the draft arms that came close at the last full pricing (`stagedspec.auto.pricing.contenders`): pricing every
 # arm is a visible share of a small model's CPU step (docs/measurements.md, "Pricing every arm on a Zen 4 EPYC")
@@ -157,7 +161,7 @@ class AutoDrafter(Drafter):
         self._families_due: list[str] = []  # draft families not yet explored in this round (`FAMILY_REVISIT`)
         self._until_family = FAMILY_EXPLORE_AFTER  # priced steps until the next family is explored
         self._families_ran: set[str] = set()  # draft families that ran since the last round was planned
-        self._catch_up_spent = 0.0  # priced catch-up seconds of this request's family explorations so far
+        self._explore_spent = 0.0  # priced seconds of this request's family explorations so far (beyond `ar`)
         self._last_drafter: Drafter | None = None  # the drafter of the last step
         self._synced: dict[int, int] = {}  # id(drafter) -> context length when it last proposed
         self.request_choices: dict[str, int] = {}  # `Drafter.request_choices`
@@ -199,7 +203,7 @@ class AutoDrafter(Drafter):
         self._families_due = [f for f in self._draft_families() if self.policy.family_turn(f)]
         self._until_family = FAMILY_EXPLORE_AFTER
         self._families_ran = set()
-        self._catch_up_spent = 0.0
+        self._explore_spent = 0.0
         self._synced = {}
         self._own = {}
         self._realized = RealizedRates()
@@ -329,7 +333,7 @@ class AutoDrafter(Drafter):
     def _family_exploration(self, context: Sequence[int], sampling: SamplingParams, lengths: Mapping[str, int],
                             max_tokens: int) -> Arm | None:
         """The arm of the next draft family due for exploration, if one is due at this priced step and its
-        catch-up fits the budget (`FAMILY_CATCH_UP_SHARE`); None otherwise.  Decided by the history alone.
+        cost fits the budget (`FAMILY_EXPLORE_SHARE`); None otherwise.  Decided by the history alone.
 
         Not in a batched round (the server's shared rounds price their own steps) nor on the first step (its
         time includes the prompt's prefill)."""
@@ -354,10 +358,14 @@ class AutoDrafter(Drafter):
             return None
         behind = len(context) - self._synced.get(id(self.arms[arm][0]), 0)
         plain_seconds = max_tokens * self.policy.profile.step_seconds(1, not sampling.greedy)
-        catch_up = catch_up_seconds(arm, self.policy.profile, behind)
-        if self._catch_up_spent + catch_up > FAMILY_CATCH_UP_SHARE * plain_seconds:
+        sampled = not sampling.greedy
+        with self.policy.lock:  # two steps of the arm, beyond two of `ar`
+            excess = 2 * max(0.0, solo_step_seconds(arm, self.policy.profile, self.policy.costs, lengths, sampled)
+                             - solo_step_seconds(Arm("ar"), self.policy.profile, self.policy.costs, lengths, sampled))
+        cost = catch_up_seconds(arm, self.policy.profile, behind) + excess
+        if self._explore_spent + cost > FAMILY_EXPLORE_SHARE * plain_seconds:
             return None
-        self._catch_up_spent += catch_up
+        self._explore_spent += cost
         return arm
 
     def _pace_probes(self, arm: Arm) -> None:
