@@ -132,15 +132,26 @@ inline float total_of(const float* p, int64_t S) {
   return tree8(lanes);
 }
 
+// The first and one past the last visible key of a bias row (0 / -inf), or [0, S) without one.
+template <typename T>
+inline void visible_span(const T* bias, int64_t S, int64_t& lo, int64_t& hi) {
+  lo = 0, hi = S;
+  if (!bias) return;
+  while (lo < S && as_float(bias[lo]) == kNegInf) ++lo;
+  while (hi > lo && as_float(bias[hi - 1]) == kNegInf) --hi;
+}
+
 template <typename T>
 void attend_row_portable(const float* q, const T* k, const T* v, int64_t kvs, int64_t S, int64_t D, const T* bias,
                          float scale, float* scores, float* out) {
-  const float top = scores_portable(q, k, kvs, 0, S, D, bias, scale, scores);
+  int64_t lo, hi;
+  visible_span(bias, S, lo, hi);
+  const float top = scores_portable(q, k, kvs, lo, hi, D, bias, scale, scores);
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   if (top == kNegInf) return;  // no visible key (a padding row): zeros
-  exps_portable(scores, 0, S, top);
-  const float inv = 1.f / total_of(scores, S);
-  for (int64_t j = 0; j < S; ++j) {
+  exps_portable(scores, lo, hi, top);
+  const float inv = 1.f / total_of(scores + lo, hi - lo);
+  for (int64_t j = lo; j < hi; ++j) {
     if (scores[j] == kNegInf) continue;
     const T* vj = v + j * kvs;
     for (int64_t d = 0; d < D; ++d) out[d] = std::fma(scores[j], as_float(vj[d]), out[d]);
@@ -204,8 +215,10 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const T
   if constexpr (kBf16) bf16_lane_order(q, D, qp);
   const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
   __m256 top8 = ninf;
-  int64_t j = 0;
-  for (; j + 8 <= S; j += 8) {
+  int64_t lo, hi;
+  visible_span(bias, S, lo, hi);
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8) {
     __m256 lanes[8];
     for (int u = 0; u < 8; ++u) {
       const T* kj = k + (j + u) * kvs;
@@ -229,35 +242,56 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const T
   }
   float tops[8];
   _mm256_storeu_ps(tops, top8);
-  float top = scores_portable(q, k, kvs, j, S, D, bias, scale, scores);
+  float top = scores_portable(q, k, kvs, j, hi, D, bias, scale, scores);
   for (float t : tops) top = t > top ? t : top;
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   if (top == kNegInf) return;
   const __m256 vtop = _mm256_set1_ps(top);
-  int64_t e = 0;
-  for (; e + 8 <= S; e += 8) {
+  int64_t e = lo;
+  for (; e + 8 <= hi; e += 8) {
     const __m256 s = _mm256_loadu_ps(scores + e);
     const __m256 masked = _mm256_cmp_ps(s, ninf, _CMP_EQ_OQ);
     _mm256_storeu_ps(scores + e, _mm256_blendv_ps(exp8_nonpositive(_mm256_sub_ps(s, vtop)), ninf, masked));
   }
-  exps_portable(scores, e, S, top);
-  const float inv = 1.f / total_of(scores, S);
+  exps_portable(scores, e, hi, top);
+  const float inv = 1.f / total_of(scores + lo, hi - lo);
+  // value sums, elementwise in slot order; bf16 values widened by shift and mask (o[2 b], o[2 b + 1]: the even
+  // and odd elements of block b of 16), put back in element order at the end
   __m256 o[V];
   for (int64_t i = 0; i < V; ++i) o[i] = _mm256_setzero_ps();
-  for (int64_t jj = 0; jj < S; ++jj) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t jj = lo; jj < hi; ++jj) {
     if (scores[jj] == kNegInf) continue;
     const __m256 pj = _mm256_set1_ps(scores[jj]);
     const T* vj = v + jj * kvs;
-    for (int64_t i = 0; i < V; ++i) o[i] = _mm256_fmadd_ps(pj, load8(vj + 8 * i), o[i]);
+    if constexpr (kBf16) {
+      for (int64_t b = 0; b < V / 2; ++b) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vj + 16 * b));
+        o[2 * b] = _mm256_fmadd_ps(pj, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), o[2 * b]);
+        o[2 * b + 1] = _mm256_fmadd_ps(pj, _mm256_castsi256_ps(_mm256_and_si256(x, high)), o[2 * b + 1]);
+      }
+    } else {
+      for (int64_t i = 0; i < V; ++i) o[i] = _mm256_fmadd_ps(pj, load8(vj + 8 * i), o[i]);
+    }
   }
   const __m256 vinv = _mm256_set1_ps(inv);
-  for (int64_t i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(o[i], vinv));
+  if constexpr (kBf16) {
+    alignas(32) float pair[16];
+    for (int64_t b = 0; b < V / 2; ++b) {
+      _mm256_store_ps(pair, _mm256_mul_ps(o[2 * b], vinv));
+      _mm256_store_ps(pair + 8, _mm256_mul_ps(o[2 * b + 1], vinv));
+      for (int i = 0; i < 8; ++i) out[16 * b + 2 * i] = pair[i], out[16 * b + 2 * i + 1] = pair[8 + i];
+    }
+  } else {
+    for (int64_t i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(o[i], vinv));
+  }
 }
 
 // The same operations on AVX-512 for the G query heads that share a key head (GQA), from one query row: each key
 // and value is loaded and widened to float once for all of them.  Per head, every step is the row path's:
-//   the dot keeps its 8 lanes (one 256-bit register, fma over d in order) and reduces 8 keys together with vhaddps;
-//   exp and the value sums are elementwise, so they run 16 lanes wide (value sums in slot order per element).
+//   the dot keeps its lanes (fp32: 8, fma over d in order; bf16: the 32 of the contract above, widened by shift
+//   and mask) and reduces 8 keys together with vhaddps; exp and the value sums are elementwise, so they run 16
+//   lanes wide (value sums in slot order per element).
 // Keys before the row's first visible key and after its last one are not read at all (a causal prompt pass skips
 // the future half of the cache); masked keys between them take no part, as on the row path.
 constexpr int kMaxGroup = 16;  // query heads per key head handled in one task (more run as several tasks)
@@ -298,14 +332,6 @@ __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma"))) inline float total
   return tree8(lanes);
 }
 
-// The first and one past the last visible key of a bias row (0 / -inf), or [0, S) without one.
-template <typename T>
-inline void visible_span(const T* bias, int64_t S, int64_t& lo, int64_t& hi) {
-  lo = 0, hi = S;
-  if (!bias) return;
-  while (lo < S && as_float(bias[lo]) == kNegInf) ++lo;
-  while (hi > lo && as_float(bias[hi - 1]) == kNegInf) --hi;
-}
 
 // Scores of `nh` heads (q rows `qf`, D floats apart) over keys [lo, hi): 8 keys at a time, each key widened once.
 template <typename T, int V>
