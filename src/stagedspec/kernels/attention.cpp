@@ -6,7 +6,8 @@
 // split gave logits 0.86 apart on the int4 SmolLM2), so a verified tree would not reproduce one-token
 // decoding.  Here every (sequence, head, query row) is one task with a fixed order of operations:
 //   s_j = dot(q, k_j) * scale + bias_j   over the row's visible keys j (bias_j > -inf), where dot keeps 8
-//         lanes (lane l = fma chain over d = l, l + 8, ... in order) and adds them as ((0+1)+(2+3))+((4+5)+(6+7))
+//         lanes for fp32 keys (lane l = fma chain over d = l, l + 8, ... in order) and adds them as
+//         ((0+1)+(2+3))+((4+5)+(6+7)); bf16 keys keep 32 lanes folded to those 8 (`dot_lanes` below)
 //   p_j = exp(s_j - max s)               our own polynomial, plain float operations
 //   total = the same tree over 8 lanes, lane c mod 8 summing the c-th visible key's p in order
 //   out = (sum_j fma(p_j, v_j, .) over visible j in slot order) * (1 / total)
@@ -15,8 +16,10 @@
 // on a key's slot index, only on its rank among the visible keys.
 //
 // The AVX2 path computes 8 keys' dot products at once (their lane vectors reduced together with vhaddps,
-// whose pairwise sums are the tree's) and the exponentials 8 at a time; the portable path does the same
-// operations one key at a time.  Both give the same bits (checked at load and in the tests).
+// whose pairwise sums are the tree's) and the exponentials 8 at a time; the AVX-512 path does the same for the
+// query heads of one key head together (`attend_group_avx512`); the portable path does the same operations one
+// key at a time.  All give the same bits (checked at load and in the tests).  Every path reads only the keys
+// from a row's first visible one to its last (`visible_span`).
 //
 // At a small model's shape, one key at a time with separate multiplies and adds took much longer than this path
 // for 1 to 8 query rows (docs/measurements.md, "The AVX2 attention path against one key at a time on a Zen 3 EPYC").
