@@ -149,6 +149,7 @@ BAD_INPUTS = [
     (["--top-p", "1.5"], "top-p"),
     (["--method", "tree"], "draft"),
     (["--device", "cuda"], "cuda"),
+    (["--draft", "layers:1", "--draft-vocab", "/no/such/ids.json"], "--draft-vocab"),
 ]
 
 

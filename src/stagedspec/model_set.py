@@ -21,6 +21,7 @@ from stagedspec.methods import method_named
 from stagedspec.models.draft import bundled_draft_for
 from stagedspec.models.draft_formats import DraftSource, draft_format, load_draft_spec
 from stagedspec.models.feature_draft import is_feature_draft
+from stagedspec.models.head_subset import check_draft_vocab, draft_subset, restrict_head, split_vocab_suffix
 from stagedspec.models.loading import load_model
 from stagedspec.models.named import paired_draft
 from stagedspec.models.quant import resolve_quant
@@ -45,17 +46,20 @@ class ModelSet:
     @classmethod
     def load(cls, oracle: str = "default", draft: str | Sequence[str] | None = None, *, method: str = "auto",
              ngram: str | None = None, context: bool = True, dtype: str = "auto", device: str = "cpu",
-             quant: str = "auto", draft_weights: str = "auto", pass_options: PassOptions | None = None) -> ModelSet:
+             quant: str = "auto", draft_weights: str = "auto", draft_vocab: str = "auto",
+             pass_options: PassOptions | None = None) -> ModelSet:
         """The oracle `oracle`, then the drafts `method` runs with (`draft_specs`), then the n-gram `ngram`
         (for a method that reads one), checked to make that method.
 
         `quant` ("auto" as the CLI takes it, "int4", "int8", "mixed", "none") is resolved here once; `dtype`
-        "auto" asks the hardware (`dtypes.resolve_dtype`); drafts run with the oracle's pass options."""
+        "auto" asks the hardware (`dtypes.resolve_dtype`); drafts run with the oracle's pass options, on
+        `draft_weights` (`stagedspec.draft_weights`) and over the vocabulary `draft_vocab` (`models.head_subset`)."""
+        check_draft_vocab(draft_vocab)
         device = check_device(device)
         quant = resolve_quant(quant, oracle, device)
         torch_dtype, dtype_reason = resolve_dtype(dtype, device, quant)
         model, tokenizer = load_model(oracle, dtype=torch_dtype, device=device, quant=quant, pass_options=pass_options)
-        draft_models = [load_draft_model(d, model, tokenizer, torch_dtype, device, draft_weights)
+        draft_models = [load_draft_model(d, model, tokenizer, torch_dtype, device, draft_weights, draft_vocab)
                         for d in draft_specs(method, draft, oracle, tokenizer, model.config.hidden_size)]
         if any(is_feature_draft(m) for m in draft_models[1:]):
             raise StagedSpecError("a feature draft can only be the first --draft (the stage right below the oracle): "
@@ -115,16 +119,21 @@ def parse_stages(specs: Sequence[str]) -> tuple[str, list[str], str | None, bool
 
 
 def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype, device: str,  # noqa: ANN001
-                     weights: str = "auto") -> Transformer:
+                     weights: str = "auto", vocab: str = "auto") -> Transformer:
     """Resolve a --draft SPEC: `layers:N`, a distilled draft folder, an HF folder or a .gguf.
 
     `weights` (--draft-weights, or a `SPEC@FORMAT` suffix) picks the draft's weight format: "native" (the
     pipeline's dtype), "int8", or "auto": int8 for a quantised oracle, and on a bf16 CPU oracle whichever this
-    machine runs faster, measured once and cached (`stagedspec.draft_weights`).  The output never depends on it."""
+    machine runs faster, measured once and cached (`stagedspec.draft_weights`).  `vocab` (--draft-vocab, or a
+    `SPEC@full` suffix) cuts its head to part of the vocabulary (`models.head_subset`; "auto": the bundled subset
+    of the oracle's tokenizer, for a GGUF, HF or layers:N draft).  The output never depends on either."""
+    spec, own_vocab = split_vocab_suffix(spec)
     spec, own = split_weights_suffix(spec)
     weights = own or weights
-    return choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights,
-                                load_mixed=_mixed_loader(spec, oracle, oracle_tokenizer, dtype, device))
+    draft = choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights,
+                                 load_mixed=_mixed_loader(spec, oracle, oracle_tokenizer, dtype, device))
+    ids = draft_subset(own_vocab or vocab, draft, tokenizer_fingerprint(oracle_tokenizer))
+    return draft if ids is None else restrict_head(draft, ids)
 
 
 def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype,  # noqa: ANN001

@@ -116,6 +116,7 @@ class Pipeline:
         device: str = "cpu",
         quant: str = "auto",
         draft_weights: str = "auto",
+        draft_vocab: str = "auto",
         pass_options: PassOptions | None = None,
     ) -> Pipeline:
         """A pipeline over the models named by specs: loads the oracle, then the drafts `speculation.method`
@@ -129,6 +130,8 @@ class Pipeline:
         slower that way on a Zen 5 EPYC, 2026-11-29: 55 against 280 tokens/s).
         Drafts then run on int8 weights; on a bf16 CPU oracle `draft_weights="auto"` runs them on int8
         where that is measured faster here (`stagedspec.draft_weights`; "native" or "int8" choose).
+        `draft_vocab` ("auto", "full", a file of token ids) cuts a GGUF or HF draft's head to part of the
+        vocabulary (`models.head_subset`).
         `dtype="auto"` picks bf16 where the hardware computes it natively and fp32 elsewhere
         (`dtype_reason` says which and why); the output is the oracle's in the chosen dtype.
         `method="auto"` with no draft uses the draft shipped for the oracle, when there is one
@@ -136,7 +139,8 @@ class Pipeline:
         theirs as the oracle does; None: the environment's defaults, `stagedspec.pass_options`)."""
         s = speculation or SpeculationConfig()
         models = ModelSet.load(oracle, draft, method=s.method, ngram=s.ngram, context=s.context, dtype=dtype,
-                               device=device, quant=quant, draft_weights=draft_weights, pass_options=pass_options)
+                               device=device, quant=quant, draft_weights=draft_weights, draft_vocab=draft_vocab,
+                               pass_options=pass_options)
         return cls.over(models, s)
 
     @classmethod

@@ -180,6 +180,8 @@ def model_fingerprint(model: Transformer) -> str:
     if model.head_q is not None:  # int4, int8, or int8 up to some rows (`draft_weights`)
         kinds = {f"{type(m).__name__}:{getattr(m, 'max_rows', '')}" for m in model.modules()}
         h.update(repr(sorted(kinds)).encode())
+    if model.subset_ids is not None:  # a head over part of the vocabulary (`--draft-vocab`) costs less
+        h.update(f"subset={model.subset_ids.numel()}".encode())
     sample = model.embed.weight.detach().flatten()[:512].float().cpu()
     h.update(sample.numpy().tobytes())
     # Drafts distilled from one oracle share its config and embedding: a sample of their last layer tells them

@@ -128,15 +128,16 @@ class BenchModels:
     """The oracle, tokenizer, drafts and n-grams of a run, each loaded once and shared by all methods."""
 
     def __init__(self, oracle: str, dtype: str, device: str, draft_weights: str = "auto",
-                 pass_options: PassOptions | None = None) -> None:
+                 pass_options: PassOptions | None = None, draft_vocab: str = "auto") -> None:
         """`pass_options`: how every model's passes run (the drafts run theirs as their oracle does; None: the
-        environment's defaults)."""
+        environment's defaults).  `draft_vocab`: the run's --draft-vocab (a SPEC@full suffix sets one draft's)."""
         # deferred: the CLI's parser loads this module (via bench.run); the models load when a benchmark runs
         from stagedspec.models.loading import load_model
         from stagedspec.pipeline import check_device, dtype_name, resolve_dtype
 
         self.oracle_spec = oracle
         self.draft_weights = draft_weights
+        self.draft_vocab = draft_vocab
         self.pass_options = pass_options
         self.device = check_device(device)
         self.dtype = resolve_dtype(dtype, self.device)[0]
@@ -193,7 +194,7 @@ class BenchModels:
             from stagedspec.pipeline import load_draft_model
 
             self._drafts[key] = load_draft_model(base, self.oracle_for(quant), self.tokenizer, self.dtype,
-                                                 self.device, fmt)
+                                                 self.device, fmt, self.draft_vocab)
         return self._drafts[key]
 
     def ngram(self, spec: str) -> Any:

@@ -46,7 +46,7 @@ from stagedspec.bench.methods import (
     split_quant,
     transformers_method,
 )
-from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_threads_arg, non_negative_int,
+from stagedspec.cli.args import (add_draft_run_args, add_model_args, add_threads_arg, non_negative_int,
                                  pass_options_from, positive_int)
 from stagedspec.errors import StagedSpecError
 from stagedspec.hardware import KERNEL_FLAGS, cpu_flags
@@ -63,6 +63,7 @@ GROUPS = {"all": tuple(m for m in ALL_METHODS if m not in VARIANTS), "ours": OUR
 class BenchConfig:
     oracle: str = "default"
     draft: str | None = "default"
+    draft_vocab: str = "auto"  # the tokens a GGUF or HF draft's head computes (`models.head_subset`); SPEC@full overrides
     draft_weights: str = "auto"  # the drafts' weight format (`stagedspec.draft_weights`); SPEC@FORMAT overrides
     ngram: str | None = "default"  # None: prompt lookup only
     prompts: str = "humaneval"
@@ -538,7 +539,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         raise StagedSpecError("temperatures must be >= 0")
     out = Path(cfg.out)
     t_start = time.perf_counter()
-    models = BenchModels(cfg.oracle, cfg.dtype, cfg.device, cfg.draft_weights, cfg.pass_options)
+    models = BenchModels(cfg.oracle, cfg.dtype, cfg.device, cfg.draft_weights, cfg.pass_options, cfg.draft_vocab)
     models.bit_exact = cfg.bit_exact
     if cfg.dtype == "auto":  # the report names what ran: bf16 or fp32, as `--dtype auto` chose it here
         cfg = dataclasses.replace(cfg, dtype=models.dtype_name)
@@ -560,7 +561,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                    "layers": models.oracle.config.n_layers, "vocab_size": models.oracle.config.vocab_size},
         "drafts": {spec: {"weight_bytes": d.num_bytes(), "layers": d.config.n_layers,
                           "head_tokens": int(d.head_tokens.numel()) if getattr(d, "head_tokens", None) is not None
-                          else None}
+                          else int(d.subset_ids.numel()) if d.subset_ids is not None else None}
                    for spec, d in models.loaded_drafts().items()},
         "methods": [m.info() for m in methods],
         "skipped": skipped,
@@ -604,7 +605,7 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="draft for chain/tree/staged/hf-assisted: 'default' (bundled distilled draft), a draft "
                         "folder, an HF folder, a .gguf, layers:N, or none")
     add_model_args(p)  # --oracle, --dtype, --device, --cuda-graphs, --compile, --static-passes
-    add_draft_weights_arg(p)
+    add_draft_run_args(p)
     add_threads_arg(p)
     p.add_argument("--ngram", default="default", type=_none_or, metavar="SPEC",
                    help="n-gram for lookup/staged: 'default', a file, or none (prompt lookup only)")
@@ -643,7 +644,7 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, ngram=args.ngram,
+    common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab, ngram=args.ngram,
                   prompts=args.prompts,
                   prompt_offset=args.prompt_offset, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,
                   device=args.device, dtype=args.dtype, chat=args.chat, seed=args.seed, unseeded=args.unseeded,

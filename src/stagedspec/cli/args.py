@@ -108,13 +108,19 @@ def pass_options_from(args: argparse.Namespace) -> PassOptions:
     )
 
 
-def add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
+def add_draft_run_args(p: argparse.ArgumentParser) -> None:
+    """How draft models run: their weight format and the vocabulary their head computes."""
     p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
                    help="draft model weights: native (the --dtype), int8 (CPU, bf16), mixed (a quantised GGUF "
                         "draft's own formats, CPU), or auto (default): with --quant, int8, or for a quantised GGUF "
                         "draft whichever of mixed and int8 this machine runs faster; with a bf16 oracle on a CPU "
                         "whichever of native and int8 runs faster; timed once and cached (serve: native, since its "
                         "batched passes run many rows); the output never depends on it")
+    p.add_argument("--draft-vocab", default="auto", metavar="auto|full|FILE",
+                   help="the tokens a GGUF, HF or layers:N draft's head computes: auto (default; the frequency-"
+                        "ranked subset bundled for the oracle's tokenizer, where there is one: 24,576 of "
+                        "Qwen2.5's 151,936 tokens), full, or a file of token ids (a JSON list or one per line); "
+                        "a SPEC@full suffix sets one draft's; the output never depends on it")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -123,7 +129,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="SPEC",
                    help="draft model: a distilled draft folder, an HF folder, a .gguf, or layers:N "
                         "(the oracle's first N layers)")
-    add_draft_weights_arg(p)
+    add_draft_run_args(p)
     p.add_argument("--method", default=None, choices=["auto", "ar", "chain", "tree", "lookup", "staged"],
                    help="auto (each step, whichever of the others this machine's measured costs and the "
                         "acceptance so far make fastest; never knowingly slower than ar), ar (plain decoding), "

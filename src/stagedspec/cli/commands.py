@@ -11,7 +11,7 @@ import json
 import sys
 from typing import NoReturn, Sequence
 
-from stagedspec.cli.args import (add_draft_weights_arg, add_model_args, add_quant_arg, add_speculation_args,
+from stagedspec.cli.args import (add_draft_run_args, add_model_args, add_quant_arg, add_speculation_args,
                                  add_threads_arg, non_negative_int, pass_options_from, positive_int,
                                  speculation_from)
 from stagedspec.cli.check import add_check_command
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "draft, for the default oracle)")
     add_quant_arg(tune)
     add_threads_arg(tune)
-    add_draft_weights_arg(tune)
+    add_draft_run_args(tune)
     tune.add_argument("--reset", action="store_true",
                       help="first forget everything this machine learned, for every model (cost profiles, "
                            "auto's learned state, matmul plans, draft weight formats), then measure again")
@@ -146,7 +146,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     method = spec.method
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     pipe = Pipeline.load(oracle, drafts, speculation=spec, dtype=args.dtype, device=args.device, quant=args.quant,
-                         draft_weights=args.draft_weights, pass_options=pass_options_from(args))
+                         draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
+                         pass_options=pass_options_from(args))
     if args.bit_exact is not None:
         pipe.bit_exact = args.bit_exact
     pipe.threads = args.threads
@@ -260,6 +261,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     args.quant = resolve_quant(args.quant, args.oracle, args.device)
     pipe = Pipeline.load(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
                          dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights,
+                         draft_vocab=args.draft_vocab,
                          pass_options=pass_options_from(args))
     if args.threads != "auto":
         import torch

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from stagedspec.cli.args import (add_draft_weights_arg, add_renamed_size_flags, add_static_passes_arg, int_at_least,
+from stagedspec.cli.args import (add_draft_run_args, add_renamed_size_flags, add_static_passes_arg, int_at_least,
                                  pass_options_from, take_renamed_size_flags)
 from stagedspec.drafters.model import GROWTHS
 from stagedspec.errors import StagedSpecError
@@ -227,7 +227,7 @@ def add_commands(subparsers: Any) -> None:
                         "mean accepted length there: the same positions for every draft, far more trees "
                         "(default: on)")
     e.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
-    add_draft_weights_arg(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
+    add_draft_run_args(e)  # a SPEC@native / SPEC@int8 suffix sets one draft's: compare both in one run
     e.add_argument("--threads", type=int_at_least(1), default=None, metavar="N")
     e.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda (default: cpu)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
@@ -550,10 +550,10 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     spec = dict(tree_budget=args.tree_budget, tree_depth=args.tree_depth, tree_branching=args.tree_branching,
                 chain_length=args.chain_length, tree_growth=args.tree_growth)
     pipe = Pipeline.load(args.oracle, drafts[0], speculation=SpeculationConfig(method="chain", **spec),
-                         dtype=args.dtype, device=device, draft_weights=args.draft_weights,
+                         dtype=args.dtype, device=device, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
                          pass_options=pass_options_from(args))  # --static-passes: the drafts run as the oracle
     models = [pipe.draft_model] + [load_draft_model(d, pipe.model, pipe.tokenizer, pipe.dtype, pipe.device,
-                                                    args.draft_weights) for d in drafts[1:]]
+                                                    args.draft_weights, args.draft_vocab) for d in drafts[1:]]
     chat = pipe.tokenizer.chat_template is not None  # as the bench: base models get the raw prompt
     streams = [pipe.encode(chat_instruction(p) if chat else p, chat=chat) for p in prompts]
     # One set of oracle replies and one oracle timing for every draft: the columns differ only by the draft.

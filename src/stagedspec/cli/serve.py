@@ -128,7 +128,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load() -> Engine:
         engine = Engine.load(oracle, drafts, spec, dtype=args.dtype, device=args.device, quant=args.quant,
-                             draft_weights=args.draft_weights, bit_exact=args.bit_exact, model_name=args.model_name,
+                             draft_weights=args.draft_weights, draft_vocab=args.draft_vocab, bit_exact=args.bit_exact,
+                             model_name=args.model_name,
                              pass_options=pass_options_from(args))
         engine.threads = args.threads
         freeze_loaded()  # the models stay until the server exits

@@ -62,7 +62,8 @@ ORACLES_WITH_DRAFTS = ("default", "gemma3-270m", "qwen2.5-coder-1.5b")
 _SHARED_PREFIXES = ("embed.", "pos_embed.", "shared_head")
 
 
-def _assets() -> Path:
+def assets_dir() -> Path:
+    """The folder of the drafts bundled with the package."""
     return Path(__file__).resolve().parent.parent / "assets"
 
 
@@ -73,7 +74,7 @@ def bundled_draft_for(fingerprint: str, hidden_size: int | None = None) -> Path 
     Why the width: one tokenizer serves several oracles (Qwen2.5-Coder-1.5B and -0.5B), and a draft reads its
     oracle's embedding and features, so it fits only the oracle of the width it was made for."""
     for name in BUNDLED_DRAFTS:
-        folder = _assets() / name
+        folder = assets_dir() / name
         try:
             recorded = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -92,7 +93,7 @@ def default_draft_dir(fingerprint: str | None = None, hidden_size: int | None = 
     same GGUF by path), and must never pair a draft with an oracle whose tokens it does not share.
     """
     if fingerprint is None:
-        folder = _assets() / DEFAULT_DRAFT_NAME
+        folder = assets_dir() / DEFAULT_DRAFT_NAME
         if (folder / CONFIG_NAME).is_file():
             return folder
         raise StagedSpecError(

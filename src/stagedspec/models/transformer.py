@@ -319,6 +319,10 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A quantised copy of the output head (set by `models.quant.quantize_model`); None: `head_weight` is used.
         self.head_q: nn.Module | None = None
+        # A draft's head over part of the vocabulary (`models.head_subset`, `--draft-vocab`): those rows and their
+        # token ids, scattered into the whole vocabulary by `expand_logits`; None: the whole head.
+        self.subset_head: nn.Module | None = None
+        self.subset_ids: Tensor | None = None
         # What this model runs with beside its weights: runner pool, native stack, matmul plan, weight format.
         self.runtime = ModelRuntime()
         if cfg.arch != "gpt2":
@@ -526,7 +530,9 @@ class Transformer(nn.Module):
         if tapped and hidden != "none":
             picked = tapped if hidden == "all" or logits_rows is None else [t[:, logits_rows] for t in tapped]
             with_taps = torch.cat([h_all if hidden == "all" else h, *picked], dim=-1)
-        if self.head_q is not None:
+        if self.subset_head is not None:
+            logits = self.subset_head(h)
+        elif self.head_q is not None:
             logits = self.head_q(h)
         elif self.runtime.head_row_plan is not None:
             logits = planned_linear(h, self.head_weight, None, self.runtime.head_row_plan)
@@ -545,8 +551,11 @@ class Transformer(nn.Module):
     def expand_logits(self, logits: Tensor) -> Tensor:
         """Logits [..., V'] of this model's head as full-vocabulary logits [..., V].  A head over the whole
         vocabulary returns them as they are; a draft whose head covers a subset of it scatters them
-        (`models.draft.DraftModel`), so every pass path returns token ids as columns."""
-        return logits
+        (`models.draft.DraftModel`, `models.head_subset`), so every pass path returns token ids as columns."""
+        if self.subset_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.subset_ids, logits)
 
     def local_attention_mask(self, mask: Tensor | None, positions: Tensor, cache: KVCache, filled: int) -> Tensor | None:
         """The attention mask of the sliding-window layers, or None when no key can fall outside the window.
@@ -622,6 +631,11 @@ class Transformer(nn.Module):
             n -= size(self.embed.weight)
         if self.lm_head is not None and self.head_q is not None:
             n -= size(self.lm_head.weight)  # kept only as a float reference of the quantised head
+        if self.subset_head is not None:  # the whole head is kept (shared, or as the reference) but not computed
+            if self.head_q is not None:
+                n -= sum(size(t) for t in [*self.head_q.parameters(), *self.head_q.buffers()])
+            else:
+                n -= size(self.head_weight)
         return n
 
 

@@ -133,7 +133,7 @@ class Engine:
 
     @classmethod
     def load(cls, oracle: str, drafts: Sequence[str], speculation: SpeculationConfig, *, dtype: str = "bf16",
-             device: str = "cpu", quant: str = "none", draft_weights: str = "auto", bit_exact: bool | None = None,
+             device: str = "cpu", quant: str = "none", draft_weights: str = "auto", draft_vocab: str = "auto", bit_exact: bool | None = None,
              model_name: str | None = None, pass_options: PassOptions | None = None) -> "Engine":
         # Drafts are loaded even for a default of `ar` or `lookup`, so a request can still ask for them.
         method = speculation.method
@@ -145,7 +145,7 @@ class Engine:
             draft_weights = "native"
         models = ModelSet.load(oracle, list(drafts), method=method, ngram=speculation.ngram,
                                context=speculation.context, dtype=dtype, device=device, quant=quant,
-                               draft_weights=draft_weights, pass_options=pass_options)
+                               draft_weights=draft_weights, draft_vocab=draft_vocab, pass_options=pass_options)
         engine = cls(models.model, models.tokenizer, list(models.draft_models), speculation, models.ngram,
                      model_name or default_model_name(oracle, quant), list(drafts), bit_exact)
         engine.model_aliases = tuple(dict.fromkeys([str(oracle), default_model_name(oracle)]))
