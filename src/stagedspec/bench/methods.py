@@ -495,7 +495,12 @@ def hf_twin(draft: Transformer, oracle: Transformer, hf_oracle: nn.Module, spec:
             own[k].copy_(t.detach().to(dtype))
     twin.model.embed_tokens = hf_oracle.model.embed_tokens  # shared, as in our drafts
     head_tokens = getattr(draft, "head_tokens", None)
-    if head_tokens is not None:
+    if head_tokens is None and draft.subset_ids is not None:  # a head cut by --draft-vocab: the same rows
+        head_tokens = draft.subset_ids
+        twin.lm_head = _RestrictedHead(draft.head_weight[head_tokens].to(dtype), head_tokens.cpu(), cfg.vocab_size)
+        note = (f"head cut by --draft-vocab ({head_tokens.numel()} of {cfg.vocab_size} tokens) as a module that "
+                "scatters the support's logits into -inf elsewhere: the same function and cost as our draft")
+    elif head_tokens is not None:
         twin.lm_head = _RestrictedHead(draft.head_weight.to(dtype), head_tokens.cpu(), cfg.vocab_size)
         note = (f"restricted head ({head_tokens.numel()} of {cfg.vocab_size} tokens) as a module that scatters "
                 "the support's logits into -inf elsewhere: the same function and cost as our draft")
