@@ -208,6 +208,12 @@ def sampled_pvalue(build: str, sampling: SamplingParams, n: int, stage_cls: type
     else:
         drafter = stage_cls(FeatureStage(draft, 64), LookupDrafter(None, True, chain_length=2), chain_length=2,
                             branching=2)
+    return sampled_fit(oracle, drafter, prompt, sampling, n)
+
+
+def sampled_fit(oracle: Transformer, drafter: object, prompt: list[int], sampling: SamplingParams, n: int) -> float:
+    """The chi-square p-value of `n` seeded continuations (L tokens) drawn through `drafter` against the oracle's
+    exact distribution."""
     counts: Counter = Counter()
     with torch.no_grad():
         for s in range(n):

@@ -9,7 +9,6 @@ errors.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,8 @@ from stagedspec.models.transformer import init_random
 from stagedspec.profiling import model_fingerprint
 from stagedspec.sampling import SamplingParams, probs_from_logits
 from _exactness import assert_drafts_used
-from test_distribution_exactness import ALPHA, L, N_FAST, V, chi_square_pvalue, exact_distribution
-from test_feature_draft import TransformerLM
+from test_distribution_exactness import ALPHA, N_FAST, V
+from test_feature_draft import sampled_fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 N_NEGATIVE_HERE = 600  # the control recomputes the whole head's q by full passes: fewer samples suffice
@@ -107,13 +106,7 @@ def sampled_pvalue(sampling: SamplingParams, n: int, wrong_q: bool = False) -> f
     prompt = [1, 3, 0]
     kw = dict(method="chain", chain_length=2, max_len=64)
     drafter = WholeHeadQ(cut, tiny(22, vocab=V), **kw) if wrong_q else ModelDrafter(cut, **kw)
-    counts: Counter = Counter()
-    with torch.no_grad():
-        for s in range(n):
-            out = speculative_generate(ModelOracle(oracle, 64), drafter, prompt, max_new_tokens=L, sampling=sampling,
-                                       seed=s)
-            counts[tuple(out.token_ids)] += 1
-    return chi_square_pvalue(counts, exact_distribution(TransformerLM(oracle), prompt, sampling))[0]
+    return sampled_fit(oracle, drafter, prompt, sampling, n)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3)],

@@ -30,7 +30,7 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -73,17 +73,23 @@ def bundled_draft_for(fingerprint: str, hidden_size: int | None = None) -> Path 
 
     Why the width: one tokenizer serves several oracles (Qwen2.5-Coder-1.5B and -0.5B), and a draft reads its
     oracle's embedding and features, so it fits only the oracle of the width it was made for."""
+    for folder, recorded in bundled_drafts_for(fingerprint):
+        if hidden_size is None or recorded.get("hidden_size") == hidden_size:
+            return folder
+    return None
+
+
+def bundled_drafts_for(fingerprint: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """(folder, recorded config) of each bundled draft made for the tokenizer with this fingerprint; a folder
+    whose config is missing or unreadable is passed over."""
     for name in BUNDLED_DRAFTS:
         folder = assets_dir() / name
         try:
             recorded = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if not isinstance(recorded, dict) or recorded.get("fingerprint") != fingerprint:
-            continue
-        if hidden_size is None or recorded.get("hidden_size") == hidden_size:
-            return folder
-    return None
+        if isinstance(recorded, dict) and recorded.get("fingerprint") == fingerprint:
+            yield folder, recorded
 
 
 def default_draft_dir(fingerprint: str | None = None, hidden_size: int | None = None) -> Path:

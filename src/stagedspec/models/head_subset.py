@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from stagedspec.errors import StagedSpecError
-from stagedspec.models.draft import BUNDLED_DRAFTS, CONFIG_NAME, WEIGHTS_NAME, DraftModel, assets_dir
+from stagedspec.models.draft import WEIGHTS_NAME, DraftModel, bundled_drafts_for
 from stagedspec.models.quant import Int8Linear, RowSwitchLinear
 from stagedspec.models.transformer import Transformer
 
@@ -62,14 +62,7 @@ def checked_ids(ids: Tensor, vocab_size: int, where: str) -> Tensor:
 
 def bundled_subset(fingerprint: str, vocab_size: int) -> Tensor | None:
     """The token ids of a bundled draft's restricted head for this tokenizer (`fingerprint`), if any."""
-    for name in BUNDLED_DRAFTS:
-        folder = assets_dir() / name
-        try:
-            recorded = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if not isinstance(recorded, dict) or recorded.get("fingerprint") != fingerprint:
-            continue
+    for folder, recorded in bundled_drafts_for(fingerprint):
         if recorded.get("vocab_size") != vocab_size or recorded.get("head") not in ("restricted", "oracle-rows"):
             continue
         with safe_open(str(folder / WEIGHTS_NAME), "pt") as f:
