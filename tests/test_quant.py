@@ -12,6 +12,7 @@ import torch
 from _exactness import assert_drafts_used
 from stagedspec.errors import StagedSpecError
 from stagedspec.models.config import ModelConfig
+from stagedspec.kernels.native import native_kernels
 from stagedspec.models.quant import INT4_GROUP, Int4Linear, Int8Linear, check_quant, quantize_model
 from stagedspec.models.transformer import Transformer, init_random
 
@@ -206,6 +207,24 @@ def test_quantize_draft_makes_an_int8_draft_that_streams_fewer_bytes() -> None:
     with torch.inference_mode():
         logits = draft(torch.tensor([[5, 9]]), torch.arange(2), draft.new_cache(8))
     assert logits.shape == (1, 2, 320) and torch.isinf(logits[0, 0, 64:]).all()  # the restricted head, expanded
+
+
+def test_a_feature_draft_runs_its_rows_of_the_oracles_head_as_int4() -> None:
+    """A head of the oracle's own rows (`--head-from-oracle`) is the biggest part of a feature draft's pass: on
+    the native kernels `quantize_draft` keeps it in int4, the rest of the draft in int8."""
+    from stagedspec.models.feature_draft import FeatureDraftModel
+    from stagedspec.models.quant import quantize_draft
+
+    oracle = quantize_model(_tiny_llama(), "int4")
+    draft = FeatureDraftModel(oracle, 1, torch.arange(0, 320, 2), head_from_oracle=True).eval().requires_grad_(False)
+    rows = draft.head.weight.detach().float().clone()
+    quantize_draft(draft, oracle)
+    head_type = Int4Linear if native_kernels() is not None else Int8Linear
+    assert isinstance(draft.head_q, head_type) and isinstance(draft.layers[0].mlp.w_up, Int8Linear)
+    assert (draft.head_q.dequantized() - rows).abs().max() <= rows.abs().max() / 7  # a 4-bit grid per group of 32
+    with torch.inference_mode():
+        logits = draft(torch.tensor([[5, 9]]), torch.arange(2), draft.new_cache(8))
+    assert logits.shape == (1, 2, 320) and torch.isinf(logits[0, 0, 1::2]).all()  # the oracle's rows, expanded
 
 
 @pytest.mark.real_model
