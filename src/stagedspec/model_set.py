@@ -55,6 +55,9 @@ class ModelSet:
         "auto" asks the hardware (`dtypes.resolve_dtype`); drafts run with the oracle's pass options, on
         `draft_weights` (`stagedspec.draft_weights`) and over the vocabulary `draft_vocab` (`models.head_subset`)."""
         check_draft_vocab(draft_vocab)
+        # the method's count of drafts, before the oracle loads: a wrong one is then an error at once (on a fresh
+        # machine, not one after the default model's one-time conversion)
+        method_named(method).check_drafts([draft] if isinstance(draft, str) else list(draft or []))
         device = check_device(device)
         quant = resolve_quant(quant, oracle, device)
         torch_dtype, dtype_reason = resolve_dtype(dtype, device, quant)
