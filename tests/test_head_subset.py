@@ -58,7 +58,9 @@ def test_a_cut_head_gives_the_whole_head_s_logits_on_its_tokens_and_minus_inf_el
     assert cut.shape == whole.shape
     others = [t for t in range(48) if t not in ids]
     assert torch.isinf(cut[:, others]).all() and (cut[:, others] < 0).all()
-    torch.testing.assert_close(cut[:, ids], whole[:, ids], rtol=0, atol=0 if head == "float" else 5e-2)
+    # fp32: the same values up to the matrix product's rounding, which may differ with the head's width (on a Zen 5
+    # EPYC 5 of these 18 logits moved by up to 4.8e-7); a draft's q is its own cut head's, so no exactness rests on it
+    torch.testing.assert_close(cut[:, ids], whole[:, ids], rtol=0, atol=1e-5 if head == "float" else 5e-2)
     assert head == "float" or isinstance(model.subset_head, Int8Linear)
     assert model.num_bytes() < tiny(3).num_bytes()  # the whole head is no longer streamed
 
