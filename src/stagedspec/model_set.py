@@ -54,10 +54,7 @@ class ModelSet:
         `quant` ("auto" as the CLI takes it, "int4", "int8", "mixed", "none") is resolved here once; `dtype`
         "auto" asks the hardware (`dtypes.resolve_dtype`); drafts run with the oracle's pass options, on
         `draft_weights` (`stagedspec.draft_weights`) and over the vocabulary `draft_vocab` (`models.head_subset`)."""
-        check_draft_vocab(draft_vocab)
-        # the method's count of drafts, before the oracle loads: a wrong one is then an error at once (on a fresh
-        # machine, not one after the default model's one-time conversion)
-        method_named(method).check_drafts([draft] if isinstance(draft, str) else list(draft or []))
+        check_draft_choices(method, draft, draft_vocab)
         device = check_device(device)
         quant = resolve_quant(quant, oracle, device)
         torch_dtype, dtype_reason = resolve_dtype(dtype, device, quant)
@@ -73,6 +70,14 @@ class ModelSet:
             loaded_ngram = load_ngram(ngram, tokenizer)
         m.check_bottom(loaded_ngram is not None, context)
         return cls(model, tokenizer, tuple(draft_models), loaded_ngram, device, torch_dtype, dtype_reason, quant)
+
+
+def check_draft_choices(method: str, draft: str | Sequence[str] | None, draft_vocab: str) -> None:
+    """The method's count of drafts and the --draft-vocab value, checked before any model is read: a wrong one
+    is then a one-line error at once (on a fresh machine, not one after the default model's one-time
+    conversion and its progress bars)."""
+    check_draft_vocab(draft_vocab)
+    method_named(method).check_drafts([draft] if isinstance(draft, str) else list(draft or []))
 
 
 def check_device(device: str) -> str:

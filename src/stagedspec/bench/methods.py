@@ -494,16 +494,15 @@ def hf_twin(draft: Transformer, oracle: Transformer, hf_oracle: nn.Module, spec:
         for k, t in state.items():
             own[k].copy_(t.detach().to(dtype))
     twin.model.embed_tokens = hf_oracle.model.embed_tokens  # shared, as in our drafts
-    head_tokens = getattr(draft, "head_tokens", None)
-    if head_tokens is None and draft.subset_ids is not None:  # a head cut by --draft-vocab: the same rows
-        head_tokens = draft.subset_ids
-        twin.lm_head = _RestrictedHead(draft.head_weight[head_tokens].to(dtype), head_tokens.cpu(), cfg.vocab_size)
-        note = (f"head cut by --draft-vocab ({head_tokens.numel()} of {cfg.vocab_size} tokens) as a module that "
-                "scatters the support's logits into -inf elsewhere: the same function and cost as our draft")
-    elif head_tokens is not None:
-        twin.lm_head = _RestrictedHead(draft.head_weight.to(dtype), head_tokens.cpu(), cfg.vocab_size)
-        note = (f"restricted head ({head_tokens.numel()} of {cfg.vocab_size} tokens) as a module that scatters "
-                "the support's logits into -inf elsewhere: the same function and cost as our draft")
+    head_tokens = getattr(draft, "head_tokens", None)  # a distilled draft's restricted head: its own rows
+    cut = head_tokens is None and draft.subset_ids is not None  # a head cut by --draft-vocab: the whole head's rows
+    if head_tokens is not None or cut:
+        ids = draft.subset_ids if cut else head_tokens
+        rows = draft.head_weight[ids] if cut else draft.head_weight
+        twin.lm_head = _RestrictedHead(rows.to(dtype), ids.cpu(), cfg.vocab_size)
+        kind = "head cut by --draft-vocab" if cut else "restricted head"
+        note = (f"{kind} ({ids.numel()} of {cfg.vocab_size} tokens) as a module that scatters the support's "
+                "logits into -inf elsewhere: the same function and cost as our draft")
     elif draft.head_weight.data_ptr() == oracle.head_weight.data_ptr():
         twin.lm_head = hf_oracle.get_output_embeddings()
         note = "the oracle's head (shared)"

@@ -13,7 +13,6 @@ from typing import Callable
 from stagedspec.draft_weights import DRAFT_WEIGHTS
 from stagedspec.drafters.model import GROWTHS
 from stagedspec.methods import METHODS
-from stagedspec.models.head_subset import check_draft_vocab
 from stagedspec.models.quant import QUANT_CHOICES, resolve_quant
 from stagedspec.pass_options import PassOptions
 from stagedspec.speculation import (QUANTISED_DEFAULTS, RENAMED_SIZES, SIZINGS, SpeculationConfig, choose_sizing,
@@ -213,7 +212,7 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
     """(oracle spec, draft specs, SpeculationConfig) from the shared speculation flags."""
     take_renamed_size_flags(args)
     # deferred: model_set loads the model loaders and tokenizers; building the parser needs neither
-    from stagedspec.model_set import parse_stages
+    from stagedspec.model_set import check_draft_choices, parse_stages
 
     oracle, drafts, ngram, context = args.oracle, [args.draft] if args.draft else [], args.ngram, not args.no_context
     if args.stages:
@@ -232,11 +231,7 @@ def speculation_from(args: argparse.Namespace):  # noqa: ANN201
                  oracle_lookup=False if args.no_oracle_lookup else None,
                  adaptive_budget=True if args.adaptive_budget else None)
     sizing = choose_sizing(method, args.sizing, sizes)
-    # a wrong count of drafts or a missing --draft-vocab file is an error before the oracle is read (or, on a
-    # fresh machine, first converted: its progress bars then came before the one-line error)
-    if method in METHODS:
-        METHODS[method].check_drafts(drafts)
-    check_draft_vocab(getattr(args, "draft_vocab", "auto"))
+    check_draft_choices(method, drafts, getattr(args, "draft_vocab", "auto"))  # before resolve_quant reads the oracle
     args.quant = resolve_quant(args.quant, oracle, getattr(args, "device", "cpu"))
     spec = SpeculationConfig.tuned(method, args.quant, getattr(args, "device", "cpu"), ngram=ngram, context=context,
                                    dtype=getattr(args, "dtype", None), tree_growth=args.tree_growth, sizing=sizing,

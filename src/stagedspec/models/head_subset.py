@@ -77,10 +77,12 @@ def draft_subset(choice: str, draft: Transformer, fingerprint: str) -> Tensor | 
     "auto" cuts only a model with a whole-vocabulary head of its own reading (a GGUF or HF draft, or
     `layers:N`), and only to a subset of at most half the vocabulary; a distilled draft keeps its head."""
     vocab = draft.config.vocab_size
-    if choice == "full" or isinstance(draft, DraftModel):
-        if choice not in DRAFT_VOCABS and isinstance(draft, DraftModel):
+    if isinstance(draft, DraftModel):
+        if choice not in DRAFT_VOCABS:
             raise StagedSpecError("--draft-vocab applies to GGUF, HF and layers:N drafts; a distilled draft keeps "
                                   "the head it was trained with")
+        return None
+    if choice == "full":
         return None
     if choice == "auto":
         ids = bundled_subset(fingerprint, vocab)
