@@ -50,7 +50,7 @@ import torch
 from stagedspec import hardware
 from stagedspec.errors import first_line
 from stagedspec.kernels import tile_rows
-from stagedspec.kernels.packing import random_segments
+from stagedspec.kernels.packing import FORMATS, random_format, random_segments
 from stagedspec.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp",
@@ -61,10 +61,15 @@ AMX_ISA = tile_rows.AMX_ISA  # AMX int8 tiles (`qlinear_amx.inc`), with a VNNI p
 # The values of STAGEDSPEC_QKERNELS that force one instruction set; each CPU runs the paths up to its best.
 ISA_KEYS = {"portable": 0, "avx2": 1, "avx512-vnni": 2, "avx512-vnni-512": 3, "amx": 4}
 # A CPU with AVX-512 VNNI runs the tiles in 256-bit registers (2) or two at a time in 512-bit ones (3, the same
-# bits).  The 512-bit form is chosen where this core's 512-bit `vpdpbusd` retires more multiply-adds than its
-# 256-bit one: Zen 5 about twice as many (docs/kernels.md, "512-bit pairs of tiles on Zen 5"); Zen 4 splits
-# 512-bit operations in two halves, so there it would only add work.  Measured at load (`wide_vnni_pays`).
-WIDE_VNNI_GAIN = 1.4  # the least gain in multiply-adds a second that selects the 512-bit form
+# bits).  The 512-bit form is chosen where its tiles run faster, timed at load (`wide_vnni_pays`): on Zen 5, whose
+# 512-bit `vpdpbusd` retires twice the multiply-adds of a 256-bit one, about 1.9x at 16 rows (docs/kernels.md,
+# "512-bit pairs of tiles on Zen 5"); on Zen 4, which splits 512-bit operations in two halves and retires the same
+# multiply-adds either way, still 1.15-1.20x from 4 rows, since a pair issues half the float steps and loads of
+# two tiles (docs/kernels.md, "The 512-bit pairs on Zen 4").  An earlier rule compared the instructions' peak
+# rates alone and kept Zen 4 on the 256-bit form.
+WIDE_VNNI_GAIN = 1.05  # the least speedup of the pairs' tiles (16 rows, int4 and Q4_K) that selects them
+WIDE_VNNI_ROWS, WIDE_VNNI_SWEEPS, WIDE_VNNI_CALLS = 16, 5, 8
+WIDE_VNNI_SHAPE = (512, 1536)  # outputs x inputs of the layer timed: held in cache, packed in a few ms
 # `amx_state()` of qlinear.cpp: 0 the tiles are usable; else why not
 AMX_STATES = {1: "the CPU does not report them", 2: "the operating system does not enable their state",
               3: "the kernel refused this process their state (arch_prctl ARCH_REQ_XCOMP_PERM)",
@@ -337,23 +342,33 @@ def _tile_rows(isa: int, quiet: bool) -> int:
     return tile_rows.measured_tile_rows(isa, tile_rows.time_paths(run, isa), _source_digest(), quiet=quiet)
 
 
-def wide_vnni_pays(rounds: int = 20_000) -> bool:
-    """Whether this core's 512-bit `vpdpbusd` retires at least `WIDE_VNNI_GAIN` times the multiply-adds of its
-    256-bit one: a few milliseconds of one thread running nothing else (`peak.cpp`), best of 5 each, so that a
-    busy machine slows both forms alike."""
-    kernels = NativeKernels(3)
-    if kernels.int8_peak(512, 10, 1) is None:
+def wide_vnni_pays() -> bool:
+    """Whether the 512-bit pairs of tiles run at least `WIDE_VNNI_GAIN` times as fast as the 256-bit tiles on this
+    core: an int4 and a Q4_K layer (`WIDE_VNNI_SHAPE`) of `WIDE_VNNI_ROWS` rows, held in cache, both paths
+    interleaved, the best of `WIDE_VNNI_SWEEPS` sweeps each (about 25 ms in all), so that a busy machine slows
+    both alike.  The rows a
+    verification pass runs are what the choice serves; a one-row pass stays on the 256-bit tiles either way
+    (`kPairMinRows` in `qlinear.cpp`)."""
+    wide = NativeKernels(3)
+    if wide.int8_peak(512, 10, 1) is None:  # built without the 512-bit form
         return False
-    seconds = {}
-    for width in (256, 512):
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            kernels.int8_peak(width, rounds, 1)
-            best = min(best, time.perf_counter() - start)
-        seconds[width] = best
-    # the same instruction count: 512-bit ones carry twice the multiply-adds
-    return 2 * seconds[256] / seconds[512] >= WIDE_VNNI_GAIN
+    paths = {2: NativeKernels(2), 3: wide}
+    best = {2: 0.0, 3: 0.0}
+    n, k = WIDE_VNNI_SHAPE
+    x = torch.randn(WIDE_VNNI_ROWS, k, generator=torch.Generator().manual_seed(0))
+    for name in ("int4", "q4_k"):
+        packed = random_format(name, n, k, torch.Generator().manual_seed(0))[0]
+        fmt = FORMATS[name]
+        fastest = {2: float("inf"), 3: float("inf")}
+        for _ in range(WIDE_VNNI_SWEEPS):
+            for isa, kernels in paths.items():
+                start = time.perf_counter()
+                for _ in range(WIDE_VNNI_CALLS):
+                    kernels.qlinear(x, packed, [fmt], [n])
+                fastest[isa] = min(fastest[isa], time.perf_counter() - start)
+        for isa in best:
+            best[isa] += fastest[isa]
+    return best[2] >= WIDE_VNNI_GAIN * best[3]
 
 
 def _register_fakes() -> None:
