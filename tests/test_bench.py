@@ -19,6 +19,7 @@ from stagedspec.bench.run import (
     common_prefix,
     config_from_args,
     expand_methods,
+    measure,
     request_seed,
     run_record,
     summarise,
@@ -75,6 +76,34 @@ def test_summary_figures_come_from_the_raw_runs() -> None:
     assert bad["first_divergence"] == {"1": 3}
     assert greedy["bad"]["mean_accepted_length"] == pytest.approx(1.0)  # no accepted lengths: tokens / passes
     assert s["1"]["spec"]["exactness"] is None  # sampled outputs are not compared
+
+
+def test_repeated_passes_over_the_prompts_are_requests_of_their_own() -> None:
+    """`--repeats R`: each pass over the prompts rotates the methods' order on, every run is recorded with its
+    pass, and the figures pair each run with the reference's run of the same prompt and pass."""
+    order: list[tuple[str, int]] = []
+
+    def method(name: str, seconds: dict[int, float]) -> Method:
+        def run(ids, max_new_tokens, sampling, seed):  # noqa: ANN001, ANN202
+            if max_new_tokens < 4:  # the warm-up (`warmup_tokens`)
+                return Outcome([ids[0]], 1.0, 1)
+            order.append((name, ids[0]))
+            n = len([o for o in order if o[0] == name])  # this method's nth run: pass (n - 1) // prompts
+            return Outcome([ids[0]] * 4, seconds[(n - 1) // 2], 4)
+        return Method(name, "ours", "spec", name, run=run, settings={"oracle_bytes": ORACLE_BYTES})
+
+    methods = [method("ar", {0: 1.0, 1: 2.0}), method("spec", {0: 0.5, 1: 1.0})]
+    cfg = BenchConfig(repeats=2, temperatures=(0.0,), max_new_tokens=4, progress=False, warmup_tokens=1)
+    runs = measure(cfg, methods, [[10], [20]])
+    assert [r["repeat"] for r in runs] == [0] * 4 + [1] * 4
+    # the first method of each request rotates on across passes: ar, spec, ar, spec
+    assert [order[2 * k][0] for k in range(4)] == ["ar", "spec", "ar", "spec"]
+    greedy = summarise(runs, methods, (0.0,))["0"]
+    # each run against ar's run of the same prompt and pass: 2x in both passes, though the second is slower
+    assert greedy["spec"]["speedup_vs_ar"]["per_prompt"] == pytest.approx([2.0, 2.0, 2.0, 2.0])
+    assert greedy["spec"]["new_tokens"] == 16
+    assert config_from_args(_parse(["bench", "--repeats", "3"])).repeats == 3
+    assert config_from_args(_parse(["bench"])).repeats == 1
 
 
 def test_report_and_plots_from_synthetic_results(tmp_path) -> None:  # noqa: ANN001

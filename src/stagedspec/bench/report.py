@@ -176,7 +176,9 @@ def markdown(results: dict[str, Any]) -> str:
         + ")",
         f"- drafts: {drafts}",
         f"- n-gram: `{cfg['ngram']}`" if cfg["ngram"] else "- n-gram: none (prompt lookup only)",
-        f"- prompts: {cfg['prompts']} x {n_prompts} (offset {cfg['prompt_offset']}), "
+        f"- prompts: {cfg['prompts']} x {n_prompts} (offset {cfg['prompt_offset']})"
+        + (f", each run {cfg['repeats']} times (passes in rotated order; figures per request)"
+           if cfg.get("repeats", 1) > 1 else "") + ", "
         f"{'chat template' if cfg['chat_template'] else 'raw text'}; up to {cfg['max_new_tokens']} new tokens",
         "- sampling: " + "; ".join(temperature_label(t, cfg) for t in results["summary"])
         + f"; seed {cfg['seed']} + prompt index",

@@ -69,6 +69,10 @@ class BenchConfig:
     prompts: str = "humaneval"
     n_prompts: int = 10
     prompt_offset: int = 0
+    # Passes over the prompts, each in a new rotated order; every run is a request of its own in the figures.  A
+    # 2-core VM's speed drifts 10-20% from one request to the next, so one pass over 4 prompts could not tell 0.9x
+    # from 1.1x (`ar` at T=1 on a Zen 4 EPYC: 40-52 ms a step across three prompts of one process).
+    repeats: int = 1
     max_new_tokens: int = 128
     methods: Sequence[str] = ALL_METHODS
     stages: Sequence[str] = ()  # extra staged configurations, each "ORACLE,DRAFT...,BOTTOM"
@@ -348,11 +352,12 @@ def lookup_costs(models: BenchModels, prompt_ids: Sequence[Sequence[int]], chain
 
 
 # ====================================================================== measuring
-def run_record(method: Method, outcome: Outcome, temperature: float, prompt_index: int) -> dict[str, Any]:
+def run_record(method: Method, outcome: Outcome, temperature: float, prompt_index: int,
+               repeat: int = 0) -> dict[str, Any]:
     oracle_bytes = method.settings.get("oracle_bytes", 0)
     bytes_read = oracle_bytes * outcome.oracle_forward_passes + sum(p * b for _, p, b in outcome.draft_passes)
     return {
-        "temperature": temperature, "prompt_index": prompt_index, "method": method.name,
+        "temperature": temperature, "prompt_index": prompt_index, "repeat": repeat, "method": method.name,
         "new_tokens": outcome.new_tokens, "seconds": outcome.seconds,
         "tokens_per_second": outcome.new_tokens / outcome.seconds if outcome.seconds > 0 else 0.0,
         "oracle_forward_passes": outcome.oracle_forward_passes,
@@ -378,17 +383,19 @@ def measure(cfg: BenchConfig, methods: list[Method], prompt_ids: list[list[int]]
     warm_bar.close()
     freeze_loaded()  # every model is loaded and warm: no full collection walks them mid-request
     runs: list[dict] = []
-    total = len(cfg.temperatures) * len(prompt_ids) * len(methods)
+    total = len(cfg.temperatures) * cfg.repeats * len(prompt_ids) * len(methods)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress)
     for temperature in cfg.temperatures:
         sampling = cfg.sampling(temperature)
-        for i, ids in enumerate(prompt_ids):
-            shift = i % len(methods)
-            for m in methods[shift:] + methods[:shift]:  # rotated: no method always runs first
-                bar.set_postfix_str(f"T={temperature:g} prompt {i + 1}/{len(prompt_ids)} {m.name}")
-                outcome = m.run(ids, cfg.max_new_tokens, sampling, request_seed(cfg, m, i))
-                runs.append(run_record(m, outcome, temperature, i))
-                bar.update()
+        for repeat in range(cfg.repeats):
+            for i, ids in enumerate(prompt_ids):
+                shift = (repeat * len(prompt_ids) + i) % len(methods)
+                for m in methods[shift:] + methods[:shift]:  # rotated: no method always runs first
+                    again = f" (pass {repeat + 1}/{cfg.repeats})" if cfg.repeats > 1 else ""
+                    bar.set_postfix_str(f"T={temperature:g} prompt {i + 1}/{len(prompt_ids)}{again} {m.name}")
+                    outcome = m.run(ids, cfg.max_new_tokens, sampling, request_seed(cfg, m, i))
+                    runs.append(run_record(m, outcome, temperature, i, repeat))
+                    bar.update()
     bar.close()
     return runs
 
@@ -399,15 +406,29 @@ def request_seed(cfg: BenchConfig, method: Method, prompt: int) -> int | None:
 
 
 # ====================================================================== figures
+Request = tuple[int, int]  # (prompt index, pass over the prompts): one run of a method
+
+
+def request_key(run: dict[str, Any]) -> Request:
+    """The request a run answered: its prompt and pass (`BenchConfig.repeats`; results written before passes
+    existed have one)."""
+    return run["prompt_index"], run.get("repeat", 0)
+
+
+def request_label(key: Request) -> str:
+    """`3` for prompt 3's first pass, `3/1` for its second."""
+    return str(key[0]) if key[1] == 0 else f"{key[0]}/{key[1]}"
+
+
 def summarise(runs: list[dict], methods: list[Method], temperatures: Sequence[float]) -> dict[str, dict[str, Any]]:
     """Per temperature and method: the report's figures, computed from the raw runs."""
     out: dict[str, dict[str, Any]] = {}
     names = [m.name for m in methods]
     for temperature in temperatures:
         at = [r for r in runs if r["temperature"] == temperature]
-        by: dict[str, dict[int, dict]] = {n: {} for n in names}
+        by: dict[str, dict[Request, dict]] = {n: {} for n in names}
         for r in at:
-            by[r["method"]][r["prompt_index"]] = r
+            by[r["method"]][request_key(r)] = r
         hf = by.get("hf-generate", {})
         plain = by.get("ar", {})
         ar_bytes = (sum(r["weight_bytes_read"] for r in plain.values())
@@ -422,7 +443,7 @@ def summarise(runs: list[dict], methods: list[Method], temperatures: Sequence[fl
             tokens = sum(r["new_tokens"] for r in rs.values())
             passes = sum(r["oracle_forward_passes"] for r in rs.values())
 
-            def speedups(ref: dict[int, dict]) -> list[float]:
+            def speedups(ref: dict[Request, dict]) -> list[float]:
                 return [r["tokens_per_second"] / ref[i]["tokens_per_second"] for i, r in sorted(rs.items())
                         if i in ref and ref[i]["tokens_per_second"] > 0]
 
@@ -458,7 +479,7 @@ def summarise(runs: list[dict], methods: list[Method], temperatures: Sequence[fl
                          "fraction_identical": len(same) / compared if compared else None,
                          "matched_tokens": matched, "reference_tokens": ref,
                          "token_agreement": matched / ref if ref else None,
-                         "first_divergence": {str(i): common_prefix(r["token_ids"], ar[i]["token_ids"])
+                         "first_divergence": {request_label(i): common_prefix(r["token_ids"], ar[i]["token_ids"])
                                               for i, r in sorted(rs.items())
                                               if i in ar and r["token_ids"] != ar[i]["token_ids"]}}
             rows[name] = {
@@ -614,6 +635,9 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
                         "(.jsonl with 'prompt', or blank-line separated text)")
     p.add_argument("--n-prompts", type=positive_int, default=None, metavar="N", help="prompts to use (default 10)")
     p.add_argument("--prompt-offset", type=non_negative_int, default=0, metavar="I", help="skip the first I prompts")
+    p.add_argument("--repeats", type=positive_int, default=1, metavar="R",
+                   help="passes over the prompts, each in a new rotated order; the figures count every run as a "
+                        "request of its own (default 1)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="M",
                    help="tokens per generation (default 128)")
     p.add_argument("--methods", default=None, metavar="LIST",
@@ -646,7 +670,7 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     common = dict(oracle=args.oracle, draft=args.draft, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab, ngram=args.ngram,
                   prompts=args.prompts,
-                  prompt_offset=args.prompt_offset, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,
+                  prompt_offset=args.prompt_offset, repeats=args.repeats, stages=list(args.stages), top_k=args.top_k, top_p=args.top_p,
                   device=args.device, dtype=args.dtype, chat=args.chat, seed=args.seed, unseeded=args.unseeded,
                   out=args.out,
                   progress=not args.no_progress, plots=not args.no_plots, pass_options=pass_options_from(args),
