@@ -164,19 +164,22 @@ def test_512_bit_pairs_of_tiles_give_the_256_bit_tiles_bits(fmt: str, kernels: n
         torch.set_num_threads(before)
 
 
-def test_the_512_bit_path_is_chosen_by_the_measured_peak(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`wide_vnni_pays` times the same count of 256-bit and 512-bit `vpdpbusd`: twice the multiply-adds in about
-    the same time selects the 512-bit path; the same multiply-adds (a core that splits 512-bit operations in
-    halves) does not."""
+def test_the_512_bit_pairs_are_chosen_where_their_tiles_run_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wide_vnni_pays` times the 256-bit tiles and their 512-bit pairs on the same layer: the pairs are chosen
+    where they take at most 1 / `WIDE_VNNI_GAIN` of the time (Zen 5's wider instruction, Zen 4's fewer float
+    steps a pair), not where they are about as fast or slower; a build without the 512-bit form never."""
     clock = {"t": 0.0}
     monkeypatch.setattr(native.time, "perf_counter", lambda: clock["t"])
-    for t512_over_t256, pays in ((1.0, True), (1.3, True), (1.6, False), (2.0, False)):
-        def fake_peak(self, width: int, rounds: int, threads: int, ratio: float = t512_over_t256) -> int:  # noqa: ANN001
-            clock["t"] += (ratio if width == 512 else 1.0) * 1e-3
-            return 1
+    monkeypatch.setattr(native.NativeKernels, "int8_peak", lambda self, width, rounds, threads: 1)
+    for pairs_over_tiles, pays in ((0.5, True), (0.85, True), (0.97, False), (1.2, False)):
+        def fake_qlinear(self, x, packed, formats, outs, ratio: float = pairs_over_tiles):  # noqa: ANN001, ANN202
+            clock["t"] += (ratio if self.isa == 3 else 1.0) * 1e-4
+            return x
 
-        monkeypatch.setattr(native.NativeKernels, "int8_peak", fake_peak)
-        assert native.wide_vnni_pays() is pays, t512_over_t256
+        monkeypatch.setattr(native.NativeKernels, "qlinear", fake_qlinear)
+        assert native.wide_vnni_pays() is pays, pairs_over_tiles
+    monkeypatch.setattr(native.NativeKernels, "int8_peak", lambda self, width, rounds, threads: None)
+    assert native.wide_vnni_pays() is False
 
 
 def test_zero_rows_and_extreme_activations(isa_kernels: native.NativeKernels) -> None:
