@@ -82,6 +82,17 @@ class OneNodeDrafter(Drafter):
         return TokenTree.chain(context[-1], [5])
 
 
+def test_a_sampled_chains_first_token_counts_by_its_acceptance_probability() -> None:
+    """`ChainStats.record(..., first=P)`: depth 1 counts P in place of the draw (its expectation, less noise);
+    deeper depths count their draws, each given its parent's acceptance."""
+    s = ChainStats(0.5)
+    s.record(matched=0, length=3, first=0.4)  # rejected, though it had 40% odds
+    s.record(matched=2, length=3, first=0.9)
+    assert s.tries == [2.0, 1.0, 1.0] and s.hits == pytest.approx([1.3, 1.0, 0.0])
+    s.record(matched=1, length=3)  # greedy: the draw is the outcome
+    assert s.hits[0] == pytest.approx(2.3) and s.tries[:2] == [3.0, 2.0]
+
+
 def test_a_flat_cost_curve_picks_big_trees() -> None:
     arm = choose_arm(ARMS, FLAT, trained_stats(draft=0.7), StepCosts(), NO_LOOKUP_NOW)
     assert arm.kind in ("tree", "staged") and arm.max_tree_budget >= 8, arm

@@ -132,6 +132,23 @@ def test_sampled_draft_equal_to_oracle_always_accepts() -> None:
         assert verify(tree, logits, T1, gen).accepted == [1, 2]
 
 
+def test_sampled_verification_reports_the_first_childs_acceptance_probability() -> None:
+    """`first_accept`: p(x) for a fixed first child, min(1, p(x) / q(x)) for a drawn one, whatever the draw; None
+    greedy and for a root without children.  It only reads p: the draws and the result are the same."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    p = logits[0].softmax(-1)
+    fixed = TokenTree([0, 4, 6], [-1, 0, 0])
+    for seed in range(5):
+        assert verify(fixed, logits, T1, torch.Generator().manual_seed(seed)).first_accept == pytest.approx(float(p[4]))
+    drawn = TokenTree([0, 4, 6], [-1, 0, 0], sampled=True)
+    q = torch.full((V,), 1.0 / V)
+    drawn.child_q = {0: q}
+    assert verify(drawn, logits, T1, torch.Generator().manual_seed(0)).first_accept == \
+        pytest.approx(min(1.0, float(p[4]) * V))
+    assert verify(fixed, logits, SamplingParams(), None).first_accept is None
+    assert verify(TokenTree([0], [-1]), logits[:1], T1, torch.Generator().manual_seed(0)).first_accept is None
+
+
 def test_sampled_tree_without_child_q_is_an_error() -> None:
     tree = TokenTree([0, 2], [-1, 0], sampled=True)
     with pytest.raises(StagedSpecError, match="child_q"):

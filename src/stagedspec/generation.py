@@ -128,7 +128,8 @@ def iter_steps(
         if sampling.greedy and oracle.bit_exact:
             result = keep_slot_aligned(tree, result)
         oracle.commit(result.accepted)
-        drafter.verified(time.perf_counter() - t_verify)  # a drafter that prices its proposals learns the cost
+        # a drafter that prices its proposals learns the cost, and at T > 0 its first token's acceptance probability
+        drafter.verified(time.perf_counter() - t_verify, first_accept=result.first_accept)
         stats.accepted_lengths.append(len(result.accepted))
         stats.tree_sizes.append(len(tree) - 1)
         stats.tree_depths.append(tree.depth)

@@ -58,7 +58,7 @@ class RealizedRates:
 
     kinds: dict[str, KindRecord] = field(default_factory=dict)
 
-    def observe(self, kind: str, tokens: int, seconds: float, priced_tokens: float, priced_seconds: float) -> None:
+    def observe(self, kind: str, tokens: float, seconds: float, priced_tokens: float, priced_seconds: float) -> None:
         """One whole step of `kind` (priced alone): `tokens` emitted in `seconds` of wall time, against the
         `priced_tokens` and `priced_seconds` it was chosen with."""
         if seconds <= 0 or priced_seconds <= 0 or priced_tokens <= 0:

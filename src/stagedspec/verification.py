@@ -74,7 +74,7 @@ mistakes being caught.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -92,6 +92,11 @@ _RESIDUAL_EPS = 1e-9
 class VerifyResult:
     accepted: list[int]  # node indices along the accepted path, root excluded, in order
     next_token: int  # the oracle's own token after the accepted path (correction or bonus)
+    # Sampled verification: the probability that the root's first child (the draft's favourite, unless it is a
+    # fixed lookup proposal) was accepted, given the tree; None where not computed (greedy, where acceptance is
+    # not random, and the batched GPU walk).  Its expectation is that child's acceptance rate, with none of the
+    # noise of the one draw that decided it: `auto` learns from it at T > 0 (`AutoDrafter.verified`).
+    first_accept: float | None = field(default=None, compare=False)
 
 
 # A node rule: (p, child tokens, child_q or None, generator) -> (index of the accepted
@@ -282,8 +287,11 @@ def walk_tree(
     """
     kids = tree.children_lists()
     node, accepted = 0, []
+    first_accept = None
     while True:
         p = probs_from_logits(oracle_logits[node], sampling).double()
+        if node == 0:
+            first_accept = first_child_acceptance(tree, kids[0], p)
         drawn = [c for c in kids[node] if c not in tree.fixed]
         fixed = [c for c in kids[node] if c in tree.fixed]
         q = tree.child_q.get(node) if tree.sampled else None
@@ -296,8 +304,28 @@ def walk_tree(
             choice, leftover = deterministic_node_rule(leftover, [tree.tokens[c] for c in fixed], None, generator)
             node = fixed[choice] if choice is not None else node
         if choice is None:
-            return VerifyResult(accepted, _draw(leftover, generator))
+            return VerifyResult(accepted, _draw(leftover, generator), first_accept)
         accepted.append(node)
+
+
+def first_child_acceptance(tree: TokenTree, root_kids: list[int], p: Tensor) -> float | None:
+    """The probability the node rules accept the root's first child, given its token and the oracle's `p` at the
+    root: p(x) for a fixed (one-hot) proposal, min(1, p(x) / q(x)) for one drawn from q.  None where the first
+    child is a fixed lookup proposal of a sampled tree (not the draft's) or the root has none."""
+    if not root_kids:
+        return None
+    child = root_kids[0]
+    x = tree.tokens[child]
+    if not tree.sampled:
+        return float(p[x])
+    if child in tree.fixed:
+        return None
+    q = tree.child_q.get(0)
+    if q is None:
+        return None
+    q = q.to(p.device, torch.float64)
+    qx = float(q[x]) / float(q.sum())
+    return min(1.0, float(p[x]) / qx) if qx > 0 else None
 
 
 def deterministic_node_rule(

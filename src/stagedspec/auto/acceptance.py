@@ -41,14 +41,17 @@ class ChainStats:
         self.hits, self.tries = list(hits), list(tries)
         self._rates, self._reach, self._trees = [], {}, {}
 
-    def record(self, matched: int, length: int) -> None:
-        """A chain of `length` tokens whose first `matched` were accepted (the next one, if any, rejected)."""
+    def record(self, matched: int, length: int, first: float | None = None) -> None:
+        """A chain of `length` tokens whose first `matched` were accepted (the next one, if any, rejected).
+
+        `first`: the probability its first token was accepted (sampled verification), counted at depth 1 in place
+        of the draw; the deeper depths count the draws, each given its parent's acceptance."""
         for d in range(min(matched + 1, length)):
             while len(self.tries) <= d:
                 self.tries.append(0.0)
                 self.hits.append(0.0)
             self.tries[d] += 1
-            self.hits[d] += d < matched
+            self.hits[d] += first if d == 0 and first is not None else d < matched
         self._rates, self._reach, self._trees = [], {}, {}
 
     def rate(self, depth: int) -> float:
@@ -168,16 +171,17 @@ class AcceptanceStats:
             out.arm_predicted[arm] = self.arm_predicted.get(arm, 0.0) * f
         return out
 
-    def observe(self, arm: Arm | None, predicted_tokens: float, tokens: int,
-                chains: Sequence[tuple[str, int, int]]) -> None:
-        """One step's lesson: `chains` (proposer, matched, length) scored against the emitted tokens, and `arm`
-        (None: no arm's step to judge) with the tokens it was predicted to and did emit."""
-        for name, matched, length in chains:
-            self.chains[name].record(matched, length)
+    def observe(self, arm: Arm | None, predicted_tokens: float, tokens: float,
+                chains: Sequence[tuple[str, int, int, float | None]]) -> None:
+        """One step's lesson: `chains` (proposer, matched, length, P(first accepted) or None) scored against the
+        emitted tokens, and `arm` (None: no arm's step to judge) with the tokens it was predicted to and did emit
+        (a sampled step's first draft token counted by its odds, `AutoDrafter.verified`)."""
+        for name, matched, length, first in chains:
+            self.chains[name].record(matched, length, first)
         if arm is not None:
             self.observe_arm(arm, predicted_tokens, tokens)
 
-    def observe_arm(self, arm: Arm, predicted_tokens: float, tokens: int, steps: int = 1) -> None:
+    def observe_arm(self, arm: Arm, predicted_tokens: float, tokens: float, steps: int = 1) -> None:
         """`steps` steps of `arm`, each predicted to and emitting these many tokens."""
         self.families.pop(arm.family, None)  # the other families' pooled calibrations do not move
         self.arm_steps[arm] = self.arm_steps.get(arm, 0) + steps

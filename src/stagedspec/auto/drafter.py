@@ -102,6 +102,7 @@ class _Step:
     priced_tokens: float = 1.0  # what it was chosen for: tokens (calibrated) and whole seconds, catch-up included
     priced_seconds: float = 0.0
     family_trial: str | None = None  # the family whose exploration's second, warm step this was (it is judged)
+    first_accept: float | None = None  # sampled: P(its draft's first token accepted), reported by the loop
 
 
 def spine(tree: TokenTree) -> list[int]:
@@ -406,10 +407,19 @@ class AutoDrafter(Drafter):
             self._until_explore = self._explore_gap
         self._explored = False
 
-    def verified(self, seconds: float) -> None:
-        """The loop's report of how long the oracle took to score and verify this drafter's last tree."""
+    def verified(self, seconds: float, first_accept: float | None = None) -> None:
+        """The loop's report of how long the oracle took to score and verify this drafter's last tree, and in
+        sampled decoding the probability that the tree's first child was accepted (`VerifyResult.first_accept`).
+
+        Why the probability: at T > 0 whether the draft's token was accepted is one draw, right about half the
+        time for the Qwen feature draft, so a request's own record of it (`REQUEST_PRIOR`) and of its arms'
+        yield (`realized_rates`) swung on a few unlucky steps and left `auto` running `ar` on most of a
+        request where the draft paid (docs/measurements.md, "The draft's acceptance probability at T=1 on a
+        Zen 4 EPYC").  Learning the probability instead of the draw keeps the same expectation with less
+        noise."""
         if self._last is not None:
             self._last.verify_seconds = seconds
+            self._last.first_accept = first_accept
 
     def _lookup_due(self) -> bool:
         """Whether this step is a full one: its lookup chains computed, its arms priced, its time learned.
@@ -433,7 +443,8 @@ class AutoDrafter(Drafter):
             self._learn_locked(context, now)
 
     def _learn_locked(self, context: Sequence[int], now: float) -> None:
-        scored: list[tuple[str, int, int]] = []  # (proposer, matched, length) of each chain decided now
+        # (proposer, matched, length, P(first accepted) or None) of each chain decided now
+        scored: list[tuple[str, int, int, float | None]] = []
         still = []
         for start, proposer, chain in self._pending:
             emitted = context[start:]
@@ -441,7 +452,7 @@ class AutoDrafter(Drafter):
             if matched < len(chain) and matched == len(emitted):
                 still.append((start, proposer, chain))  # undecided: the next token is not known yet
             else:
-                scored.append((proposer, matched, len(chain)))
+                scored.append((proposer, matched, len(chain), None))
         self._pending = still
         if self._quiet_steps:  # quiet `ar` steps since the last full one: counted, their times not learned
             for stats in (self.policy.stats_for(self._sampling), self._own_stats(self._sampling)):
@@ -450,10 +461,15 @@ class AutoDrafter(Drafter):
         last, self._last = self._last, None
         stepped = last is not None and len(context) > last.context_len
         emitted = context[last.context_len:] if stepped else []
+        tokens: float = len(emitted)  # what the step yielded, its first draft token's draw replaced by its odds
         if stepped and last.arm.kind in ("tree", "staged"):
             chain = spine(last.tree)
             if chain:
-                scored.append(("draft", matched_prefix(chain, emitted), len(chain)))
+                matched = matched_prefix(chain, emitted)
+                first = last.first_accept
+                scored.append(("draft", matched, len(chain), first))
+                if first is not None:
+                    tokens += first - (matched > 0)
         if (stepped and self.policy.step_observer is not None and last.verify_seconds is not None
                 and not self._first_step):
             self.policy.step_observer(StepTrace(
@@ -464,8 +480,8 @@ class AutoDrafter(Drafter):
         arm = last.arm if stepped else None
         predicted = last.predicted_tokens if stepped else 0.0
         # the machine's statistics (what the next requests start from) and this request's own (its prices)
-        self.policy.stats_for(self._sampling).observe(arm, predicted, len(emitted), scored)
-        self._own_stats(self._sampling).observe(arm, predicted, len(emitted), scored)
+        self.policy.stats_for(self._sampling).observe(arm, predicted, tokens, scored)
+        self._own_stats(self._sampling).observe(arm, predicted, tokens, scored)
         if not stepped:
             return
         if self._first_step or last.verify_seconds is None or not self.policy.learn_times:
@@ -490,7 +506,7 @@ class AutoDrafter(Drafter):
             costs.observe_step(last.arm, wall,
                                solo_step_seconds(last.arm, self.policy.profile, costs, last.lookup_lengths,
                                                  last.sampled, whole=False), last.sampled)
-            self._realized.observe(last.arm.kind, len(emitted), wall, last.priced_tokens, last.priced_seconds)
+            self._realized.observe(last.arm.kind, tokens, wall, last.priced_tokens, last.priced_seconds)
             if last.family_trial is not None:  # a family's exploration, warm: did it beat plain decoding?
                 plain = solo_step_seconds(Arm("ar"), self.policy.profile, costs, {}, last.sampled)
-                self.policy.family_result(last.family_trial, len(emitted) * plain >= wall)
+                self.policy.family_result(last.family_trial, tokens * plain >= wall)

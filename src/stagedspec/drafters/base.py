@@ -82,10 +82,11 @@ class Drafter(ABC):
         it on.  `oracle` is whatever the loop verifies with (a `ModelOracle`, a
         constrained one, a test's toy), so a reader asks it for what it needs."""
 
-    def verified(self, seconds: float) -> None:
+    def verified(self, seconds: float, first_accept: float | None = None) -> None:
         """How long the oracle took to score, verify and commit this drafter's last tree, reported by the loop
-        after every step (`iter_steps`).  Why: a drafter that prices its proposals (`auto`) learns the step's
-        cost from it."""
+        after every step (`iter_steps`), and in sampled decoding the probability its root's first child was
+        accepted (`VerifyResult.first_accept`).  Why: a drafter that prices its proposals (`auto`) learns the
+        step's cost and its draft's acceptance from them."""
 
     def stage_telemetry(self) -> list[StageTelemetry] | None:
         """This drafter's rows of the stages table, top stage first, or None (the default): it is one stage

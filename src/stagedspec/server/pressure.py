@@ -149,7 +149,7 @@ class CappedDrafter(Drafter):
         tree = self.inner.propose(context, sampling, generator, max_tokens)
         return tree if cap is None else cut_tree(tree, cap)
 
-    def verified(self, seconds: float) -> None:
+    def verified(self, seconds: float, first_accept: float | None = None) -> None:
         """Only a step the inner drafter proposed tells it what verifying cost."""
         if self._proposed:
-            self.inner.verified(seconds)
+            self.inner.verified(seconds, first_accept)
