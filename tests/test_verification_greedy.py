@@ -146,6 +146,11 @@ def test_sampled_verification_reports_the_first_childs_acceptance_probability() 
     assert verify(drawn, logits, T1, torch.Generator().manual_seed(0)).first_accept == \
         pytest.approx(min(1.0, float(p[4]) * V))
     assert verify(fixed, logits, SamplingParams(), None).first_accept is None
+    # the batched walk (CUDA logits) reports the same, from the acceptance probabilities it computes anyway
+    from stagedspec.verification import verify_sampled
+    for tree, expected in ((fixed, float(p[4])), (drawn, min(1.0, float(p[4]) * V))):
+        got = verify_sampled(tree, logits, T1, torch.Generator().manual_seed(0)).first_accept
+        assert got == pytest.approx(expected)
     assert verify(TokenTree([0], [-1]), logits[:1], T1, torch.Generator().manual_seed(0)).first_accept is None
 
 

@@ -177,12 +177,19 @@ def verify_sampled(
     u_final, u_child = u[:n], u[n:]
     leftover = probs
     decision = torch.zeros(n, dtype=torch.long, device=device)  # per child: 1 accepted, 2 no draft probability
+    # the root's first child, when it is the draft's (`first_child_acceptance`): its acceptance probability comes
+    # back in the same copy; it is the first its node's rules try, so that probability is unconditional
+    first = kids[0][0] if kids[0] and not (tree.sampled and kids[0][0] in tree.fixed) else None
+    odds = torch.zeros(0, dtype=torch.float64, device=device)
     if parents:
         leftover, accept_prob, no_q = _decide_children(tree, order, parents, probs)
         decision = (u_child < accept_prob).long() + 2 * no_q.long()
+        if first is not None:
+            odds = accept_prob[first:first + 1]
     drawn = inverse_cdf_rows(leftover, u_final)
-    packed = torch.cat([decision, drawn]).tolist()
-    decided, tokens = packed[:n], packed[n:]
+    packed = torch.cat([decision.double(), drawn.double(), odds]).tolist()  # token ids are exact in float64
+    decided, tokens = [int(v) for v in packed[:n]], [int(v) for v in packed[n:2 * n]]
+    first_accept = packed[2 * n] if len(packed) > 2 * n else None
     node, path = 0, []
     while True:
         nxt = None
@@ -194,7 +201,7 @@ def verify_sampled(
                 nxt = c
                 break
         if nxt is None:
-            return VerifyResult(path, tokens[node])
+            return VerifyResult(path, tokens[node], first_accept)
         node = nxt
         path.append(node)
 
