@@ -43,6 +43,11 @@ class NoDrafter(Drafter):
 class GenerationStats:
     new_tokens: int = 0
     seconds: float = 0.0
+    # Time to the first token: the call's start to the end of its first step, which runs the prompt (in front of the
+    # first tree, or before it where a feature draft reads the prompt's hidden states).  The same span for every
+    # method: measured only up to the first step, it had left the prompt's pass out of `ar`'s and in a feature
+    # draft's, so `seconds - prefill_seconds` favoured a feature draft by a prompt pass a request
+    # (docs/measurements.md, "Prefill seconds that differed by method").
     prefill_seconds: float = 0.0
     tokens_per_second: float = 0.0
     oracle_forward_passes: int = 0
@@ -116,7 +121,6 @@ def iter_steps(
     oracle.prefill(context)
     drafter.attach_oracle(oracle)  # a feature draft reads the oracle's hidden states (`stagedspec.drafters.feature`)
     drafter.begin(context)
-    stats.prefill_seconds = time.perf_counter() - t0
     emitted = 0
     while emitted < max_new_tokens:
         remaining = max_new_tokens - emitted
@@ -128,6 +132,8 @@ def iter_steps(
         if sampling.greedy and oracle.bit_exact:
             result = keep_slot_aligned(tree, result)
         oracle.commit(result.accepted)
+        if emitted == 0:
+            stats.prefill_seconds = time.perf_counter() - t0
         # a drafter that prices its proposals learns the cost, and at T > 0 its first token's acceptance probability
         drafter.verified(time.perf_counter() - t_verify, first_accept=result.first_accept)
         stats.accepted_lengths.append(len(result.accepted))
