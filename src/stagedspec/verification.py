@@ -94,7 +94,7 @@ class VerifyResult:
     next_token: int  # the oracle's own token after the accepted path (correction or bonus)
     # Sampled verification: the probability that the root's first child (the draft's favourite, unless it is a
     # fixed lookup proposal) was accepted, given the tree; None where not computed (greedy, where acceptance is
-    # not random, and the batched GPU walk).  Its expectation is that child's acceptance rate, with none of the
+    # not random).  Its expectation is that child's acceptance rate, with none of the
     # noise of the one draw that decided it: `auto` learns from it at T > 0 (`AutoDrafter.verified`).
     first_accept: float | None = field(default=None, compare=False)
 
@@ -177,9 +177,7 @@ def verify_sampled(
     u_final, u_child = u[:n], u[n:]
     leftover = probs
     decision = torch.zeros(n, dtype=torch.long, device=device)  # per child: 1 accepted, 2 no draft probability
-    # the root's first child, when it is the draft's (`first_child_acceptance`): its acceptance probability comes
-    # back in the same copy; it is the first its node's rules try, so that probability is unconditional
-    first = kids[0][0] if kids[0] and not (tree.sampled and kids[0][0] in tree.fixed) else None
+    first = first_draft_child(tree, kids[0])  # its acceptance probability comes back in the same copy
     odds = torch.zeros(0, dtype=torch.float64, device=device)
     if parents:
         leftover, accept_prob, no_q = _decide_children(tree, order, parents, probs)
@@ -315,18 +313,24 @@ def walk_tree(
         accepted.append(node)
 
 
+def first_draft_child(tree: TokenTree, root_kids: list[int]) -> int | None:
+    """The root's first child if it is the draft's (any child of a tree of fixed proposals; a drawn one of a
+    sampled tree), else None: the first its node's rules try, so its acceptance probability is unconditional."""
+    if not root_kids or (tree.sampled and root_kids[0] in tree.fixed):
+        return None
+    return root_kids[0]
+
+
 def first_child_acceptance(tree: TokenTree, root_kids: list[int], p: Tensor) -> float | None:
     """The probability the node rules accept the root's first child, given its token and the oracle's `p` at the
     root: p(x) for a fixed (one-hot) proposal, min(1, p(x) / q(x)) for one drawn from q.  None where the first
     child is a fixed lookup proposal of a sampled tree (not the draft's) or the root has none."""
-    if not root_kids:
+    child = first_draft_child(tree, root_kids)
+    if child is None:
         return None
-    child = root_kids[0]
     x = tree.tokens[child]
     if not tree.sampled:
         return float(p[x])
-    if child in tree.fixed:
-        return None
     q = tree.child_q.get(0)
     if q is None:
         return None

@@ -50,7 +50,7 @@ import torch
 from stagedspec import hardware
 from stagedspec.errors import first_line
 from stagedspec.kernels import tile_rows
-from stagedspec.kernels.packing import FORMATS, random_format, random_segments
+from stagedspec.kernels.packing import FORMATS, random_segments
 from stagedspec.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("qlinear.cpp", "grid.cpp", "norm.cpp", "attention.cpp",
@@ -68,8 +68,8 @@ ISA_KEYS = {"portable": 0, "avx2": 1, "avx512-vnni": 2, "avx512-vnni-512": 3, "a
 # two tiles (docs/kernels.md, "The 512-bit pairs on Zen 4").  An earlier rule compared the instructions' peak
 # rates alone and kept Zen 4 on the 256-bit form.
 WIDE_VNNI_GAIN = 1.05  # the least speedup of the pairs' tiles (16 rows, int4 and Q4_K) that selects them
-WIDE_VNNI_ROWS, WIDE_VNNI_SWEEPS, WIDE_VNNI_CALLS = 16, 5, 8
-WIDE_VNNI_SHAPE = (512, 1536)  # outputs x inputs of the layer timed: held in cache, packed in a few ms
+WIDE_VNNI_ROWS, WIDE_VNNI_CALLS = 16, 8
+WIDE_VNNI_OUTPUTS = 512  # outputs of the 512 x 1536 layer timed: held in cache, packed in a few ms
 # `amx_state()` of qlinear.cpp: 0 the tiles are usable; else why not
 AMX_STATES = {1: "the CPU does not report them", 2: "the operating system does not enable their state",
               3: "the kernel refused this process their state (arch_prctl ARCH_REQ_XCOMP_PERM)",
@@ -344,31 +344,22 @@ def _tile_rows(isa: int, quiet: bool) -> int:
 
 def wide_vnni_pays() -> bool:
     """Whether the 512-bit pairs of tiles run at least `WIDE_VNNI_GAIN` times as fast as the 256-bit tiles on this
-    core: an int4 and a Q4_K layer (`WIDE_VNNI_SHAPE`) of `WIDE_VNNI_ROWS` rows, held in cache, both paths
-    interleaved, the best of `WIDE_VNNI_SWEEPS` sweeps each (about 25 ms in all), so that a busy machine slows
-    both alike.  The rows a
-    verification pass runs are what the choice serves; a one-row pass stays on the 256-bit tiles either way
-    (`kPairMinRows` in `qlinear.cpp`)."""
-    wide = NativeKernels(3)
-    if wide.int8_peak(512, 10, 1) is None:  # built without the 512-bit form
+    core: an int4 and a Q4_K layer of `WIDE_VNNI_OUTPUTS` outputs and `WIDE_VNNI_ROWS` rows, held in cache, timed
+    as the AMX threshold is (`tile_rows.time_paths`: both paths interleaved, best of a few sweeps, about 25 ms in
+    all), so that a busy machine slows both alike.  The rows a verification pass runs are what the choice serves; a
+    one-row pass stays on the 256-bit tiles either way (`kPairMinRows` in `qlinear.cpp`)."""
+    if NativeKernels(3).int8_peak(512, 10, 1) is None:  # built without the 512-bit form
         return False
-    paths = {2: NativeKernels(2), 3: wide}
-    best = {2: 0.0, 3: 0.0}
-    n, k = WIDE_VNNI_SHAPE
-    x = torch.randn(WIDE_VNNI_ROWS, k, generator=torch.Generator().manual_seed(0))
+
+    def run(path: int, x: torch.Tensor, packed: torch.Tensor, fmt: int) -> torch.Tensor:
+        return NativeKernels(path).qlinear(x, packed, [fmt], [WIDE_VNNI_OUTPUTS])
+
+    timer = tile_rows.time_paths(run, 2, 3, outputs=WIDE_VNNI_OUTPUTS, calls=WIDE_VNNI_CALLS)
+    tiles = pairs = 0.0
     for name in ("int4", "q4_k"):
-        packed = random_format(name, n, k, torch.Generator().manual_seed(0))[0]
-        fmt = FORMATS[name]
-        fastest = {2: float("inf"), 3: float("inf")}
-        for _ in range(WIDE_VNNI_SWEEPS):
-            for isa, kernels in paths.items():
-                start = time.perf_counter()
-                for _ in range(WIDE_VNNI_CALLS):
-                    kernels.qlinear(x, packed, [fmt], [n])
-                fastest[isa] = min(fastest[isa], time.perf_counter() - start)
-        for isa in best:
-            best[isa] += fastest[isa]
-    return best[2] >= WIDE_VNNI_GAIN * best[3]
+        a, b = timer(FORMATS[name], WIDE_VNNI_ROWS)
+        tiles, pairs = tiles + a, pairs + b
+    return tiles >= WIDE_VNNI_GAIN * pairs
 
 
 def _register_fakes() -> None:

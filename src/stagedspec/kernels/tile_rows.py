@@ -52,24 +52,25 @@ def pass_threshold(per_format: dict[str, int]) -> int:
     return max(values)
 
 
-def time_paths(run: Run, vnni_isa: int) -> Timer:
-    """A timer of one format and row count on the VNNI path `vnni_isa` and on tiles (best of `SWEEPS`, the two
-    paths interleaved)."""
+def time_paths(run: Run, vnni_isa: int, other_isa: int = AMX_ISA, outputs: int = SIZE, calls: int = CALLS) -> Timer:
+    """A timer of one format and row count on the VNNI path `vnni_isa` and on `other_isa` (tiles by default; the
+    512-bit pairs for `native.wide_vnni_pays`), on an `outputs` x `SIZE` layer: best of `SWEEPS`, the two paths
+    interleaved, seconds a call."""
     weights: dict[int, torch.Tensor] = {}
     names = {v: k for k, v in FORMATS.items()}
 
     def timer(fmt: int, rows: int) -> tuple[float, float]:
         if fmt not in weights:
-            weights[fmt] = random_format(names[fmt], SIZE, SIZE, torch.Generator().manual_seed(0))[0]
+            weights[fmt] = random_format(names[fmt], outputs, SIZE, torch.Generator().manual_seed(0))[0]
         x = torch.randn(rows, SIZE, generator=torch.Generator().manual_seed(rows))
-        best = {vnni_isa: float("inf"), AMX_ISA: float("inf")}
+        best = {vnni_isa: float("inf"), other_isa: float("inf")}
         for _ in range(SWEEPS):
             for isa in best:
                 start = time.perf_counter()
-                for _ in range(CALLS):
+                for _ in range(calls):
                     run(isa, x, weights[fmt], fmt)
                 best[isa] = min(best[isa], time.perf_counter() - start)
-        return best[vnni_isa] / CALLS, best[AMX_ISA] / CALLS
+        return best[vnni_isa] / calls, best[other_isa] / calls
 
     return timer
 
