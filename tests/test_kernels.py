@@ -21,7 +21,7 @@ import torch
 
 from _exactness import assert_bit_identical
 from _native import kernels_on, native_kernels_or_fail
-from stagedspec.kernels import grid, native, packing, tile_rows
+from stagedspec.kernels import grid, native, packing, prefetch, tile_rows
 from stagedspec.models.pass_spec import PassSpec
 
 
@@ -584,7 +584,56 @@ def test_an_amx_cpu_whose_tiles_are_unusable_runs_vnni_and_says_why_in_one_line(
     monkeypatch.setattr(native, "amx_unusable_reason", lambda: native.AMX_STATES[3])
     monkeypatch.setattr(native, "wide_vnni_pays", lambda: True)
     monkeypatch.setattr(native, "_agrees_with_portable", lambda isa: True)
+    # the faked flags make another machine's key: its prefetch timing is not what this test is about
+    monkeypatch.setattr(native.prefetch, "measured_distance", lambda *args, **kwargs: prefetch.DEFAULT)
     kernels = native.native_kernels()
     assert kernels is not None and kernels.isa == 3 and kernels.tile_rows == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "AMX" in err[0] and "ARCH_REQ_XCOMP_PERM" in err[0] and "VNNI" in err[0], err
+
+
+def test_the_prefetch_distance_changes_no_bits() -> None:
+    """How far ahead the tiles prefetch (`prefetch_ahead`) is a matter of speed alone: every format and path gives
+    the same bits at any distance; a distance that is not whole cache lines up to 1 MiB is refused."""
+    kernels = native_kernels_or_fail()
+    g = torch.Generator().manual_seed(0)
+    k = 512
+    packed, formats, outs = packing.random_segments(("int4", "int8", "q4_k", "q6_k", "q5_0"), k, g)
+    x = torch.randn(9, k, generator=g)
+    ahead = torch.ops.stagedspec_qlinear.prefetch_ahead
+    kept = ahead(0)  # 0 reads the setting
+    try:
+        results = []
+        for distance in (64, 4096, 65536):
+            assert ahead(distance) == distance
+            results.append([kernels.with_isa(isa).qlinear(x[:rows], packed, formats, outs)
+                            for isa in range(1, kernels.isa + 1) for rows in (1, 4, 9)])
+        for distance, other in zip((4096, 65536), results[1:]):
+            for i, (a, b) in enumerate(zip(results[0], other)):
+                assert_bit_identical(b, a, f"call {i} at {distance} bytes ahead against 64")
+        for bad in (100, 2 << 20):
+            with pytest.raises(RuntimeError, match="prefetch_ahead"):
+                ahead(bad)
+    finally:
+        ahead(kept)
+
+
+def test_the_prefetch_distance_is_the_shortest_near_the_fastest_and_timed_once(tmp_path) -> None:  # noqa: ANN001
+    """The default stays unless another distance is `GAIN` faster; among distances within `NEAR` of the fastest
+    the shortest wins.  Timed once per kernels and machine: the second call reads the cache file."""
+    assert prefetch.choose({4096: 1.0, 8192: 0.99, 16384: 0.985}) == 4096  # within the noise
+    assert prefetch.choose({4096: 1.0, 8192: 0.85, 16384: 0.84}) == 8192  # 16384 no faster than 8192 by NEAR
+    assert prefetch.choose({4096: 1.0, 8192: 0.9, 16384: 0.8}) == 16384
+    calls = []
+
+    def sweep(distance: int) -> float:
+        calls.append(distance)
+        return {4096: 5.0, 8192: 4.0, 16384: 4.5}[distance]
+
+    path = tmp_path / "prefetch.json"
+    assert prefetch.measured_distance(sweep, "digest", cache_file=path, quiet=True) == 8192
+    timed = len(calls)
+    assert timed == 1 + prefetch.SWEEPS * len(prefetch.CANDIDATES)
+    assert prefetch.measured_distance(sweep, "digest", cache_file=path, quiet=True) == 8192 and len(calls) == timed
+    prefetch.forget_measured_distance(path)
+    assert not path.exists()

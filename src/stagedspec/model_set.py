@@ -17,6 +17,7 @@ from stagedspec.draft_weights import choose_draft_weights, split_weights_suffix
 from stagedspec.drafters.ngram_files import load_ngram
 from stagedspec.dtypes import resolve_dtype
 from stagedspec.errors import StagedSpecError
+from stagedspec.kernels.huge_pages import move_to_huge_pages
 from stagedspec.methods import method_named
 from stagedspec.models.draft import bundled_draft_for
 from stagedspec.models.draft_formats import DraftSource, draft_format, load_draft_spec
@@ -141,7 +142,10 @@ def load_draft_model(spec: str, oracle: Transformer, oracle_tokenizer, dtype: to
     draft = choose_draft_weights(lambda: _load_draft(spec, oracle, oracle_tokenizer, dtype, device), oracle, weights,
                                  load_mixed=_mixed_loader(spec, oracle, oracle_tokenizer, dtype, device))
     ids = draft_subset(own_vocab or vocab, draft, tokenizer_fingerprint(oracle_tokenizer))
-    return draft if ids is None else restrict_head(draft, ids)
+    draft = draft if ids is None else restrict_head(draft, ids)
+    if str(device).startswith("cpu"):
+        move_to_huge_pages(draft)  # as the oracle's (`models.loading.load_model`)
+    return draft
 
 
 def _mixed_loader(spec: str, oracle: Transformer, oracle_tokenizer, dtype: torch.dtype,  # noqa: ANN001

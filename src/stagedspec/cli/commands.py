@@ -23,6 +23,7 @@ from stagedspec.draft_weights import forget_measured_choices
 from stagedspec.errors import StagedSpecError
 from stagedspec.hardware import AMX_ISA_CAP, cap_isa_for_bit_exact
 from stagedspec.methods import METHODS
+from stagedspec.kernels.prefetch import forget_measured_distance
 from stagedspec.kernels.tile_rows import forget_measured_tile_rows
 from stagedspec.models.matmul_plan import describe, forget_measured_plans
 from stagedspec.models.quant import resolve_quant
@@ -258,6 +259,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     forget_measured_choices()  # re-time the drafts' weight formats too
     forget_measured_plans()  # and the fp32 matmul kernels
     forget_measured_tile_rows()  # and the row count from which AMX tiles run
+    forget_measured_distance()  # and how far ahead the tiles prefetch
     args.quant = resolve_quant(args.quant, args.oracle, args.device)
     pipe = Pipeline.load(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
                          dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights,

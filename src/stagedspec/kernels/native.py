@@ -49,7 +49,7 @@ import torch
 
 from stagedspec import hardware
 from stagedspec.errors import first_line
-from stagedspec.kernels import tile_rows
+from stagedspec.kernels import prefetch, tile_rows
 from stagedspec.kernels.packing import FORMATS, random_segments
 from stagedspec.paths import cache_root
 
@@ -314,7 +314,12 @@ def _load(quiet: bool) -> tuple[NativeKernels | None, str | None]:
         best = 2
     for isa in range(best, -1, -1):
         if isa == 0 or _agrees_with_portable(isa):
-            return NativeKernels(isa, _tile_rows(isa, quiet) if tiles else 0), None
+            kernels = NativeKernels(isa, _tile_rows(isa, quiet) if tiles else 0)
+            if isa > 0:  # the portable path does not prefetch
+                sweep = prefetch.stream_sweep(kernels)
+                torch.ops.stagedspec_qlinear.prefetch_ahead(
+                    prefetch.measured_distance(sweep, _source_digest(), quiet=quiet))
+            return kernels, None
         print(f"stagedspec: the {ISA_NAMES[isa]} kernels disagree with the portable ones on this CPU; not used",
               file=sys.stderr)
     return None, "no instruction set passed the self-check"

@@ -45,6 +45,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,7 +78,9 @@ constexpr int64_t kRowBlock = 4;                    // rows computed together ag
 // (docs/measurements.md, "8-row tiles of the int4 and K-quant kernels").
 constexpr int64_t kMaxRowBlock = 8;
 constexpr int64_t kRowChunk = 64;                   // rows whose activations stay in cache per weight sweep
-constexpr int64_t kPrefetchBytes = 4096;            // how far ahead of the tile being read to prefetch
+// How far ahead of the tile being read to prefetch, in bytes: set per process (`prefetch_ahead`), read once a call.
+std::atomic<int64_t> g_prefetch_ahead{4096};
+inline int64_t prefetch_distance() { return g_prefetch_ahead.load(std::memory_order_relaxed); }
 // The 512-bit path pairs tiles from 4 rows up: up to 3 rows a pass is still bound by reading the weights, and there
 // two streams read side by side ran slower than one: a whole Qwen2.5-Coder-1.5B pass of 2 / 3 rows took 1.06-1.13x /
 // 1.04-1.17x the 256-bit tiles' time, 4 rows 0.89x (docs/kernels.md, "Pairs of tiles from 4 rows up on Zen 5").
@@ -423,10 +426,11 @@ void q5_tile_scalar(const uint8_t* w, const RowsView& a, float* out) {
 }
 
 #ifdef STAGEDSPEC_X86
-// Every cache line of the group kPrefetchBytes ahead: a group spans 2.5 (int4) or 4.25 (int8) lines, and the
+// Every cache line of the group `prefetch_distance()` bytes ahead: a group spans 2.5 (int4) or 4.25 (int8) lines, and the
 // hardware prefetcher alone kept one thread's stream at about 6 GB/s on the AVX2 EPYC (11 GB/s possible).
 inline void prefetch_group(const uint8_t* w, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + b), _MM_HINT_T1);
+  const uint8_t* ahead = w + prefetch_distance();
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
 }
 
 __attribute__((target("avx2"))) inline __m256i broadcast4(const int8_t* p) {
@@ -896,12 +900,12 @@ template <int RB> void q5_tile_vnni(const uint8_t* w, const RowsView& a, float* 
 // stream runs on into tile t + 2, where the next pair starts; tile t's would run into t + 1, read already, so
 // past its end it goes to tile t + 3 instead.  `p0`, `p1`: the groups being read in each.
 inline void prefetch_pair(const uint8_t* w0, const uint8_t* w1, const uint8_t* p0, const uint8_t* p1, int64_t bytes) {
-  const int64_t tile = w1 - w0;
+  const int64_t tile = w1 - w0, distance = prefetch_distance();
   for (int64_t b = 0; b < bytes; b += 64) {
-    const uint8_t* ahead = p0 + kPrefetchBytes + b;
+    const uint8_t* ahead = p0 + distance + b;
     if (ahead >= w1) ahead += 2 * tile;
     _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(p1 + kPrefetchBytes + b), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p1 + distance + b), _MM_HINT_T1);
   }
 }
 
@@ -1273,13 +1277,13 @@ struct Segment {
   const uint8_t* w;
 };
 
-// The first kPrefetchBytes of a thread's share of the weights, requested at once: the tile kernels prefetch
-// kPrefetchBytes ahead of what they read, so without this the start of every call waits on one memory latency
+// The first `prefetch_distance()` bytes of a thread's share of the weights, requested at once: the tile kernels
+// prefetch that far ahead of what they read, so without this the start of every call waits on one memory latency
 // per group, one after another.  Measured on the AVX2 EPYC (2 threads): a 47 MB int4 matrix read as 96 calls
 // of 492 KB ran at 9.4 GB/s against 14.4 GB/s as one call.
 void prefetch_start(const std::vector<Segment>& segments, int64_t t0, int64_t t1) {
 #ifdef STAGEDSPEC_X86
-  int64_t left = kPrefetchBytes;
+  int64_t left = prefetch_distance();
   for (const Segment& seg : segments) {
     const int64_t first = std::max(t0, seg.first_tile), last = std::min(t1, seg.first_tile + seg.tiles);
     if (first >= last) continue;
@@ -1454,6 +1458,17 @@ int64_t best_isa() {
   return kScalar;
 }
 
+// How far ahead the tiles prefetch the weights they stream, in bytes: set to `bytes` when it is positive (64 to
+// 1 MiB, whole cache lines), and returned.  A process-wide setting, as the thread count is: `native.py` chooses it
+// by timing (`prefetch_pays`); the results do not depend on it, only the speed.
+int64_t prefetch_ahead(int64_t bytes) {
+  if (bytes > 0) {
+    TORCH_CHECK(bytes % 64 == 0 && bytes <= (1 << 20), "prefetch_ahead: whole cache lines up to 1 MiB, got ", bytes);
+    g_prefetch_ahead.store(bytes, std::memory_order_relaxed);
+  }
+  return g_prefetch_ahead.load(std::memory_order_relaxed);
+}
+
 // `amx_state` where this build has the AMX path, else 4 (not built in).
 int64_t amx_state_or_absent() {
 #ifdef STAGEDSPEC_X86
@@ -1474,6 +1489,7 @@ TORCH_LIBRARY(stagedspec_qlinear, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor? bias, float scale, int isa=-1) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
+  m.def("prefetch_ahead(int bytes) -> int", &prefetch_ahead);
   m.def("amx_state() -> int", &amx_state_or_absent);
 }
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from stagedspec.errors import StagedSpecError, first_line
+from stagedspec.kernels.huge_pages import move_to_huge_pages
 from stagedspec.models.config import ModelConfig
 from stagedspec.models.gemma3 import gemma3_config
 from stagedspec.models.gguf_checkpoint import GGUFCheckpoint
@@ -74,6 +75,8 @@ def load_model(
     if quant != "none":
         quantize_model(model, quant, dtype, kernels, sources)
         check_no_deferred(model)
+        if str(device).startswith("cpu"):
+            move_to_huge_pages(model)  # the packed weights every pass streams, on 2 MB pages where Linux gives them
     elif plan_kernels:
         plan_matmuls(model)  # fp32 on the CPU: each layer's faster kernel per row count, timed here once
     if pass_options is not None:
