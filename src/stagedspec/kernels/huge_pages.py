@@ -4,8 +4,9 @@ Why: a one-row pass streams every weight once, a gigabyte for Qwen2.5-Coder-1.5B
 every 4 KB of it misses the TLB: the stream waits on page walks as well as on memory.  On a Zen 4 EPYC (2 threads,
 2026-12-07) 145 MB of Q4_K tiles read a row at a time streamed at 23.8 GB/s from 4 KB pages and 27.9 GB/s
 from 2 MB pages; with the tiles prefetching further ahead too (`kernels.prefetch`), the Qwen oracle's one-row pass
-took 0.86x the time and `ar` ran 1.25-1.30x as fast (docs/kernels.md, "Weights on 2 MB pages").  Linux gives anonymous memory 2 MB pages where `madvise(MADV_HUGEPAGE)` asks for them, unless
-transparent huge pages are switched off (`/sys/kernel/mm/transparent_hugepage/enabled` says `[never]`).
+took 0.86x the time and `ar` ran 1.25-1.30x as fast (docs/kernels.md, "Weights on 2 MB pages").  Linux gives
+anonymous memory 2 MB pages where `madvise(MADV_HUGEPAGE)` asks for them, unless transparent huge pages are
+switched off (`/sys/kernel/mm/transparent_hugepage/enabled` says `[never]`).
 
 What moves: the native kernels' packed weights (uint8 storages: int4, int8 and the GGUF formats kept exactly), the
 bytes every pass streams.  The embedding table (a gather of a few rows a pass) and the norms stay.
@@ -57,8 +58,8 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
 
 def move_to_huge_pages(module: nn.Module) -> int:
     """Copy `module`'s packed weights (CPU uint8 storages of `MIN_BYTES` or more) into one mapping advised for
-    2 MB pages and point their tensors there; returns the bytes moved (0: nothing moved).  The mapping lives as long as the
-    tensors that view it."""
+    2 MB pages and point their tensors there; returns the bytes moved (0: nothing moved).  The mapping lives as
+    long as the tensors that view it."""
     if not huge_pages_available():
         return 0
     by_storage: dict[int, list[torch.Tensor]] = {}

@@ -78,7 +78,8 @@ constexpr int64_t kRowBlock = 4;                    // rows computed together ag
 // (docs/measurements.md, "8-row tiles of the int4 and K-quant kernels").
 constexpr int64_t kMaxRowBlock = 8;
 constexpr int64_t kRowChunk = 64;                   // rows whose activations stay in cache per weight sweep
-// How far ahead of the tile being read to prefetch, in bytes: set per process (`prefetch_ahead`), read once a call.
+// How far ahead of the tile being read to prefetch, in bytes: set per process (`prefetch_ahead`), read (a relaxed
+// load) by each group's prefetches.
 std::atomic<int64_t> g_prefetch_ahead{4096};
 inline int64_t prefetch_distance() { return g_prefetch_ahead.load(std::memory_order_relaxed); }
 // The 512-bit path pairs tiles from 4 rows up: up to 3 rows a pass is still bound by reading the weights, and there
