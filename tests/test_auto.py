@@ -981,6 +981,36 @@ def test_greedy_lookup_and_copy_steps_share_ars_measured_scales() -> None:
         assert costs.step_scale_for(kind, True) == 1.0  # sampled: not seen
 
 
+def test_each_row_count_learns_its_own_verification_scale() -> None:
+    """The cost curve's shape need not hold in every process: one-row steps that run at 0.75x the curve and
+    three-row steps at 1.05x are each priced as measured, where one scale for the kind priced the copy step's three
+    rows as cheap as `ar`'s one.  A row count not seen yet is priced by its kind's scale, and a new one starts
+    from it (`ROW_PRIOR_STEPS`), so one noisy step does not set its price."""
+    from stagedspec.auto.step_costs import ROW_PRIOR_STEPS
+
+    costs = StepCosts()
+    for _ in range(30):
+        costs.observe(Arm("ar"), 0.0, 0.0075, 0.010, 0.0, rows=1)
+        costs.observe(Arm("copy", 2), 0.0, 0.0105, 0.010, 0.0, rows=3)
+    assert costs.verify_scale_for("ar", False, 1) == pytest.approx(0.75, rel=0.01)
+    assert costs.verify_scale_for("copy", False, 3) == pytest.approx(1.05, rel=0.02)
+    kind = costs.verify_scale_for("ar", False)  # both fed the greedy `ar` kind's scale
+    assert 0.75 < kind < 1.05
+    assert costs.verify_scale_for("lookup", False, 5) == kind  # five rows: not seen
+    # `solo_step_seconds` prices with the row count's scale
+    from stagedspec.auto import solo_step_seconds
+
+    assert solo_step_seconds(Arm("ar"), FLAT, costs, NO_LOOKUP_NOW, whole=False) == pytest.approx(
+        0.75 * FLAT.step_seconds(1, False), rel=0.01)
+    fresh = StepCosts()
+    fresh.observe(Arm("tree", 3), 0.001, 0.010, 0.010, 0.001, rows=4)  # the kind's first step sets both
+    assert fresh.verify_scale_for("tree", False, 4) == pytest.approx(1.0)
+    fresh.observe(Arm("tree", 1), 0.001, 0.020, 0.010, 0.001, rows=2)  # a new row count: 2.0, shrunk to the kind's
+    expected = (ROW_PRIOR_STEPS * 1.0 + 2.0) / (ROW_PRIOR_STEPS + 1)
+    assert fresh.verify_scale_for("tree", False, 2) == pytest.approx(expected)
+    assert fresh.verify_scale_for("tree", False, 4) == pytest.approx(1.0)
+
+
 def test_a_lookup_arm_with_no_chain_now_is_never_chosen_over_ar() -> None:
     """With no chain to verify, a copy or lookup step is `ar` under another name; however its kind's record
     prices it, `ar` is the choice (every such step was a full one, bookkeeping and all)."""

@@ -21,7 +21,7 @@ import torch
 
 from _exactness import assert_bit_identical
 from _native import kernels_on, native_kernels_or_fail
-from stagedspec.kernels import grid, native, packing, prefetch, tile_rows
+from stagedspec.kernels import grid, native, packing, pair_rows, prefetch, tile_rows
 from stagedspec.models.pass_spec import PassSpec
 
 
@@ -616,6 +616,55 @@ def test_the_prefetch_distance_changes_no_bits() -> None:
                 ahead(bad)
     finally:
         ahead(kept)
+
+
+def test_the_row_count_that_pairs_tiles_changes_no_bits() -> None:
+    """From how many rows the 512-bit path pairs its tiles (`pair_min_rows`) is a matter of speed alone: every
+    format gives the same bits for 1-9 rows whether pairs start at 1 row or never."""
+    kernels = native_kernels_or_fail()
+    if kernels.isa < 3:
+        pytest.skip("this CPU has no 512-bit VNNI path")
+    g = torch.Generator().manual_seed(0)
+    k = 512
+    packed, formats, outs = packing.random_segments(("int4", "int8", "q4_k", "q6_k", "q5_0"), k, g)
+    x = torch.randn(9, k, generator=g)
+    pair_from = torch.ops.stagedspec_qlinear.pair_min_rows
+    kept = pair_from(0)  # 0 reads the setting
+    wide = kernels.with_isa(3)
+    try:
+        results = []
+        for rows_from in (1, 64):
+            assert pair_from(rows_from) == rows_from
+            results.append([wide.qlinear(x[:rows], packed, formats, outs) for rows in range(1, 10)])
+        for rows, (a, b) in enumerate(zip(*results), start=1):
+            assert_bit_identical(b, a, f"{rows} rows, never paired against paired")
+    finally:
+        pair_from(kept)
+
+
+def test_tiles_pair_from_the_least_row_count_that_pays_and_are_timed_once(tmp_path) -> None:  # noqa: ANN001
+    """Pairs start at the least row count from which they beat single tiles by `GAIN` at every larger count
+    timed, else at the kernels' default; timed once per kernels and machine, then read from the cache file."""
+    def timings(single: dict[int, float]) -> dict[tuple[int, bool], float]:
+        return {**{(r, True): 1.0 for r in single}, **{(r, False): s for r, s in single.items()}}
+
+    assert pair_rows.threshold(timings({1: 0.95, 2: 1.06, 3: 1.15})) == 2
+    assert pair_rows.threshold(timings({1: 1.10, 2: 1.01, 3: 1.15})) == 3  # 2 rows within the noise
+    assert pair_rows.threshold(timings({1: 1.10, 2: 1.10, 3: 1.10})) == 1
+    assert pair_rows.threshold(timings({1: 0.90, 2: 0.95, 3: 1.0})) == pair_rows.DEFAULT
+    calls = []
+
+    def timer(rows: int, pairs: bool) -> float:
+        calls.append((rows, pairs))
+        return 1.0 if pairs or rows == 1 else 1.2
+
+    path = tmp_path / "pair-rows.json"
+    assert pair_rows.measured_pair_rows(timer, "digest", cache_file=path, quiet=True) == 2
+    timed = len(calls)
+    assert timed == len(pair_rows.CANDIDATES) * (1 + 2 * pair_rows.SWEEPS)
+    assert pair_rows.measured_pair_rows(timer, "digest", cache_file=path, quiet=True) == 2 and len(calls) == timed
+    pair_rows.forget_measured_pair_rows(path)
+    assert not path.exists()
 
 
 def test_the_prefetch_distance_is_the_shortest_near_the_fastest_and_timed_once(tmp_path) -> None:  # noqa: ANN001

@@ -498,7 +498,8 @@ class AutoDrafter(Drafter):
         if last.alone:
             verify_seconds = min(max(verify_seconds, now - last.ended), 1.5 * verify_seconds)
         costs.observe(last.arm, last.draft_seconds if last.warm else None, verify_seconds, predicted_verify,
-                      predicted_draft_seconds(last.arm, self.policy.profile, last.sampled), sampled=last.sampled)
+                      predicted_draft_seconds(last.arm, self.policy.profile, last.sampled), sampled=last.sampled,
+                      rows=last.rows)
         if last.alone:  # a batched round's wall time is the round's, not this step's
             # the whole step against its parts' price after their lesson, so what they explain is not counted
             # twice (a slow first `ar` step once priced `ar` at 2.7x its time and locked it out)

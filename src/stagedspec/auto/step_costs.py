@@ -11,6 +11,8 @@ from stagedspec.auto.arms import Arm, verify_rows
 from stagedspec.costs import CostProfile
 
 LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measured
+# A row count's own verification scale (`StepCosts.verify_scale_for`) starts from its kind's, worth this many steps
+ROW_PRIOR_STEPS = 2.0
 STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself sped up by lookup
 
 
@@ -35,6 +37,12 @@ class StepCosts:
     # those out (a cold draft's time is not its arm's price); without this `auto` ran slower than `ar` while
     # each part's estimate was close (docs/measurements.md, "Whole-step scales on an AVX2 EPYC").
     step_scales: dict[str, float] = field(default_factory=dict)
+    # `verify_scales` also holds a scale per kind and row count ("ar/greedy/r3"): the cost curve is measured once
+    # per machine, and its shape need not hold in every process.  On a Zen 4 EPYC whose one-row pass ran 25 ms in
+    # some processes and 34 ms in others, passes of 3-4 rows took about 36 ms in both, so one scale per kind, fitted
+    # to its commonest row count, priced the others up to 25% off: greedy `copy` steps of 3 rows at 27-31 ms that
+    # took 34-38, a one-draft-token `tree` step at 38 ms that took 33 (docs/measurements.md, "A verification scale
+    # per row count on a Zen 4 EPYC").
     verify_counts: dict[str, int] = field(default_factory=dict)  # steps behind each of `verify_scales` (this run)
 
     def step_scale_for(self, kind: str, sampled: bool) -> float:
@@ -50,9 +58,12 @@ class StepCosts:
             key = _verify_key(arm.kind, sampled)  # from 1: the parts' scales already took the first lesson
             self.step_scales[key] = 0.9 * self.step_scales.get(key, 1.0) + 0.1 * ratio
 
-    def verify_scale_for(self, kind: str, sampled: bool) -> float:
-        """Measured / predicted verification time of a step of this arm kind (all steps' scale until seen)."""
-        return self.verify_scales.get(_verify_key(kind, sampled), self.verify_scale)
+    def verify_scale_for(self, kind: str, sampled: bool, rows: int | None = None) -> float:
+        """Measured / predicted verification time of a step of this arm kind (all steps' scale until seen); with
+        `rows`, of its steps of that many rows (the kind's scale until seen)."""
+        key = _verify_key(kind, sampled)
+        scale = self.verify_scales.get(key, self.verify_scale)
+        return scale if rows is None else self.verify_scales.get(_rows_key(key, rows), scale)
 
     def draft_estimate(self, arm: Arm, predicted: float) -> float:
         """Seconds of `arm`'s drafting: its own record, else the prediction scaled by its kind's record."""
@@ -60,9 +71,10 @@ class StepCosts:
         return seen if seen is not None else predicted * self.draft_scale.get(arm.kind, 1.0)
 
     def observe(self, arm: Arm, draft_seconds: float | None, verify_seconds: float, predicted_verify: float,
-                predicted_draft: float, sampled: bool = False) -> None:
+                predicted_draft: float, sampled: bool = False, rows: int | None = None) -> None:
         """Fold in one step's times; `draft_seconds=None`: the drafting time is not the arm's (its draft
-        caught up on the tokens other arms decoded), so only the verification is learned.
+        caught up on the tokens other arms decoded), so only the verification is learned.  `rows`: the
+        step's verification rows, whose own scale learns too (starting from the kind's, `ROW_PRIOR_STEPS`).
 
         Single outliers are clipped to 3x the current estimate (the prediction
         before the first observation).
@@ -73,12 +85,21 @@ class StepCosts:
             ratio = min(4.0, max(0.25, verify_seconds / predicted_verify))
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * ratio
             key = _verify_key(arm.kind, sampled)
+            kind_scale = self.verify_scales.get(key)
             # a mean of the first steps, then a moving average: one cold first step does not set the price
-            n = self.verify_counts.get(key, 0)
-            scale = self.verify_scales.get(key, ratio)
-            w = max(0.1, 1.0 / (n + 1))
-            self.verify_scales[key] = (1 - w) * scale + w * ratio
-            self.verify_counts[key] = n + 1
+            self._observe_scale(key, ratio, ratio, 0.0)
+            if rows is not None:
+                self._observe_scale(_rows_key(key, rows), ratio, ratio if kind_scale is None else kind_scale,
+                                    ROW_PRIOR_STEPS)
+
+    def _observe_scale(self, key: str, ratio: float, prior: float, prior_steps: float) -> None:
+        """One step's measured / predicted `ratio` into `verify_scales[key]`: the mean of the first steps (and
+        `prior_steps` of `prior`, where the key is new), then a moving average."""
+        n = self.verify_counts.get(key, 0)
+        scale = self.verify_scales.get(key, prior)
+        w = max(0.1, 1.0 / (n + 1 + prior_steps))
+        self.verify_scales[key] = (1 - w) * scale + w * ratio
+        self.verify_counts[key] = n + 1
 
     def _observe_draft(self, arm: Arm, draft_seconds: float, predicted_draft: float) -> None:
         if predicted_draft > 0 and draft_seconds > 0:
@@ -104,6 +125,11 @@ _KEYS = {(kind, sampled): f"{kind if sampled else GREEDY_SCALE_KIND[kind]}/{'sam
          for kind in GREEDY_SCALE_KIND for sampled in (False, True)}
 
 
+def _rows_key(key: str, rows: int) -> str:
+    """A kind's verification key (`_verify_key`) narrowed to steps of `rows` rows: "ar/greedy/r3"."""
+    return f"{key}/r{int(rows)}"
+
+
 def _verify_key(kind: str, sampled: bool) -> str:
     """"tree/greedy" etc. (looked up, not formatted: it is asked for several times per arm priced); `lookup`
     and `copy` steps share `ar`'s when greedy (`GREEDY_SCALE_KIND`)."""
@@ -114,10 +140,11 @@ def _verify_key(kind: str, sampled: bool) -> str:
 def solo_step_seconds(arm: Arm, profile: CostProfile, costs: StepCosts, lookup_lengths: Mapping[str, int],
                       sampled: bool = False, whole: bool = True) -> float:
     """Expected seconds of a step of `arm` priced alone: its verification (the cost curve with the host work
-    around it, scaled as that arm kind's steps measured) and its drafting (measured, else predicted);
-    `whole`: times the whole-step scale (`StepCosts.step_scales`), which the steps teach against the rest."""
-    seconds = costs.verify_scale_for(arm.kind, sampled) * profile.step_seconds(verify_rows(arm, lookup_lengths),
-                                                                            sampled)
+    around it, scaled as that arm kind's steps of as many rows measured) and its drafting (measured, else
+    predicted); `whole`: times the whole-step scale (`StepCosts.step_scales`), which the steps teach against the
+    rest."""
+    rows = verify_rows(arm, lookup_lengths)
+    seconds = costs.verify_scale_for(arm.kind, sampled, rows) * profile.step_seconds(rows, sampled)
     seconds += costs.draft_estimate(arm, predicted_draft_seconds(arm, profile, sampled))
     return seconds * costs.step_scale_for(arm.kind, sampled) if whole else seconds
 

@@ -23,6 +23,7 @@ from stagedspec.draft_weights import forget_measured_choices
 from stagedspec.errors import StagedSpecError
 from stagedspec.hardware import AMX_ISA_CAP, cap_isa_for_bit_exact
 from stagedspec.methods import METHODS
+from stagedspec.kernels.pair_rows import forget_measured_pair_rows
 from stagedspec.kernels.prefetch import forget_measured_distance
 from stagedspec.kernels.tile_rows import forget_measured_tile_rows
 from stagedspec.models.matmul_plan import describe, forget_measured_plans
@@ -260,6 +261,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     forget_measured_plans()  # and the fp32 matmul kernels
     forget_measured_tile_rows()  # and the row count from which AMX tiles run
     forget_measured_distance()  # and how far ahead the tiles prefetch
+    forget_measured_pair_rows()  # and from how many rows the 512-bit tiles pair up
     args.quant = resolve_quant(args.quant, args.oracle, args.device)
     pipe = Pipeline.load(args.oracle, drafts, speculation=SpeculationConfig(method="auto" if drafts else "ar"),
                          dtype=args.dtype, device=args.device, quant=args.quant, draft_weights=args.draft_weights,

@@ -49,7 +49,7 @@ import torch
 
 from stagedspec import hardware
 from stagedspec.errors import first_line
-from stagedspec.kernels import prefetch, tile_rows
+from stagedspec.kernels import pair_rows, prefetch, tile_rows
 from stagedspec.kernels.packing import FORMATS, random_segments
 from stagedspec.paths import cache_root
 
@@ -319,6 +319,10 @@ def _load(quiet: bool) -> tuple[NativeKernels | None, str | None]:
                 sweep = prefetch.stream_sweep(kernels)
                 torch.ops.stagedspec_qlinear.prefetch_ahead(
                     prefetch.measured_distance(sweep, _source_digest(), quiet=quiet))
+                del sweep  # its 145 MB of copies, where it timed
+            if isa == 3:  # only the 512-bit path pairs tiles
+                torch.ops.stagedspec_qlinear.pair_min_rows(
+                    pair_rows.measured_pair_rows(pair_rows.stream_timer(kernels), _source_digest(), quiet=quiet))
             return kernels, None
         print(f"stagedspec: the {ISA_NAMES[isa]} kernels disagree with the portable ones on this CPU; not used",
               file=sys.stderr)
@@ -351,8 +355,9 @@ def wide_vnni_pays() -> bool:
     """Whether the 512-bit pairs of tiles run at least `WIDE_VNNI_GAIN` times as fast as the 256-bit tiles on this
     core: an int4 and a Q4_K layer of `WIDE_VNNI_OUTPUTS` outputs and `WIDE_VNNI_ROWS` rows, held in cache, timed
     as the AMX threshold is (`tile_rows.time_paths`: both paths interleaved, best of a few sweeps, about 25 ms in
-    all), so that a busy machine slows both alike.  The rows a verification pass runs are what the choice serves; a
-    one-row pass stays on the 256-bit tiles either way (`kPairMinRows` in `qlinear.cpp`)."""
+    all), so that a busy machine slows both alike.  The rows a verification pass runs are what the choice serves;
+    passes of fewer rows than `kernels.pair_rows` measured (`g_pair_min_rows` in `qlinear.cpp`) stay on the 256-bit
+    tiles."""
     if NativeKernels(3).int8_peak(512, 10, 1) is None:  # built without the 512-bit form
         return False
 

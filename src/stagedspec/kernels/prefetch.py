@@ -37,8 +37,8 @@ OUTPUTS, INPUTS = 4096, 1536  # one Q4_K layer of 3.6 MB
 MATRICES = 40  # 145 MB streamed a sweep
 SWEEPS = 5
 
-# distance -> seconds of one sweep (one-row calls over every matrix)
-Sweep = Callable[[int], float]
+# a setting (the distance) -> seconds of one sweep (calls over every matrix)
+Sweep = Callable[..., float]  # (value, rows=1) -> seconds
 
 
 def choose(seconds: dict[int, float]) -> int:
@@ -49,15 +49,17 @@ def choose(seconds: dict[int, float]) -> int:
     return best if seconds[DEFAULT] >= GAIN * seconds[best] else DEFAULT
 
 
-def stream_sweep(kernels: object) -> Sweep:
-    """A sweep timer over `MATRICES` distinct copies of one random Q4_K layer, read a row at a time with the
-    distance set before each sweep (`kernels`: a `NativeKernels`).  The copies are made at the first sweep, so
-    a timing found in the cache costs nothing."""
+def stream_sweep(kernels: object, setting: Callable[[int], object] | None = None) -> Sweep:
+    """A sweep timer over `MATRICES` distinct copies of one random Q4_K layer, read `rows` rows a call (one by
+    default), with `setting` (default: the prefetch distance, `prefetch_ahead`) set to the sweep's value before
+    it (`kernels`: a `NativeKernels`).  The copies are made at the first sweep, so a timing found in the cache
+    costs nothing."""
     copies: list[torch.Tensor] = []
-    x = torch.randn(1, INPUTS, generator=torch.Generator().manual_seed(1))
+    inputs: dict[int, torch.Tensor] = {}
     fmt = FORMATS["q4_k"]
+    set_value = setting or torch.ops.stagedspec_qlinear.prefetch_ahead
 
-    def sweep(distance: int) -> float:
+    def sweep(value: int, rows: int = 1) -> float:
         if not copies:
             packed, _ = random_format("q4_k", OUTPUTS, INPUTS, torch.Generator().manual_seed(0))
             # distinct addresses, none in cache when read, on the pages a model's weights get (`huge_pages`)
@@ -65,7 +67,10 @@ def stream_sweep(kernels: object) -> Sweep:
             copies.extend(arena[i * packed.numel():(i + 1) * packed.numel()] for i in range(MATRICES))
             for c in copies:
                 c.copy_(packed)
-        torch.ops.stagedspec_qlinear.prefetch_ahead(distance)
+        x = inputs.get(rows)
+        if x is None:
+            x = inputs[rows] = torch.randn(rows, INPUTS, generator=torch.Generator().manual_seed(1))
+        set_value(value)
         start = time.perf_counter()
         for w in copies:
             kernels.qlinear(x, w, [fmt], [OUTPUTS])  # type: ignore[attr-defined]

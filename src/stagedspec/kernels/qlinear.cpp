@@ -82,10 +82,12 @@ constexpr int64_t kRowChunk = 64;                   // rows whose activations st
 // load) by each group's prefetches.
 std::atomic<int64_t> g_prefetch_ahead{4096};
 inline int64_t prefetch_distance() { return g_prefetch_ahead.load(std::memory_order_relaxed); }
-// The 512-bit path pairs tiles from 4 rows up: up to 3 rows a pass is still bound by reading the weights, and there
-// two streams read side by side ran slower than one: a whole Qwen2.5-Coder-1.5B pass of 2 / 3 rows took 1.06-1.13x /
-// 1.04-1.17x the 256-bit tiles' time, 4 rows 0.89x (docs/kernels.md, "Pairs of tiles from 4 rows up on Zen 5").
-constexpr int64_t kPairMinRows = 4;
+// The row count from which the 512-bit path pairs tiles: set per process (`pair_min_rows`, timed per machine by
+// `kernels/pair_rows.py`), 4 until then.  Below it a pass may still be bound by reading the weights, where two
+// streams read side by side can run slower than one: on Zen 5 a whole Qwen2.5-Coder-1.5B pass of 2 / 3 rows took
+// 1.06-1.13x / 1.04-1.17x the 256-bit tiles' time, 4 rows 0.89x (docs/kernels.md, "Pairs of tiles from 4 rows up
+// on Zen 5"); on Zen 4, 0.94x / 0.86x ("Pairs of tiles from 2 rows up on Zen 4").
+std::atomic<int64_t> g_pair_min_rows{4};
 
 // kAvx512Vnni512: the VNNI tiles two at a time in 512-bit registers (the same bits; chosen where it pays).
 // kAmx: AMX int8 tiles for every row block (qlinear_amx.inc; the same bits); the caller picks it by row count.
@@ -1407,7 +1409,8 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor& packed, at::I
         const int64_t local = t - seg.first_tile;
         const uint8_t* w = seg.w + local * seg.bytes_per_tile;
         // two tiles at once where the path pairs them, both are this thread's and this segment's
-        const bool pair = rows >= kPairMinRows && seg.table.pair[1] != nullptr && t + 1 < t1 && local + 1 < seg.tiles;
+        const bool pair = rows >= g_pair_min_rows.load(std::memory_order_relaxed) && seg.table.pair[1] != nullptr &&
+                          t + 1 < t1 && local + 1 < seg.tiles;
         const int64_t width = pair ? 2 * kTile : kTile;
         const int64_t cols = std::min(width, seg.N - local * kTile);
         const int64_t col0 = seg.out_offset + local * kTile;
@@ -1470,6 +1473,13 @@ int64_t prefetch_ahead(int64_t bytes) {
   return g_prefetch_ahead.load(std::memory_order_relaxed);
 }
 
+// From how many rows the 512-bit path pairs tiles: set to `rows` when it is positive, and returned.  Process-wide,
+// as the prefetch distance is; the results do not depend on it, only the speed.
+int64_t pair_min_rows(int64_t rows) {
+  if (rows > 0) g_pair_min_rows.store(rows, std::memory_order_relaxed);
+  return g_pair_min_rows.load(std::memory_order_relaxed);
+}
+
 // `amx_state` where this build has the AMX path, else 4 (not built in).
 int64_t amx_state_or_absent() {
 #ifdef STAGEDSPEC_X86
@@ -1491,6 +1501,7 @@ TORCH_LIBRARY(stagedspec_qlinear, m) {
   m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor? bias, float scale, int isa=-1) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
   m.def("prefetch_ahead(int bytes) -> int", &prefetch_ahead);
+  m.def("pair_min_rows(int rows) -> int", &pair_min_rows);
   m.def("amx_state() -> int", &amx_state_or_absent);
 }
 
