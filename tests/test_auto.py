@@ -1011,6 +1011,30 @@ def test_each_row_count_learns_its_own_verification_scale() -> None:
     assert fresh.verify_scale_for("tree", False, 4) == pytest.approx(1.0)
 
 
+def test_a_scale_that_has_not_learned_for_a_while_follows_the_next_step_faster() -> None:
+    """The machine's speed drifts: a scale last learned many steps ago (`ar` between its probes) moves at least
+    halfway to the next step's time, one learned on the step before moves as a moving average does, and even a
+    stale scale keeps `STALE_KEEP` of its weight, so one noisy step does not set the price alone."""
+    from stagedspec.auto.step_costs import STALE_HALF_LIFE, STALE_KEEP
+
+    costs = StepCosts()
+    for _ in range(20):
+        costs.observe(Arm("ar"), 0.0, 0.010, 0.010, 0.0, rows=1)
+    assert costs.verify_scale_for("ar", False, 1) == pytest.approx(1.0)
+    costs.observe(Arm("ar"), 0.0, 0.007, 0.010, 0.0, rows=1)  # the next step: the moving average's tenth
+    assert costs.verify_scale_for("ar", False, 1) == pytest.approx(0.97)
+    costs.advance(4 * STALE_HALF_LIFE)  # other arms' steps, or quiet `ar` ones
+    costs.observe(Arm("ar"), 0.0, 0.007, 0.010, 0.0, rows=1)
+    moved = costs.verify_scale_for("ar", False, 1)
+    assert moved == pytest.approx(0.97 * STALE_KEEP * 0.9 + 0.7 * (1 - STALE_KEEP * 0.9))
+    assert 0.7 < moved < (0.97 + 0.7) / 2
+    costs.advance(STALE_HALF_LIFE // 2)  # half stale: between the two
+    before = costs.verify_scale_for("ar", False, 1)
+    costs.observe(Arm("ar"), 0.0, 0.007, 0.010, 0.0, rows=1)
+    keep = 0.9 * 0.5 ** ((STALE_HALF_LIFE // 2) / STALE_HALF_LIFE)
+    assert costs.verify_scale_for("ar", False, 1) == pytest.approx(keep * before + (1 - keep) * 0.7)
+
+
 def test_a_lookup_arm_with_no_chain_now_is_never_chosen_over_ar() -> None:
     """With no chain to verify, a copy or lookup step is `ar` under another name; however its kind's record
     prices it, `ar` is the choice (every such step was a full one, bookkeeping and all)."""

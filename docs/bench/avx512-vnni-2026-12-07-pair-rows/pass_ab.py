@@ -1,16 +1,19 @@
-"""Whole Qwen2.5-Coder-1.5B passes (`--quant auto`, 256 cached tokens) of 1-4 rows with the 512-bit tiles paired
-from 2 rows (this machine's measured setting) and from 4 (the earlier fixed one), interleaved in one process.
+"""Whole passes of an oracle (`--quant auto`, 256 cached tokens) of 1-4 rows with the 512-bit tiles paired from 2
+rows (this machine's measured setting) and from 4 (the earlier fixed one), interleaved in one process.
 
-    python docs/bench/avx512-vnni-2026-12-07-pair-rows/pass_ab.py > pass_ab.txt
+    python docs/bench/avx512-vnni-2026-12-07-pair-rows/pass_ab.py > pass_ab.txt               # Qwen2.5-Coder-1.5B
+    python docs/bench/avx512-vnni-2026-12-07-pair-rows/pass_ab.py default > pass_ab_smollm2.txt  # SmolLM2-135M
 """
 import statistics
+import sys
 
 import torch
 
 from stagedspec.pipeline import Pipeline, SpeculationConfig
 from stagedspec.profiling import forward_cost_curve
 
-pipe = Pipeline.load("qwen2.5-coder-1.5b", None, quant="auto", speculation=SpeculationConfig.tuned("ar", "auto"))
+oracle = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b"
+pipe = Pipeline.load(oracle, None, quant="auto", speculation=SpeculationConfig.tuned("ar", "auto"))
 pair_from = torch.ops.stagedspec_qlinear.pair_min_rows
 print("measured setting: pairs from", pair_from(0), "rows")
 res: dict[tuple[int, int], list[float]] = {}

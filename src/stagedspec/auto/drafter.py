@@ -457,6 +457,7 @@ class AutoDrafter(Drafter):
         if self._quiet_steps:  # quiet `ar` steps since the last full one: counted, their times not learned
             for stats in (self.policy.stats_for(self._sampling), self._own_stats(self._sampling)):
                 stats.observe_arm(Arm("ar"), 1.0, 1, steps=self._quiet_steps)
+            self.policy.costs.advance(self._quiet_steps)  # the scales' clock counts them (`StepCosts.seen`)
             self._quiet_steps = 0
         last, self._last = self._last, None
         stepped = last is not None and len(context) > last.context_len

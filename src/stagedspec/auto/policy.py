@@ -97,6 +97,9 @@ class AutoPolicy:
         self.costs.verify_counts = {k: 10 for k in self.costs.verify_scales}  # restored: a moving average
         self.costs.draft_scale = {str(k): float(v) for k, v in state.get("draft_scale", {}).items()}
         self.costs.step_scales = {str(k): float(v) for k, v in state.get("step_scales", {}).items()}
+        # scales learned in another process count from now, as if learned at this step: stale once it has run a while
+        now = self.costs.steps
+        self.costs.seen = {k: now for k in self.costs.verify_scales} | {f"step:{k}": now for k in self.costs.step_scales}
         self.family_gaps = {str(k): max(1, min(FAMILY_MAX_GAP, int(v))) for k, v in state.get("family_gaps", {}).items()}
         self.family_wait = {str(k): max(0, min(FAMILY_MAX_GAP, int(v))) for k, v in state.get("family_wait", {}).items()}
 

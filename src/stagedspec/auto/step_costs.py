@@ -13,6 +13,10 @@ from stagedspec.costs import CostProfile
 LOOKUP_SECONDS = 2e-4  # prior for a lookup proposal's cost, before it is measured
 # A row count's own verification scale (`StepCosts.verify_scale_for`) starts from its kind's, worth this many steps
 ROW_PRIOR_STEPS = 2.0
+# A scale that has not learned for this many steps (of any arm) keeps half its weight against the next step's time,
+# at most: the machine's speed drifts (`StepCosts.seen`).
+STALE_HALF_LIFE = 32
+STALE_KEEP = 0.5  # the least share of its weight a stale scale keeps (one noisy step cannot set the price alone)
 STAGE_INNER_ACCEPT = 1.5  # prior tokens per draft pass when the draft is itself sped up by lookup
 
 
@@ -44,6 +48,24 @@ class StepCosts:
     # took 34-38, a one-draft-token `tree` step at 38 ms that took 33 (docs/measurements.md, "A verification scale
     # per row count on a Zen 4 EPYC").
     verify_counts: dict[str, int] = field(default_factory=dict)  # steps behind each of `verify_scales` (this run)
+    # Steps observed so far (this run, quiet `ar` steps included, `advance`), and the step at which each scale of
+    # `verify_scales` and `step_scales` last learned.  A scale learned long ago counts less against a new step
+    # (`STALE_HALF_LIFE`): on a Zen 4 VM whose passes ran 0.7x as long from one request to the next, `ar`, probed once
+    # in 32 steps, kept the price it learned at the slower speed while the arms that ran learned the faster one, and
+    # `auto` ran a break-even arm at 0.85x `ar` (docs/measurements.md, "Stale prices on a Zen 4 EPYC").
+    steps: int = 0
+    seen: dict[str, int] = field(default_factory=dict)
+
+    def advance(self, steps: int = 1) -> None:
+        """Count `steps` more steps on the scales' clock (`seen`)."""
+        self.steps += steps
+
+    def _kept(self, key: str, weight: float) -> float:
+        """The weight the old value of scale `key` keeps against a new step: `1 - weight`, less the longer it has
+        not learned (halved every `STALE_HALF_LIFE` steps, never below `STALE_KEEP` of it).  Marks it learned now."""
+        age = max(0, self.steps - self.seen.get(key, self.steps) - 1)
+        self.seen[key] = self.steps
+        return (1.0 - weight) * max(STALE_KEEP, 0.5 ** (age / STALE_HALF_LIFE))
 
     def step_scale_for(self, kind: str, sampled: bool) -> float:
         """Measured / calibrated seconds of whole steps of this arm kind (1 until seen): a draft's catch-up
@@ -56,7 +78,8 @@ class StepCosts:
         if predicted > 0 and wall_seconds > 0:
             ratio = min(4.0, max(0.25, wall_seconds / predicted))
             key = _verify_key(arm.kind, sampled)  # from 1: the parts' scales already took the first lesson
-            self.step_scales[key] = 0.9 * self.step_scales.get(key, 1.0) + 0.1 * ratio
+            keep = self._kept("step:" + key, 0.1)
+            self.step_scales[key] = keep * self.step_scales.get(key, 1.0) + (1.0 - keep) * ratio
 
     def verify_scale_for(self, kind: str, sampled: bool, rows: int | None = None) -> float:
         """Measured / predicted verification time of a step of this arm kind (all steps' scale until seen); with
@@ -79,6 +102,7 @@ class StepCosts:
         Single outliers are clipped to 3x the current estimate (the prediction
         before the first observation).
         """
+        self.advance()
         if draft_seconds is not None:
             self._observe_draft(arm, draft_seconds, predicted_draft)
         if predicted_verify > 0 and verify_seconds > 0:
@@ -94,11 +118,12 @@ class StepCosts:
 
     def _observe_scale(self, key: str, ratio: float, prior: float, prior_steps: float) -> None:
         """One step's measured / predicted `ratio` into `verify_scales[key]`: the mean of the first steps (and
-        `prior_steps` of `prior`, where the key is new), then a moving average."""
+        `prior_steps` of `prior`, where the key is new), then a moving average, whose past counts less the longer
+        it has not learned (`_kept`)."""
         n = self.verify_counts.get(key, 0)
         scale = self.verify_scales.get(key, prior)
-        w = max(0.1, 1.0 / (n + 1 + prior_steps))
-        self.verify_scales[key] = (1 - w) * scale + w * ratio
+        keep = self._kept(key, max(0.1, 1.0 / (n + 1 + prior_steps)))
+        self.verify_scales[key] = keep * scale + (1.0 - keep) * ratio
         self.verify_counts[key] = n + 1
 
     def _observe_draft(self, arm: Arm, draft_seconds: float, predicted_draft: float) -> None:
