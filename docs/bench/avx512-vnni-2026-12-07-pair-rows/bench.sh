@@ -11,3 +11,8 @@ for kind in prose chat; do
   stagedspec bench --oracle qwen2.5-coder-1.5b --methods ar@mixed,auto@mixed --prompts $kind --n-prompts 4 \
     --max-new-tokens 64 --temperatures 1 --top-k 50 --unseeded --repeats 2 --no-plots --out t1-$kind > t1-$kind.log 2>&1
 done
+# SmolLM2-135M (the default oracle): `ar` and the default, greedy and T=1, two passes over the prompts
+for kind in prose chat; do
+  stagedspec bench --methods ar@mixed,auto@mixed --prompts $kind --n-prompts 4 --max-new-tokens 64 \
+    --temperatures 0,1 --top-k 50 --unseeded --repeats 2 --no-plots --out smollm2-$kind > smollm2-$kind.log 2>&1
+done
