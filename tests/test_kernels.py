@@ -584,8 +584,9 @@ def test_an_amx_cpu_whose_tiles_are_unusable_runs_vnni_and_says_why_in_one_line(
     monkeypatch.setattr(native, "amx_unusable_reason", lambda: native.AMX_STATES[3])
     monkeypatch.setattr(native, "wide_vnni_pays", lambda: True)
     monkeypatch.setattr(native, "_agrees_with_portable", lambda isa: True)
-    # the faked flags make another machine's key: its prefetch timing is not what this test is about
+    # the faked flags make another machine's key: its prefetch and pairing timings are not what this test is about
     monkeypatch.setattr(native.prefetch, "measured_distance", lambda *args, **kwargs: prefetch.DEFAULT)
+    monkeypatch.setattr(native.pair_rows, "measured_pair_rows", lambda *args, **kwargs: pair_rows.DEFAULT)
     kernels = native.native_kernels()
     assert kernels is not None and kernels.isa == 3 and kernels.tile_rows == 0
     err = capsys.readouterr().err.strip().splitlines()
