@@ -3,13 +3,16 @@
 Why one module: such a file is read on every load and written after a
 measurement, possibly by several processes at once; a missing or unreadable
 file only means timing again, and a read-only cache folder only means timing
-again next time.  Both users need exactly that, and nothing more.
+again next time.  Its users need exactly that, and nothing more (`once`: the
+whole pattern, for the kernels' settings).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from stagedspec.paths import write_text_atomic
 
@@ -38,3 +41,20 @@ def forget(path: Path) -> None:
         path.unlink()
     except OSError:
         pass  # none yet
+
+
+def once(path: Path, key: str, valid: Callable[[Any], bool], measure: Callable[[], dict], notice: str | None) -> dict:
+    """The entry `key` of the file at `path` where it is `valid`, else `measure()`'s, written there first.
+
+    What every timed-once-per-machine setting does (the kernels' prefetch distance, pairing and AMX rows): the key
+    names the kernels and the machine, so a change of either times again; `notice` (None: quiet) is the one line
+    said on stderr before timing."""
+    data = read(path)
+    entry = data.get(key)
+    if valid(entry):
+        return entry
+    if notice is not None:
+        print(notice, file=sys.stderr, flush=True)
+    data[key] = entry = measure()
+    write(path, data)
+    return entry

@@ -18,7 +18,6 @@ store; `stagedspec tune` times it again.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -57,27 +56,23 @@ def stream_timer(kernels: object) -> Timer:
 def measured_pair_rows(timer: Timer, kernels_digest: str, *, cache_file: Path | None = None,
                        quiet: bool = False) -> int:
     """The row count from which tiles are paired on this machine, timed once with `timer` and cached under the
-    kernels' source digest and the machine.  Leaves the kernels' setting as it found it: the caller sets it."""
-    path = cache_file or cache_path()
-    data = measured_cache.read(path)
-    key = f"{kernels_digest}|{hardware.fingerprint('cpu')}"
-    entry = data.get(key)
-    if isinstance(entry, dict) and entry.get("rows") in (*CANDIDATES, DEFAULT):
-        return int(entry["rows"])
-    if not quiet:
-        print("stagedspec: timing from how many rows the 512-bit tiles pair up on this CPU (once; cached)...",
-              file=sys.stderr, flush=True)
-    for r in CANDIDATES:  # first touch of every copy, untimed
-        timer(r, True)
-    best = {(r, p): float("inf") for r in CANDIDATES for p in (True, False)}
-    for _ in range(SWEEPS):
-        for key_rp in best:
-            best[key_rp] = min(best[key_rp], timer(*key_rp))
-    rows = threshold(best)
-    data[key] = {"rows": rows, "sweep_ms": {f"{r} rows, {'pairs' if p else 'single'}": round(1e3 * s, 3)
-                                           for (r, p), s in best.items()}}
-    measured_cache.write(path, data)
-    return rows
+    kernels' source digest and the machine (`measured_cache.once`).  The caller sets the kernels' setting."""
+    def measure() -> dict:
+        for r in CANDIDATES:  # first touch of every copy, untimed
+            timer(r, True)
+        best = {(r, p): float("inf") for r in CANDIDATES for p in (True, False)}
+        for _ in range(SWEEPS):
+            for key_rp in best:
+                best[key_rp] = min(best[key_rp], timer(*key_rp))
+        return {"rows": threshold(best), "sweep_ms": {f"{r} rows, {'pairs' if p else 'single'}": round(1e3 * s, 3)
+                                                      for (r, p), s in best.items()}}
+
+    entry = measured_cache.once(
+        cache_file or cache_path(), f"{kernels_digest}|{hardware.fingerprint('cpu')}",
+        lambda e: isinstance(e, dict) and e.get("rows") in (*CANDIDATES, DEFAULT), measure,
+        None if quiet else "stagedspec: timing from how many rows the 512-bit tiles pair up on this CPU "
+                           "(once; cached)...")
+    return int(entry["rows"])
 
 
 def forget_measured_pair_rows(cache_file: Path | None = None) -> None:

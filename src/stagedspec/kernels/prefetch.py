@@ -17,7 +17,6 @@ only the speed, so the choice is free to differ between machines.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -83,24 +82,19 @@ def measured_distance(sweep: Sweep, kernels_digest: str, *, cache_file: Path | N
                       quiet: bool = False) -> int:
     """The prefetch distance for this machine, timed once with `sweep` and cached under the kernels' source
     digest and the machine."""
-    path = cache_file or cache_path()
-    data = measured_cache.read(path)
-    key = f"{kernels_digest}|{hardware.fingerprint('cpu')}"
-    entry = data.get(key)
-    if isinstance(entry, dict) and entry.get("distance") in CANDIDATES:
-        return int(entry["distance"])
-    if not quiet:
-        print("stagedspec: timing the weights' prefetch distance on this CPU (once; cached)...", file=sys.stderr,
-              flush=True)
-    sweep(DEFAULT)  # first touch of every copy, untimed
-    best = {d: float("inf") for d in CANDIDATES}
-    for _ in range(SWEEPS):
-        for d in best:
-            best[d] = min(best[d], sweep(d))
-    distance = choose(best)
-    data[key] = {"distance": distance, "sweep_ms": {str(d): round(1e3 * s, 3) for d, s in best.items()}}
-    measured_cache.write(path, data)
-    return distance
+    def measure() -> dict:
+        sweep(DEFAULT)  # first touch of every copy, untimed
+        best = {d: float("inf") for d in CANDIDATES}
+        for _ in range(SWEEPS):
+            for d in best:
+                best[d] = min(best[d], sweep(d))
+        return {"distance": choose(best), "sweep_ms": {str(d): round(1e3 * s, 3) for d, s in best.items()}}
+
+    entry = measured_cache.once(
+        cache_file or cache_path(), f"{kernels_digest}|{hardware.fingerprint('cpu')}",
+        lambda e: isinstance(e, dict) and e.get("distance") in CANDIDATES, measure,
+        None if quiet else "stagedspec: timing the weights' prefetch distance on this CPU (once; cached)...")
+    return int(entry["distance"])
 
 
 def forget_measured_distance(cache_file: Path | None = None) -> None:

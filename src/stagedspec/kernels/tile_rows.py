@@ -12,7 +12,6 @@ it is never slower on any of them.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -79,23 +78,19 @@ def measured_tile_rows(vnni_isa: int, timer: Timer, kernels_digest: str, *, cach
                        quiet: bool = False) -> int:
     """The rows from which passes run on AMX tiles on this machine (NEVER: not at all), timed once with `timer`
     and cached under the kernels' source digest, the VNNI path and the machine."""
-    path = cache_file or cache_path()
-    data = measured_cache.read(path)
-    key = f"{kernels_digest}|vnni{vnni_isa}|{hardware.fingerprint('cpu')}"
-    entry = data.get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("pass"), int):
-        return entry["pass"]
-    if not quiet:
-        print("stagedspec: timing AMX tiles against AVX-512 VNNI on this CPU (once; cached)...", file=sys.stderr,
-              flush=True)
-    per_format, ms = {}, {}
-    for name, fmt in FORMATS.items():
-        timings = {n: timer(fmt, n) for n in CANDIDATE_ROWS}
-        per_format[name] = threshold(timings)
-        ms[name] = {str(n): [round(1e3 * a, 4), round(1e3 * b, 4)] for n, (a, b) in timings.items()}
-    data[key] = {"pass": pass_threshold(per_format), "formats": per_format, "vnni_amx_ms": ms}
-    measured_cache.write(path, data)
-    return data[key]["pass"]
+    def measure() -> dict:
+        per_format, ms = {}, {}
+        for name, fmt in FORMATS.items():
+            timings = {n: timer(fmt, n) for n in CANDIDATE_ROWS}
+            per_format[name] = threshold(timings)
+            ms[name] = {str(n): [round(1e3 * a, 4), round(1e3 * b, 4)] for n, (a, b) in timings.items()}
+        return {"pass": pass_threshold(per_format), "formats": per_format, "vnni_amx_ms": ms}
+
+    entry = measured_cache.once(
+        cache_file or cache_path(), f"{kernels_digest}|vnni{vnni_isa}|{hardware.fingerprint('cpu')}",
+        lambda e: isinstance(e, dict) and isinstance(e.get("pass"), int), measure,
+        None if quiet else "stagedspec: timing AMX tiles against AVX-512 VNNI on this CPU (once; cached)...")
+    return entry["pass"]
 
 
 def forget_measured_tile_rows(cache_file: Path | None = None) -> None:
