@@ -11,8 +11,8 @@ on a Zen 4 EPYC (2 threads, 2026-12-07) the Qwen2.5-Coder-1.5B oracle's one-row 
 What is timed: one-row calls over `MATRICES` copies of a Q4_K layer, 145 MB in all (more than the last level
 cache a small VM gets, so the weights come from memory as a real pass's do), on 2 MB pages where the model's
 weights get them (`kernels.huge_pages`), each candidate distance in turn, best of `SWEEPS` interleaved sweeps:
-about 0.3 s, once.  The results never depend on the distance,
-only the speed, so the choice is free to differ between machines.
+about 0.3 s, once.  The results never depend on the distance, only the speed, so the choice is free to differ
+between machines.
 """
 
 from __future__ import annotations
