@@ -316,13 +316,12 @@ def _load(quiet: bool) -> tuple[NativeKernels | None, str | None]:
         if isa == 0 or _agrees_with_portable(isa):
             kernels = NativeKernels(isa, _tile_rows(isa, quiet) if tiles else 0)
             if isa > 0:  # the portable path does not prefetch
-                sweep = prefetch.stream_sweep(kernels)
+                sweep = prefetch.stream_sweep(kernels)  # 145 MB of copies, made only where something is timed
                 torch.ops.stagedspec_qlinear.prefetch_ahead(
                     prefetch.measured_distance(sweep, _source_digest(), quiet=quiet))
-                del sweep  # its 145 MB of copies, where it timed
-            if isa == 3:  # only the 512-bit path pairs tiles
-                torch.ops.stagedspec_qlinear.pair_min_rows(
-                    pair_rows.measured_pair_rows(pair_rows.stream_timer(kernels), _source_digest(), quiet=quiet))
+                if isa == 3:  # only the 512-bit path pairs tiles
+                    torch.ops.stagedspec_qlinear.pair_min_rows(
+                        pair_rows.measured_pair_rows(pair_rows.stream_timer(sweep), _source_digest(), quiet=quiet))
             return kernels, None
         print(f"stagedspec: the {ISA_NAMES[isa]} kernels disagree with the portable ones on this CPU; not used",
               file=sys.stderr)

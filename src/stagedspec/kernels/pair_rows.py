@@ -46,11 +46,11 @@ def threshold(seconds: dict[tuple[int, bool], float]) -> int:
     return DEFAULT
 
 
-def stream_timer(kernels: object) -> Timer:
-    """A timer of one sweep of `rows`-row calls over streamed Q4_K tiles, pairs on or off (`kernels`: a
-    `NativeKernels` on the 512-bit path)."""
-    sweep = prefetch.stream_sweep(kernels, setting=torch.ops.stagedspec_qlinear.pair_min_rows)
-    return lambda rows, pairs: sweep(rows if pairs else rows + 1, rows)
+def stream_timer(sweep: prefetch.Sweep) -> Timer:
+    """A timer of one sweep of `rows`-row calls over streamed Q4_K tiles, pairs on or off (`sweep`: the prefetch
+    timing's `prefetch.stream_sweep`, on kernels of the 512-bit path; its copies serve both timings)."""
+    pair_from = torch.ops.stagedspec_qlinear.pair_min_rows
+    return lambda rows, pairs: sweep(rows if pairs else rows + 1, rows, pair_from)
 
 
 def measured_pair_rows(timer: Timer, kernels_digest: str, *, cache_file: Path | None = None,

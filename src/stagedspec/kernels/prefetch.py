@@ -37,7 +37,7 @@ MATRICES = 40  # 145 MB streamed a sweep
 SWEEPS = 5
 
 # a setting (the distance) -> seconds of one sweep (calls over every matrix)
-Sweep = Callable[..., float]  # (value, rows=1) -> seconds
+Sweep = Callable[..., float]  # (value, rows=1, setting=prefetch_ahead) -> seconds
 
 
 def choose(seconds: dict[int, float]) -> int:
@@ -48,17 +48,16 @@ def choose(seconds: dict[int, float]) -> int:
     return best if seconds[DEFAULT] >= GAIN * seconds[best] else DEFAULT
 
 
-def stream_sweep(kernels: object, setting: Callable[[int], object] | None = None) -> Sweep:
+def stream_sweep(kernels: object) -> Sweep:
     """A sweep timer over `MATRICES` distinct copies of one random Q4_K layer, read `rows` rows a call (one by
     default), with `setting` (default: the prefetch distance, `prefetch_ahead`) set to the sweep's value before
     it (`kernels`: a `NativeKernels`).  The copies are made at the first sweep, so a timing found in the cache
-    costs nothing."""
+    costs nothing, and one set serves every setting timed (`kernels.pair_rows` times the pairing on them)."""
     copies: list[torch.Tensor] = []
     inputs: dict[int, torch.Tensor] = {}
     fmt = FORMATS["q4_k"]
-    set_value = setting or torch.ops.stagedspec_qlinear.prefetch_ahead
 
-    def sweep(value: int, rows: int = 1) -> float:
+    def sweep(value: int, rows: int = 1, setting: Callable[[int], object] | None = None) -> float:
         if not copies:
             packed, _ = random_format("q4_k", OUTPUTS, INPUTS, torch.Generator().manual_seed(0))
             # distinct addresses, none in cache when read, on the pages a model's weights get (`huge_pages`)
@@ -69,7 +68,7 @@ def stream_sweep(kernels: object, setting: Callable[[int], object] | None = None
         x = inputs.get(rows)
         if x is None:
             x = inputs[rows] = torch.randn(rows, INPUTS, generator=torch.Generator().manual_seed(1))
-        set_value(value)
+        (setting or torch.ops.stagedspec_qlinear.prefetch_ahead)(value)
         start = time.perf_counter()
         for w in copies:
             kernels.qlinear(x, w, [fmt], [OUTPUTS])  # type: ignore[attr-defined]
